@@ -1,0 +1,28 @@
+"""What the engine hands the model runner each step. Plain data: the runner sees page tables, never the cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixkv.sampling_params import SamplingParams
+
+
+@dataclass
+class BatchItem:
+    """One request's share of a forward pass."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step (a prefill chunk, or the one token of a decode)
+    start_pos: int  # tokens of this request already in its pages; positions of token_ids start here
+    page_table: list[int]  # page ids covering positions [0, start_pos + len(token_ids))
+    sample: bool  # True when the last token's logits are needed (prompt complete)
+    sampling_params: SamplingParams
+    num_output_tokens: int = 0  # tokens generated so far (seeded sampling draws stay reproducible)
+
+
+@dataclass
+class Sample:
+    """The token the runner picked for one BatchItem, with its logprob when asked."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None

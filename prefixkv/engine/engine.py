@@ -1,0 +1,286 @@
+"""The engine loop: requests in, one scheduled forward pass per step(), outputs out.
+
+Synchronous and single-threaded on purpose: LLM.generate drives it in a loop, the HTTP server from its own
+thread. n > 1 is fanned out into n sibling requests (they share the prompt's pages through the prefix cache) and
+merged back into one RequestOutput.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, replace
+
+from prefixkv.config import EngineConfig
+from prefixkv.engine.batch import BatchItem, Sample
+from prefixkv.engine.detokenizer import IncrementalDetokenizer
+from prefixkv.engine.metrics import EngineStats
+from prefixkv.engine.policies import create_policy
+from prefixkv.engine.request import MultiModalHash, Request, RequestStatus
+from prefixkv.engine.scheduler import Scheduler
+from prefixkv.kvcache.manager import create_kv_cache_manager
+from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from prefixkv.sampling_params import SamplingParams
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """Engine-side state of one generated sequence: the scheduled Request plus its text."""
+
+    request: Request
+    parent_id: str
+    index: int
+    detok: IncrementalDetokenizer
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(eq=False)
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+    arrival_time: float
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        from prefixkv.model.loader import load_model  # the only place the engine reaches the model package
+        from prefixkv.model.runner import ModelRunner
+
+        self.config = config
+        if config.num_threads:
+            import torch
+
+            torch.set_num_threads(config.num_threads)
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        self.model_config = loaded.config
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        page_size = config.page_size
+        if config.kv_cache_tokens is not None:
+            num_pages = config.kv_cache_tokens // page_size
+        else:
+            per_token = ModelRunner.kv_bytes_per_token(loaded.config, config.dtype)
+            num_pages = (config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // (per_token * page_size)
+        if num_pages < 1:
+            raise ValueError("the KV cache is too small to hold one page")
+        self.kv = create_kv_cache_manager(config.prefix_cache, num_pages, page_size, config.prefix_caching_hash_algo)
+        self.policy = create_policy(config)
+        self.scheduler = Scheduler(config, self.kv, self.policy)
+        self.runner = ModelRunner(loaded, num_pages=num_pages, page_size=page_size, device=config.device,
+                                  dtype=config.dtype)
+        self._parents: dict[str, _Parent] = {}
+        self._seqs: dict[str, _Sequence] = {}  # by the scheduled request's id
+        self._ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._computed_tokens = 0
+        self._aborted_outputs: list[RequestOutput] = []
+
+    # -- requests in -----------------------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict, sampling_params: SamplingParams
+                    | None = None, *, priority: int = 0, cache_salt: str | None = None, lora_id: str | None = None,
+                    mm_hashes=None, arrival_time: float | None = None) -> str:
+        """Validate and queue a request; raise ValueError (and queue nothing) when it is bad."""
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = sampling_params or SamplingParams()
+        params.validate()
+        text, token_ids, cache_salt, lora_id, mm = self._parse_prompt(prompt, cache_salt, lora_id, mm_hashes)
+        max_tokens = self._check_lengths(token_ids, params)
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        sequences = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, list(token_ids), child_params, arrival_time=arrival, prompt=text, priority=priority,
+                          cache_salt=cache_salt, lora_id=lora_id, mm_hashes=mm, max_tokens=max_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, child_params.stop, child_params.include_stop_str_in_output,
+                                           child_params.skip_special_tokens)
+            seq = _Sequence(req, request_id, i, detok, logprobs=[] if params.logprobs is not None else None)
+            sequences.append(seq)
+        parent = _Parent(request_id, text, list(token_ids), sequences, arrival)
+        self._parents[request_id] = parent
+        for seq in sequences:
+            self._seqs[seq.request.request_id] = seq
+            self.scheduler.add(seq.request)
+        self._prompt_tokens += len(token_ids) * params.n
+        return request_id
+
+    def _parse_prompt(self, prompt, cache_salt, lora_id, mm_hashes):
+        text = None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "lora_id", "adapter_id",
+                                     "multi_modal_hashes"}
+            if unknown:
+                raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
+            cache_salt = prompt.get("cache_salt", cache_salt)
+            lora_id = prompt.get("lora_id", prompt.get("adapter_id", lora_id))
+            mm_hashes = prompt.get("multi_modal_hashes", mm_hashes)
+            if "prompt_token_ids" in prompt:
+                token_ids = prompt["prompt_token_ids"]
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                token_ids = None
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, token_ids = prompt, None
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = prompt
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if token_ids is None:
+            if not isinstance(text, str):
+                raise ValueError("prompt must be a string")
+            token_ids = self.tokenizer.encode(text)
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        mm = tuple(m if isinstance(m, MultiModalHash) else MultiModalHash(*m) for m in (mm_hashes or ()))
+        return text, list(token_ids), cache_salt, (None if lora_id is None else str(lora_id)), mm
+
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens but the model's context length (max_model_len) is "
+                             f"{self.max_model_len}; at least one token must be left to generate")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={max_tokens} with a {n}-token prompt exceeds max_model_len="
+                             f"{self.max_model_len}; ask for at most {self.max_model_len - n} tokens")
+        capacity = self.kv.num_pages * self.kv.page_size
+        if n + max_tokens > capacity:
+            raise ValueError(f"prompt plus max_tokens ({n + max_tokens} tokens) cannot fit the KV cache "
+                             f"({capacity} tokens)")
+        return max_tokens
+
+    def abort(self, request_id: str) -> None:
+        parent = self._parents.get(str(request_id))
+        if parent is None:
+            return
+        for seq in parent.sequences:
+            if seq.finish_reason is None:
+                self._finish(seq, RequestStatus.FINISHED_ABORTED)
+        self._aborted_outputs.append(self._output(parent))
+        self._parents.pop(parent.request_id, None)
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs
+        kv = self.kv
+        items = []
+        for req, n in sched.scheduled:
+            start = req.num_computed_tokens
+            items.append(BatchItem(req.request_id, req.token_ids[start:start + n], start, kv.page_table(req),
+                                   start + n == req.num_tokens, req.sampling_params, req.num_output_tokens))
+        samples = self.runner.execute(items)
+        self._computed_tokens += sched.num_batched_tokens
+        now = time.monotonic()
+        touched: dict[str, _Parent] = {}
+        for (req, n), sample in zip(sched.scheduled, samples):
+            req.num_computed_tokens += n
+            kv.commit(req)
+            if sample is None:
+                continue
+            seq = self._seqs[req.request_id]
+            self._append_token(seq, sample, now)
+            touched[seq.parent_id] = self._parents[seq.parent_id]
+        for parent in touched.values():
+            out = self._output(parent)
+            outputs.append(out)
+            if out.finished:
+                del self._parents[parent.request_id]
+        return outputs
+
+    def _append_token(self, seq: _Sequence, sample: Sample, now: float) -> None:
+        req = seq.request
+        token = sample.token_id
+        req.token_ids.append(token)
+        self._generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if seq.logprobs is not None:
+            seq.logprobs.append({"token_id": token, "logprob": sample.logprob, "top_logprobs": sample.top_logprobs})
+            seq.cumulative_logprob += sample.logprob or 0.0
+        params = req.sampling_params
+        stop_str = seq.detok.add(token)
+        if stop_str is not None:
+            seq.stop_reason = stop_str
+            self._finish(seq, RequestStatus.FINISHED_STOPPED)
+        elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            seq.stop_reason = None
+            self._finish(seq, RequestStatus.FINISHED_STOPPED)
+        elif token in params.stop_token_ids:
+            seq.stop_reason = token
+            self._finish(seq, RequestStatus.FINISHED_STOPPED)
+        elif req.num_output_tokens >= req.max_tokens:
+            self._finish(seq, RequestStatus.FINISHED_LENGTH)
+
+    def _finish(self, seq: _Sequence, status: RequestStatus) -> None:
+        self.scheduler.finish(seq.request, status)
+        seq.finish_reason = status.value
+        seq.request.finish_time = time.monotonic()
+        self._seqs.pop(seq.request.request_id, None)
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for seq in parent.sequences:
+            req = seq.request
+            completions.append(CompletionOutput(
+                index=seq.index, text=seq.detok.text, token_ids=list(req.output_token_ids),
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                cumulative_logprob=None if seq.logprobs is None else seq.cumulative_logprob))
+        reqs = [s.request for s in parent.sequences]
+        first = reqs[0]
+        metrics = RequestMetrics(
+            arrival_time=parent.arrival_time,
+            first_scheduled_time=min((r.first_scheduled_time for r in reqs if r.first_scheduled_time), default=None),
+            first_token_time=min((r.first_token_time for r in reqs if r.first_token_time), default=None),
+            finish_time=max((r.finish_time or 0 for r in reqs), default=None)
+            if all(c.finish_reason for c in completions) else None)
+        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
+                             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
+                             finished=all(c.finish_reason is not None for c in completions),
+                             num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics)
+
+    # -- introspection ---------------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_pages_total=kv.num_pages, num_pages_used=kv.num_used_pages(), kv_usage=kv.usage(),
+            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+            prefix_cache_hit_rate=kv.stats.hit_rate, num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.scheduler.step_count, prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens, computed_tokens_total=self._computed_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def cache_summary(self) -> dict:
+        return self.kv.summary()

@@ -1,0 +1,21 @@
+"""Counters the engine keeps so the server, the CLI and benchmarks can report them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_pages_total: int
+    num_pages_used: int  # pages held by requests (cached-but-free pages count as free)
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_steps: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    computed_tokens_total: int  # tokens that went through the model (prompt tokens minus hits, plus recompute)

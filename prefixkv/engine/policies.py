@@ -1,0 +1,51 @@
+"""Orders the waiting queue. The scheduler admits requests in the order a policy returns."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from prefixkv.config import EngineConfig
+from prefixkv.engine.request import Request
+from prefixkv.kvcache.manager import KVCacheManager
+
+
+class SchedulingPolicy(ABC):
+    name = "abstract"
+
+    @abstractmethod
+    def order(self, waiting: list[Request], kv: KVCacheManager, step: int) -> list[Request]:
+        """Waiting requests in the order the scheduler should try to admit them this step."""
+
+    def should_defer(self, request: Request, num_cached_tokens: int, admitted: list[Request], kv: KVCacheManager) -> bool:
+        """True to skip `request` this step (e.g. its new prefix is being computed by an admitted one)."""
+        return False
+
+    def preemption_victim(self, running: list[Request]) -> Request:
+        """The running request to preempt when pages run out: the most recently admitted one."""
+        return running[-1]
+
+
+class FCFSPolicy(SchedulingPolicy):
+    name = "fcfs"
+
+    def order(self, waiting, kv, step):
+        return waiting  # the scheduler keeps waiting in arrival order (preempted requests go back to the front)
+
+
+class PriorityPolicy(SchedulingPolicy):
+    name = "priority"
+
+    def order(self, waiting, kv, step):
+        return sorted(waiting, key=lambda r: (r.priority, r.arrival_time))
+
+    def preemption_victim(self, running):
+        return max(running, key=lambda r: (r.priority, r.arrival_time))
+
+
+def create_policy(config: EngineConfig) -> SchedulingPolicy:
+    if config.schedule_policy == "fcfs":
+        return FCFSPolicy()
+    if config.schedule_policy == "priority":
+        return PriorityPolicy()
+    from prefixkv.engine import cache_aware_policies
+
+    return cache_aware_policies.create(config)

@@ -1,0 +1,85 @@
+"""A request's life inside the engine: its tokens, how many have KV, and why it ended."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from prefixkv.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its pages were released (they stay cached)
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True)
+class MultiModalHash:
+    """A multimodal input placed at prompt tokens [offset, offset + length), identified by its content hash."""
+
+    offset: int
+    length: int
+    hash: str
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    prompt: str | None = None
+    priority: int = 0  # lower runs first, like vLLM
+    cache_salt: str | None = None
+    lora_id: str | None = None  # adapter id: part of the cache key
+    mm_hashes: tuple[MultiModalHash, ...] = ()
+
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated, the sequence whose KV we hold
+    num_computed_tokens: int = 0  # tokens of token_ids whose KV is in the request's pages
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    num_preemptions: int = 0
+    arrival_step: int = 0  # engine step at which it arrived (for starvation bounds)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    max_tokens: int = 0  # resolved by the engine against max_model_len
+    # per-cache scratch (e.g. memoised block hashes); owned by the KV manager
+    cache_state: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def extra_keys(self) -> tuple:
+        """What besides token ids decides whether KV can be shared: adapter and tenant salt."""
+        return (self.lora_id, self.cache_salt)

@@ -1,0 +1,81 @@
+"""The free blocks of the hash cache as an intrusive doubly-linked list: O(1) pop-head, append, remove-middle.
+
+The order is the eviction order: the head is the least recently freed block. A prefix hit on a free cached block
+takes it out of the middle in O(1) through its own prev/next pointers, with no Python list scan.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+class Block:
+    """One page of the pool, created once at start. ref_cnt > 0 means some request uses it."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.prev_free: Block | None = None
+        self.next_free: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    def __init__(self, blocks: list[Block]) -> None:
+        self._head = Block(-1)  # sentinels: no None checks on the hot path
+        self._tail = Block(-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: Block) -> None:
+        """Most recently used end: evicted last."""
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def appendleft(self, block: Block) -> None:
+        """Reused first (blocks holding nothing worth keeping)."""
+        first = self._head.next_free
+        first.prev_free = block
+        block.next_free = first
+        block.prev_free = self._head
+        self._head.next_free = block
+        self.num_free += 1
+
+    def popleft(self) -> Block:
+        block = self._head.next_free
+        if block is self._tail:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block!r} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def __contains__(self, block: Block) -> bool:
+        return block.prev_free is not None
+
+    def __iter__(self) -> Iterator[Block]:
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def __len__(self) -> int:
+        return self.num_free

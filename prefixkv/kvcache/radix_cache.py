@@ -1,0 +1,297 @@
+"""Prefix caching with a radix tree (SGLang's RadixAttention) behind the KVCacheManager interface.
+
+Pages: one pool of page ids. Each page is in exactly one place: the free list, a tree node (cached, shareable),
+or a request's private tail (allocated, not yet committed: the prefill chunk being computed, the partial last
+page, room reserved for decoding). `num_free_pages()` counts free plus evictable tree pages, since an
+allocation evicts unlocked least-recently-used leaves on demand.
+
+A request's page table is the page list of its tree path (the committed prefix, locked) followed by its private
+pages. `commit` inserts newly computed full pages right away, so a running request's prompt is shareable as
+soon as it is prefilled. If another request inserted the same tokens first, the duplicate private pages go
+back to the free list and the page table points at the tree's pages (same tokens after the same prefix means
+the same KV).
+
+Keys: (lora_id, cache_salt) select separate roots; prompt positions covered by a multimodal input are keyed by
+(input hash, offset) instead of the placeholder token, so two images never match each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixkv.engine.request import Request
+from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.kvcache.radix_tree import RadixNode, RadixTree
+
+
+@dataclass
+class _RequestState:
+    node: RadixNode  # deepest node of the committed prefix, locked (a root when nothing is committed)
+    committed: int  # tokens of the request in the tree (a multiple of page_size)
+    pages: list[int]  # page table: tree pages for [0, committed), then private pages
+
+
+class RadixPrefixCache(KVCacheManager):
+    name = "radix"
+
+    def __init__(self, num_pages: int, page_size: int = 1) -> None:
+        super().__init__(num_pages, page_size)
+        self.tree = RadixTree(page_size)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._requests: dict[str, _RequestState] = {}
+
+    @property
+    def version(self) -> int:
+        """Changes whenever a lookup result may change; policies memoise on it."""
+        return self.tree.version
+
+    # -- keys ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _namespace(request: Request):
+        return request.extra_keys
+
+    @staticmethod
+    def _keys(request: Request) -> list:
+        if not request.mm_hashes:
+            return request.token_ids
+        prompt = request.cache_state.get("radix_mm_keys")
+        if prompt is None:
+            prompt = list(request.prompt_token_ids)
+            for mm in request.mm_hashes:
+                for k in range(mm.offset, min(mm.offset + mm.length, len(prompt))):
+                    prompt[k] = (mm.hash, k - mm.offset)
+            request.cache_state["radix_mm_keys"] = prompt
+        return prompt + request.token_ids[len(prompt):]
+
+    # -- queries -------------------------------------------------------------------------------------------
+    def lookup(self, request: Request) -> int:
+        """Longest cached prefix in whole pages, never the last token (its logits are needed)."""
+        limit = request.num_tokens - 1
+        memo = request.cache_state.get("radix_lookup")
+        if memo is not None and memo[0] is self and memo[1] == self.tree.version and memo[2] == limit:
+            return memo[3]
+        _, hit = self.tree.match(self._namespace(request), self._keys(request), limit) if limit > 0 else ([], 0)
+        request.cache_state["radix_lookup"] = (self, self.tree.version, limit, hit)
+        return hit
+
+    def prefix_path(self, request: Request) -> list:
+        """Hashable ids of the cached prefix's nodes, root side first: equal ids mean an equal prefix.
+        A node matched only partly appears as (node, tokens matched in it)."""
+        limit = request.num_tokens - 1
+        if limit <= 0:
+            return []
+        path, hit = self.tree.match(self._namespace(request), self._keys(request), limit)
+        if path and self.tree.depth(path[-1]) > hit:
+            path[-1] = (path[-1], len(path[-1].tokens) - (self.tree.depth(path[-1]) - hit))
+        return path
+
+    def page_table(self, request: Request) -> list[int]:
+        state = self._requests.get(request.request_id)
+        return list(state.pages) if state else []
+
+    def num_free_pages(self) -> int:
+        return len(self._free) + self.tree.evictable_tokens // self.page_size
+
+    # -- changes -------------------------------------------------------------------------------------------
+    def _take(self, n: int) -> list[int]:
+        if len(self._free) < n:
+            self._free.extend(self.tree.evict(n - len(self._free)))
+        taken = self._free[-n:] if n else []
+        del self._free[len(self._free) - n:]
+        return taken
+
+    def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
+        ps = self.page_size
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            if num_cached_tokens:
+                raise ValueError("a cache hit can only be taken at first admission")
+            need = self.pages_needed(request, num_new_tokens) - len(state.pages)
+            if need > self.num_free_pages():
+                return False
+            if need > 0:
+                state.pages.extend(self._take(need))
+            return True
+
+        # first admission (again after a preemption): lock the hit before evicting anything for the rest
+        if num_cached_tokens % ps or num_cached_tokens >= max(request.num_tokens, 1):
+            raise ValueError(f"cached tokens must be whole pages below num_tokens, got {num_cached_tokens}")
+        if num_cached_tokens and request.num_computed_tokens:
+            raise ValueError("a request taking a cache hit must start with no computed tokens")
+        namespace = self._namespace(request)
+        node = self.tree.match_node(namespace, self._keys(request), num_cached_tokens)
+        self.tree.lock(node)
+        need = self.pages_needed(request, num_new_tokens, num_cached_tokens) - num_cached_tokens // ps
+        if need > self.num_free_pages():
+            self.tree.unlock(node)
+            self.tree.drop_root_if_unused(self.tree.root(namespace))
+            return False
+        self.tree.touch(node)
+        if num_cached_tokens:
+            self.tree.record_hit(node)
+        pages = self.tree.path_pages(node) + self._take(max(need, 0))
+        self._requests[request.request_id] = _RequestState(node, num_cached_tokens, pages)
+        request.num_computed_tokens += num_cached_tokens
+        self.stats.record(request.num_tokens, num_cached_tokens)  # every admission, like the hash cache
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached_tokens
+        return True
+
+    def commit(self, request: Request) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        ps = self.page_size
+        full = min(request.num_computed_tokens, request.num_tokens, len(state.pages) * ps)
+        full -= full % ps
+        if full <= state.committed:
+            return
+        first = state.committed // ps
+        node, tree_pages = self.tree.insert(
+            state.node, self._keys(request), state.committed, full, state.pages[first:full // ps])
+        for j, tree_page in enumerate(tree_pages):
+            mine = state.pages[first + j]
+            if mine != tree_page:  # someone cached these tokens first: share theirs, return ours
+                self._free.append(mine)
+                state.pages[first + j] = tree_page
+        state.node, state.committed = node, full
+
+    def free(self, request: Request) -> None:
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return
+        # tail first, so the next allocations reuse the pages least likely to matter
+        self._free.extend(reversed(state.pages[state.committed // self.page_size:]))
+        self.tree.touch(state.node)
+        self.tree.unlock(state.node)
+        root = state.node
+        while root.parent is not None:
+            root = root.parent
+        self.tree.drop_root_if_unused(root)
+
+    def reset_prefix_cache(self) -> bool:
+        """Evict every unlocked node. Unlike vLLM (which refuses and keeps everything while blocks are in
+        use) what running requests hold stays and the rest goes; False tells the caller something stayed."""
+        self._free.extend(self.tree.evict(self.tree.evictable_tokens // self.page_size))
+        return not self._requests
+
+    # -- views ---------------------------------------------------------------------------------------------
+    def summary(self, top_k: int = 5) -> dict:
+        out = super().summary()
+        tree = self.tree
+        out.update(
+            nodes=tree.num_nodes,
+            namespaces=len(tree.roots),
+            cached_tokens=tree.evictable_tokens + tree.protected_tokens,
+            evictable_tokens=tree.evictable_tokens,
+            protected_tokens=tree.protected_tokens,
+            running_requests=len(self._requests),
+            top_prefixes=self.top_prefixes(top_k),
+        )
+        return out
+
+    def top_prefixes(self, k: int = 5) -> list[dict]:
+        """The most hit prefixes, each reported once: a node whose hits all went on to one listed child is
+        only the start of that prefix and is skipped."""
+        nodes = sorted((n for n in self.tree.nodes() if n.hits), key=lambda n: (-n.hits, -self.tree.depth(n)))
+        listed: list[RadixNode] = []
+        for node in nodes:
+            if any(c.hits == node.hits for c in node.children.values() if c in listed):
+                continue
+            listed.append(node)
+            if len(listed) == k:
+                break
+        return [{"tokens": self.tree.depth(n), "hits": n.hits, "locks": n.lock_ref,
+                 "namespace": list(n.namespace) if isinstance(n.namespace, tuple) else n.namespace}
+                for n in listed]
+
+    def render_tree(self, tokenizer_decode=None, max_depth: int = 3, max_children: int = 5) -> str:
+        """The top of the tree as text: per node its tokens, hits, locks and the start of its run."""
+        def label(node: RadixNode) -> str:
+            run = node.tokens
+            if tokenizer_decode is not None:
+                ids = [t for t in run[:32] if isinstance(t, int)]
+                text = repr(tokenizer_decode(ids))
+                if len(text) > 42:
+                    text = text[:39] + "..."
+            else:
+                text = " ".join(map(str, run[:8])) + (" ..." if len(run) > 8 else "")
+            return f"+{len(run)} tok  hits={node.hits} locks={node.lock_ref}  {text}"
+
+        lines = [f"radix cache: {self.tree.num_nodes} nodes, {self.tree.evictable_tokens + self.tree.protected_tokens}"
+                 f" cached tokens ({self.tree.protected_tokens} locked), page_size={self.page_size}"]
+
+        def walk(node: RadixNode, prefix: str, depth: int) -> None:
+            kids = sorted(node.children.values(), key=lambda c: (-c.hits, -c.last_access))
+            shown = kids[:max_children]
+            for i, child in enumerate(shown):
+                last = i == len(shown) - 1 and len(kids) <= max_children
+                lines.append(f"{prefix}{'└─ ' if last else '├─ '}{label(child)}")
+                if depth + 1 < max_depth:
+                    walk(child, prefix + ("   " if last else "│  "), depth + 1)
+                elif child.children:
+                    lines.append(f"{prefix}{'   ' if last else '│  '}└─ ... {len(child.children)} more below")
+            if len(kids) > max_children:
+                lines.append(f"{prefix}└─ ... {len(kids) - max_children} more")
+
+        for namespace, root in sorted(self.tree.roots.items(), key=lambda kv: str(kv[0])):
+            lines.append(f"namespace lora={namespace[0]!r} salt={namespace[1]!r}" if isinstance(namespace, tuple)
+                         else f"namespace {namespace!r}")
+            walk(root, "", 0)
+        return "\n".join(lines)
+
+    # -- checks --------------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        tree, ps = self.tree, self.page_size
+        owner: dict[int, str] = {}
+
+        def own(page: int, who: str) -> None:
+            assert 0 <= page < self.num_pages, f"page {page} out of range"
+            assert page not in owner, f"page {page} owned by {owner[page]} and {who}"
+            owner[page] = who
+
+        for page in self._free:
+            own(page, "free list")
+        evictable = protected = count = 0
+        expected_locks: dict[int, int] = {}
+        for state in self._requests.values():
+            node = state.node
+            while node is not None:
+                expected_locks[id(node)] = expected_locks.get(id(node), 0) + 1
+                node = node.parent
+        for namespace, root in tree.roots.items():
+            assert root.parent is None and not root.tokens and not root.pages and root.namespace == namespace
+            assert root.lock_ref == expected_locks.get(id(root), 0), "root lock count"
+            assert root.children or root.lock_ref, "an empty unused root should have been dropped"
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                for key, child in node.children.items():
+                    count += 1
+                    assert child.parent is node, "parent pointer"
+                    assert child.tokens and len(child.tokens) == len(child.pages) * ps, "run/page length mismatch"
+                    assert key == tree.key(child.tokens, 0), "child keyed by its first token/page"
+                    assert child.namespace == namespace
+                    assert child.lock_ref == expected_locks.get(id(child), 0), "lock count != holders"
+                    assert child.lock_ref <= node.lock_ref, "a parent is locked at least as often as its child"
+                    if child.lock_ref:
+                        protected += len(child.tokens)
+                    else:
+                        evictable += len(child.tokens)
+                    for page in child.pages:
+                        own(page, "tree")
+                    stack.append(child)
+        assert count == tree.num_nodes, f"node counter {tree.num_nodes} != {count}"
+        assert evictable == tree.evictable_tokens, f"evictable counter {tree.evictable_tokens} != {evictable}"
+        assert protected == tree.protected_tokens, f"protected counter {tree.protected_tokens} != {protected}"
+        entries = tree.evictable_leaf_entries()
+        for node in tree.nodes():
+            if node.lock_ref == 0 and not node.children:
+                assert (id(node), node.last_access) in entries, "evictable leaf missing from the LRU heap"
+        for rid, state in self._requests.items():
+            assert state.committed % ps == 0 and state.committed == tree.depth(state.node), "committed != node depth"
+            assert state.node.parent is not None or tree.roots.get(state.node.namespace) is state.node, "node evicted"
+            n = state.committed // ps
+            assert state.pages[:n] == tree.path_pages(state.node), f"{rid}: page table disagrees with the tree"
+            for page in state.pages[n:]:
+                own(page, f"request {rid}")
+        assert len(owner) == self.num_pages, f"{self.num_pages - len(owner)} pages leaked"

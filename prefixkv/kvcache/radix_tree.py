@@ -1,0 +1,290 @@
+"""A radix tree over token ids whose nodes own KV pages (SGLang's RadixAttention index).
+
+Each node holds a run of tokens and the ids of the pages holding their KV; a child is keyed by its first token
+(its first page's token tuple when page_size > 1), so siblings never share a first page and a lookup is one dict
+probe per node. Everything is page aligned: a node's run is a whole number of pages, so a page is never shared
+between two nodes and a match covers whole pages only.
+
+Lifetime: a request that uses a prefix holds a lock reference on every node from its deepest node up to the
+namespace root. Unlocked nodes are evictable, leaves first, least recently used first (a lazy heap); evicting
+a parent's last child makes the parent an evictable leaf. Counters of evictable and protected tokens are kept
+up to date on every lock change, so a free-page count never scans the tree.
+
+The tree knows nothing about requests or the free list: eviction hands freed page ids back to the caller.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Iterator, Sequence
+
+Namespace = Hashable  # (lora_id, cache_salt): separate roots, so tenants never match each other
+
+
+class RadixNode:
+    __slots__ = ("tokens", "pages", "children", "parent", "lock_ref", "last_access", "hits", "namespace")
+
+    def __init__(self, tokens: list, pages: list[int], parent: RadixNode | None, namespace: Namespace) -> None:
+        self.tokens = tokens  # the token run this edge adds (len == len(pages) * page_size)
+        self.pages = pages  # page ids holding the KV of `tokens`, in order
+        self.children: dict[Hashable, RadixNode] = {}
+        self.parent = parent  # None for a root, and for a node after eviction
+        self.lock_ref = 0  # running requests whose path passes through here
+        self.last_access = 0  # logical clock of the last lock/unlock through here (LRU)
+        self.hits = 0  # admissions whose cache hit passed through here
+        self.namespace = namespace
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        head = self.tokens[:4]
+        return f"RadixNode({len(self.tokens)} tok {head}{'...' if len(self.tokens) > 4 else ''}, lock={self.lock_ref})"
+
+
+def common_prefix_len(run: Sequence, seq: Sequence, start: int, end: int) -> int:
+    """Length of the common prefix of run and seq[start:end]; slice compares in chunks keep it in C mostly."""
+    limit = min(len(run), end - start)
+    n, step = 0, 64
+    while n < limit:
+        m = min(step, limit - n)
+        if run[n:n + m] == seq[start + n:start + n + m]:
+            n += m
+            continue
+        for k in range(n, n + m):
+            if run[k] != seq[start + k]:
+                return k
+    return limit
+
+
+class RadixTree:
+    def __init__(self, page_size: int = 1) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.roots: dict[Namespace, RadixNode] = {}
+        self.evictable_tokens = 0  # tokens in unlocked nodes (all of them evictable, leaves first)
+        self.protected_tokens = 0  # tokens in locked nodes
+        self.num_nodes = 0  # excluding roots
+        self.version = 0  # bumped whenever a match result can change (insert, evict); lookups memoise on it
+        self._clock = itertools.count(1)
+        self._seq = itertools.count()
+        self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, seq, leaf); stale entries skipped
+
+    # -- keys and roots ------------------------------------------------------------------------------------
+    def key(self, tokens: Sequence, i: int) -> Hashable:
+        return tokens[i] if self.page_size == 1 else tuple(tokens[i:i + self.page_size])
+
+    def root(self, namespace: Namespace, create: bool = False) -> RadixNode | None:
+        node = self.roots.get(namespace)
+        if node is None and create:
+            node = self.roots[namespace] = RadixNode([], [], None, namespace)
+        return node
+
+    def drop_root_if_unused(self, root: RadixNode) -> None:
+        if root.parent is None and not root.children and root.lock_ref == 0 and self.roots.get(root.namespace) is root:
+            del self.roots[root.namespace]
+
+    # -- matching ------------------------------------------------------------------------------------------
+    def match(self, namespace: Namespace, tokens: Sequence, limit: int) -> tuple[list[RadixNode], int]:
+        """Nodes on the longest cached prefix of tokens[:limit] and its length in tokens (whole pages).
+
+        The last node may be matched only partly. Read-only: nothing is split or touched.
+        """
+        node = self.roots.get(namespace)
+        limit -= limit % self.page_size
+        path: list[RadixNode] = []
+        i = 0
+        while node is not None and i < limit:
+            child = node.children.get(self.key(tokens, i))
+            if child is None:
+                break
+            n = common_prefix_len(child.tokens, tokens, i, limit)
+            n -= n % self.page_size
+            if n == 0:
+                break
+            path.append(child)
+            i += n
+            if n < len(child.tokens):
+                break
+            node = child
+        return path, i
+
+    def match_node(self, namespace: Namespace, tokens: Sequence, length: int) -> RadixNode:
+        """The node ending exactly at `length` matched tokens (splitting one if needed). Creates the root."""
+        root = self.root(namespace, create=True)
+        path, matched = self.match(namespace, tokens, length)
+        if matched < length:
+            raise ValueError(f"only {matched} of {length} tokens are cached")
+        if not path:
+            return root
+        last = path[-1]
+        covered = sum(len(n.tokens) for n in path)
+        if covered > length:  # the match ends inside `last`
+            last = self._split(last, len(last.tokens) - (covered - length))
+        return last
+
+    def _split(self, node: RadixNode, n: int) -> RadixNode:
+        """Cut node after n tokens; the new upper node takes the first part. KV stays where it is: only the
+        token run and page-id list are divided. The lower part keeps its identity, so requests that point at
+        it (their deepest node) stay correct."""
+        assert 0 < n < len(node.tokens) and n % self.page_size == 0
+        parent = node.parent
+        upper = RadixNode(node.tokens[:n], node.pages[:n // self.page_size], parent, node.namespace)
+        upper.lock_ref, upper.last_access, upper.hits = node.lock_ref, node.last_access, node.hits
+        node.tokens = node.tokens[n:]
+        node.pages = node.pages[n // self.page_size:]
+        parent.children[self.key(upper.tokens, 0)] = upper
+        upper.children[self.key(node.tokens, 0)] = node
+        node.parent = upper
+        self.num_nodes += 1
+        return upper
+
+    # -- insertion -----------------------------------------------------------------------------------------
+    def insert(self, node: RadixNode, tokens: Sequence, start: int, end: int, pages: list[int]) -> tuple[RadixNode, list[int]]:
+        """Add tokens[start:end] (KV in `pages`) below `node`, which ends at token `start` and is locked by the
+        caller. Returns the new deepest node, now locked in place of `node` (the lock moves down), and the
+        tree's page ids for the range: where the tokens were already cached these are the tree's pages, and
+        the caller's pages for them are duplicates it must free."""
+        ps = self.page_size
+        assert start % ps == 0 and end % ps == 0 and len(pages) * ps == end - start
+        top, out, i = node, [], start
+        while i < end:
+            child = node.children.get(self.key(tokens, i))
+            if child is None:
+                new = RadixNode(list(tokens[i:end]), list(pages[(i - start) // ps:]), node, node.namespace)
+                new.last_access = next(self._clock)
+                node.children[self.key(new.tokens, 0)] = new
+                self.num_nodes += 1
+                self.evictable_tokens += len(new.tokens)
+                self.version += 1
+                out.extend(new.pages)
+                node = new
+                break
+            n = common_prefix_len(child.tokens, tokens, i, end)
+            n -= n % ps
+            if n < len(child.tokens):
+                child = self._split(child, n)
+            out.extend(child.pages)
+            i += n
+            node = child
+        # move the caller's lock down: lock the new part of the path, from the new node up to `top` (exclusive)
+        n = node
+        while n is not top:
+            self._inc(n)
+            n = n.parent
+        return node, out
+
+    # -- locks and recency ---------------------------------------------------------------------------------
+    def _inc(self, node: RadixNode) -> None:
+        if node.lock_ref == 0:
+            self.evictable_tokens -= len(node.tokens)
+            self.protected_tokens += len(node.tokens)
+        node.lock_ref += 1
+
+    def lock(self, node: RadixNode) -> None:
+        """Protect node and its ancestors (the root included: it keeps the namespace alive)."""
+        while node is not None:
+            self._inc(node)
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not None:
+            assert node.lock_ref > 0, "unlock without lock"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_tokens += len(node.tokens)
+                self.protected_tokens -= len(node.tokens)
+                self._push_if_evictable(node)
+            node = node.parent
+
+    def touch(self, node: RadixNode) -> None:
+        """Mark the path as just used. Only locked paths are touched, so no heap entry needs fixing here;
+        the new stamp enters the heap when the lock is released."""
+        stamp = next(self._clock)
+        while node is not None:
+            node.last_access = stamp
+            node = node.parent
+
+    def record_hit(self, node: RadixNode) -> None:
+        while node is not None and node.parent is not None:
+            node.hits += 1
+            node = node.parent
+
+    # -- eviction ------------------------------------------------------------------------------------------
+    def _push_if_evictable(self, node: RadixNode) -> None:
+        if node.parent is not None and node.lock_ref == 0 and not node.children:
+            heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
+
+    def _valid(self, stamp: int, node: RadixNode) -> bool:
+        return node.parent is not None and node.lock_ref == 0 and not node.children and node.last_access == stamp
+
+    def evict(self, num_pages: int) -> list[int]:
+        """Free up to num_pages pages from unlocked leaves, least recently used first; returns their ids.
+
+        A leaf bigger than what is still needed is trimmed from its tail (SGLang drops whole leaves; keeping
+        the head keeps the part more likely to be shared, and frees exactly what was asked)."""
+        ps, freed = self.page_size, []
+        while len(freed) < num_pages and self._heap:
+            stamp, seq, node = heapq.heappop(self._heap)
+            if not self._valid(stamp, node):
+                continue
+            need = num_pages - len(freed)
+            self.version += 1
+            if len(node.pages) > need:
+                freed.extend(node.pages[-need:])
+                del node.pages[-need:]
+                del node.tokens[-need * ps:]
+                self.evictable_tokens -= need * ps
+                heapq.heappush(self._heap, (stamp, seq, node))
+                break
+            freed.extend(node.pages)
+            self.evictable_tokens -= len(node.tokens)
+            self._remove(node)
+        self._maybe_compact_heap()
+        return freed
+
+    def _remove(self, node: RadixNode) -> None:
+        parent = node.parent
+        del parent.children[self.key(node.tokens, 0)]
+        node.parent = None
+        self.num_nodes -= 1
+        if parent.parent is None:
+            self.drop_root_if_unused(parent)
+        else:
+            self._push_if_evictable(parent)
+
+    def _maybe_compact_heap(self) -> None:
+        if len(self._heap) > 4 * self.num_nodes + 64:
+            self._heap = [(n.last_access, next(self._seq), n) for n in self.nodes() if n.lock_ref == 0 and not n.children]
+            heapq.heapify(self._heap)
+
+    def evictable_leaf_entries(self) -> set[tuple[int, int]]:
+        """(id(node), last_access) of the valid heap entries (for invariant checks)."""
+        return {(id(n), s) for s, _, n in self._heap if self._valid(s, n)}
+
+    # -- walking -------------------------------------------------------------------------------------------
+    def nodes(self) -> Iterator[RadixNode]:
+        """Every non-root node, parents before children."""
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                yield child
+                stack.append(child)
+
+    def path_pages(self, node: RadixNode) -> list[int]:
+        chunks = []
+        while node is not None:
+            chunks.append(node.pages)
+            node = node.parent
+        return [p for chunk in reversed(chunks) for p in chunk]
+
+    def depth(self, node: RadixNode) -> int:
+        """Tokens from the root to the end of node."""
+        total = 0
+        while node is not None:
+            total += len(node.tokens)
+            node = node.parent
+        return total

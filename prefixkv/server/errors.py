@@ -1,0 +1,89 @@
+"""Every failure leaves the server as an OpenAI-shaped error, so OpenAI clients raise the right exception.
+
+Shape: {"error": {"message", "type", "param", "code"}}. FastAPI's own 422 for body validation is replaced by
+a 400 naming the offending field, as OpenAI and vLLM answer.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 503: "server_error", 500: "server_error"}
+
+
+class APIError(Exception):
+    """Raised anywhere in a handler; becomes the JSON error response with its status."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    """Engine and SamplingParams messages start with the field name ("temperature must be >= 0 ...")."""
+    message = str(exc) or "invalid request"
+    first = message.split(" ", 1)[0]
+    param = first if first.isidentifier() and first.islower() else None
+    return APIError(message, status=400, param=param, code="invalid_value")
+
+
+def from_validation_error(exc: RequestValidationError) -> APIError:
+    """Turn pydantic's first complaint into one readable sentence that names the field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError("invalid request body")
+    err = errors[0]
+    kind = err.get("type", "")
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return APIError(f"Malformed JSON body: {detail}".rstrip(": "), param=None, code="invalid_json")
+    if not loc:
+        return APIError("Request body must be a JSON object", code="invalid_body")
+    if kind == "missing":
+        return APIError(f"Missing required field '{param}'", param=param, code="missing_field")
+    where = ".".join(p for p in loc if not p.startswith(("list[", "str", "int", "dict[")) or p.isdigit())
+    return APIError(f"Invalid value for '{where}': {err.get('msg', 'invalid')}", param=param, code="invalid_type")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return from_value_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(str(exc.detail), status=exc.status_code).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return APIError(f"Internal server error: {type(exc).__name__}: {exc}", status=500).response()

@@ -1,0 +1,66 @@
+"""Server-sent events framing and the non-streaming twin of Starlette's disconnect detection.
+
+Starlette cancels a streaming body when the client goes away (the generator's `finally` then aborts the
+engine request). A plain JSON handler gets no such signal, so until_disconnected() races the work against
+the ASGI `http.disconnect` message.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+T = TypeVar("T")
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that runs on_close however it ends, even if the body never started (client gone
+    before the first byte), so the engine requests behind it are always aborted or already finished."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself was cancelled (shutdown): stop the work too
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise ClientDisconnected()

@@ -1,0 +1,32 @@
+"""Requests for cache tests without a model: the KV managers only look at token ids and counters."""
+from __future__ import annotations
+
+import itertools
+
+from prefixkv.engine.request import Request
+from prefixkv.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+def make_request(tokens, **kw) -> Request:
+    return Request(f"r{next(_ids)}", list(tokens), SamplingParams(max_tokens=8), **kw)
+
+
+def admit(kv, req, budget=10**9) -> bool:
+    """What the scheduler does at admission: look up the hit, allocate the rest (one chunk)."""
+    cached = kv.lookup(req)
+    n = min(req.num_tokens - cached, budget)
+    return kv.allocate(req, n, cached)
+
+
+def compute(kv, req, n=None) -> None:
+    """Pretend a forward pass computed the allocated tokens."""
+    cap = len(kv.page_table(req)) * kv.page_size
+    req.num_computed_tokens = min(req.num_tokens, cap) if n is None else req.num_computed_tokens + n
+    kv.commit(req)
+
+
+def run_to_completion(kv, req) -> None:
+    assert admit(kv, req)
+    compute(kv, req)
