@@ -12,7 +12,7 @@ from prefixkv.model.config import ModelConfig
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -48,10 +48,10 @@ def _yarn_inv_freq(base: float, dim: int, s: dict, max_pos: int) -> tuple[torch.
     high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
     if low == high:
         high += 0.001
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (factor * pos_freqs)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolation_factor = 1 - ramp
     inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
     return inv_freq, float(attention_factor)
@@ -72,16 +72,18 @@ class RotaryEmbedding:
         elif kind == "llama3":
             inv_freq = _llama3_inv_freq(_default_inv_freq(base, dim), s)
         elif kind == "freq_factors":  # GGUF rope_freqs tensor
-            inv_freq = _default_inv_freq(base, dim) / torch.tensor(s["factors"], dtype=torch.float32)
+            inv_freq = _default_inv_freq(base, dim) / torch.tensor(s["factors"], dtype=torch.float32, device="cpu")
         elif kind == "yarn":
             inv_freq, self.attention_scaling = _yarn_inv_freq(base, dim, s, config.max_position_embeddings)
         else:
             raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn)")
-        self.inv_freq = inv_freq
+        self.inv_freq = inv_freq  # always built on CPU (explicit device), even under a meta-device context
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> cos, sin each [T, 1, head_dim] (broadcast over heads)."""
-        inv_freq = self.inv_freq.to(positions.device)
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self.inv_freq
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: many connections share one engine loop, so their requests batch together."""

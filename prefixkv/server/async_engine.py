@@ -189,6 +189,8 @@ class AsyncEngine:
         per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple[int, RequestOutput]]]] = defaultdict(list)
         for output in outputs:
             sink = self._sinks.get(output.request_id)
+            if sink is None:  # aborted by us earlier: the engine reports it once more, nobody listens
+                continue
             if output.finished:
                 self._sinks.pop(output.request_id, None)
                 if self.on_finished is not None:
@@ -196,8 +198,7 @@ class AsyncEngine:
                         self.on_finished(output)
                     except Exception:
                         logger.exception("on_finished hook failed")
-            if sink is not None:
-                per_loop[sink.loop].append((sink.queue, (sink.index, output)))
+            per_loop[sink.loop].append((sink.queue, (sink.index, output)))
         for loop, items in per_loop.items():
             loop.call_soon_threadsafe(_deliver, items)
 
@@ -214,6 +215,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_deliver, items)
 
     def _run(self) -> None:
+        failures = 0
         try:
             while self._run_commands(block=not self.engine.has_unfinished_requests()):
                 if not self.engine.has_unfinished_requests():
@@ -223,7 +225,11 @@ class AsyncEngine:
                 except Exception as exc:  # a bug in one step must not hang every client: fail them, go on
                     logger.exception("engine step failed")
                     self._fail_all(RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}"))
+                    failures += 1
+                    if failures >= 3:  # the engine is broken, not one request
+                        raise
                     continue
+                failures = 0
                 self._dispatch(outputs)
         except BaseException as exc:
             logger.exception("engine loop died")

@@ -6,6 +6,7 @@ a 400 naming the offending field, as OpenAI and vLLM answer.
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,11 +39,15 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+_PARAMS = {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
+           "stop_token_ids", "logprobs", "priority", "cache_salt"}
+
+
 def from_value_error(exc: ValueError) -> APIError:
-    """Engine and SamplingParams messages start with the field name ("temperature must be >= 0 ...")."""
+    """Engine and SamplingParams messages name the field ("temperature must be >= 0", "the prompt has ...")."""
     message = str(exc) or "invalid request"
-    first = message.split(" ", 1)[0]
-    param = first if first.isidentifier() and first.islower() else None
+    words = re.findall(r"[A-Za-z_]+", message)
+    param = next((w for w in words if w in _PARAMS), None)
     return APIError(message, status=400, param=param, code="invalid_value")
 
 
@@ -62,8 +67,11 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
         return APIError("Request body must be a JSON object", code="invalid_body")
     if kind == "missing":
         return APIError(f"Missing required field '{param}'", param=param, code="missing_field")
-    where = ".".join(p for p in loc if not p.startswith(("list[", "str", "int", "dict[")) or p.isdigit())
-    return APIError(f"Invalid value for '{where}': {err.get('msg', 'invalid')}", param=param, code="invalid_type")
+    if sum(1 for e in errors if tuple(e.get("loc", ()))[1:2] == (param,)) > 1:  # no member of a union fits
+        return APIError(f"Invalid value for '{param}': it matches none of the accepted types", param=param,
+                        code="invalid_type")
+    return APIError(f"Invalid value for '{'.'.join(loc)}': {err.get('msg', 'invalid')}", param=param,
+                    code="invalid_type")
 
 
 def install_error_handlers(app: FastAPI) -> None:

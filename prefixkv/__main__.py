@@ -1,0 +1,5 @@
+import sys
+
+from prefixkv.cli import main
+
+sys.exit(main())

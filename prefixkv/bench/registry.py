@@ -1,0 +1,53 @@
+"""`prefixkv bench NAME`: each benchmark module registers its own subcommand; results go to JSON (and a plot)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import time
+
+BENCH_MODULES = ["throughput", "system_prompt", "multi_turn", "zero_hit", "thrash", "page_size", "schedule_cost",
+                 "serve_client"]
+
+
+def register_bench(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks; results written as JSON and plots")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name in BENCH_MODULES:
+        try:
+            module = importlib.import_module(f"prefixkv.bench.{name}")
+        except ImportError:
+            continue
+        before = set(bench_sub.choices)
+        module.register(bench_sub)
+        for added in set(bench_sub.choices) - before:
+            p = bench_sub.choices[added]
+            p.add_argument("--output-dir", default="bench_results", help="where JSON results and plots go")
+            func = p.get_defaults("func")
+            p.set_defaults(func=_writing_results(added, module, func))
+
+
+def _writing_results(name: str, module, func):
+    def run(args: argparse.Namespace) -> int:
+        results = func(args)
+        if results is None:
+            return 0
+        results.setdefault("benchmark", name)
+        results.setdefault("timestamp", time.strftime("%Y-%m-%dT%H:%M:%S"))
+        os.makedirs(args.output_dir, exist_ok=True)
+        path = os.path.join(args.output_dir, f"{name}.json")
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+        print(f"results written to {path}")
+        plot = getattr(module, "plot", None)
+        if plot is not None:
+            try:
+                png = os.path.join(args.output_dir, f"{name}.png")
+                plot(results, png)
+                print(f"plot written to {png}")
+            except Exception as e:  # a missing plotting backend must not lose the numbers
+                print(f"plot skipped: {e}")
+        return 0
+
+    return run

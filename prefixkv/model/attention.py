@@ -1,0 +1,135 @@
+"""Paged attention over the KV pool, with everything index-shaped computed once per step.
+
+KV pool layout: one tensor [num_layers, 2 (k, v), num_kv_heads, num_slots, head_dim]. Slot of position p of a
+request = page_table[p // page_size] * page_size + p % page_size. Keeping slots as the second-to-last axis
+means that gathering a request's slots yields [kv_heads, L, head_dim] blocks that feed SDPA without a copy.
+
+Rows of a step are ordered decodes first (one token each), then prefill chunks. Decodes share one padded
+SDPA call per layer: each query head group is laid out as rows of its kv head ([B, kv_heads, group, d]), so
+no GQA expansion is needed. Prefill chunks run one SDPA each; a chunk with no cached context uses the fast
+causal kernel on its own K/V, a chunk after cached tokens gathers its context and uses an offset causal mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """Rows [row_start, row_end) of the step are positions [start_pos, start_pos + n) of one request."""
+
+    row_start: int
+    row_end: int
+    start_pos: int
+    context_slots: torch.Tensor | None  # slots of positions [0, start_pos + n); None when start_pos == 0
+    mask: torch.Tensor | None  # additive [n, start_pos + n] offset-causal mask; None when start_pos == 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the attention layers need for one step; built once, read by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] slot where each row's new K/V goes
+    num_decodes: int  # rows [0, num_decodes) are single-token decodes
+    decode_slots: torch.Tensor | None  # [B * Lmax] flattened padded context slots of the decodes
+    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] additive mask hiding the padding
+    decode_max_len: int
+    prefills: list[PrefillChunk]
+
+    @staticmethod
+    def build(
+        token_counts: list[int],
+        start_positions: list[int],
+        page_tables: list[list[int]],
+        page_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> AttentionMetadata:
+        """Items must already be ordered with every 1-token item first (see ModelRunner)."""
+        num_decodes = 0
+        while num_decodes < len(token_counts) and token_counts[num_decodes] == 1:
+            num_decodes += 1
+        slot_parts: list[np.ndarray] = []
+
+        decode_slots = decode_mask = None
+        max_len = 0
+        if num_decodes:
+            lens = np.asarray(start_positions[:num_decodes], dtype=np.int64) + 1
+            max_len = int(lens.max())
+            max_pages = -(-max_len // page_size)
+            table = np.zeros((num_decodes, max_pages), dtype=np.int64)
+            for b in range(num_decodes):
+                pt = page_tables[b][:max_pages]
+                table[b, : len(pt)] = pt
+            pos = np.arange(max_len, dtype=np.int64)
+            slots = table[:, pos // page_size] * page_size + pos % page_size  # [B, Lmax]
+            valid = pos[None, :] < lens[:, None]
+            slots = np.where(valid, slots, 0)  # padding reads slot 0 (finite: the pool is zero-initialised)
+            slot_parts.append(slots[np.arange(num_decodes), lens - 1])
+            decode_slots = torch.from_numpy(slots.reshape(-1)).to(device)
+            mask = np.where(valid, 0.0, -np.inf).astype(np.float32)
+            decode_mask = torch.from_numpy(mask).to(device=device, dtype=dtype).view(num_decodes, 1, 1, max_len)
+
+        prefills: list[PrefillChunk] = []
+        row = num_decodes
+        for i in range(num_decodes, len(token_counts)):
+            n, start = token_counts[i], start_positions[i]
+            pt = np.asarray(page_tables[i], dtype=np.int64)
+            pos = np.arange(start + n, dtype=np.int64)
+            slots = pt[pos // page_size] * page_size + pos % page_size
+            slot_parts.append(slots[start:])
+            context_slots = mask = None
+            if start > 0:
+                context_slots = torch.from_numpy(slots).to(device)
+                q_pos = np.arange(start, start + n)[:, None]
+                m = np.where(pos[None, :] <= q_pos, 0.0, -np.inf).astype(np.float32)
+                mask = torch.from_numpy(m).to(device=device, dtype=dtype)
+            prefills.append(PrefillChunk(row, row + n, start, context_slots, mask))
+            row += n
+
+        slot_mapping = torch.from_numpy(np.concatenate(slot_parts)).to(device)
+        return AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, max_len, prefills)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, d], k/v [T, KVH, d]; caches [KVH, slots, d]. Writes k/v to their slots, returns [T, H, d]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    group = num_heads // kv_heads
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    outputs: list[torch.Tensor] = []
+
+    if meta.num_decodes:
+        b, length = meta.num_decodes, meta.decode_max_len
+        kd = k_cache.index_select(1, meta.decode_slots).view(kv_heads, b, length, head_dim).transpose(0, 1)
+        vd = v_cache.index_select(1, meta.decode_slots).view(kv_heads, b, length, head_dim).transpose(0, 1)
+        qd = q[:b].view(b, kv_heads, group, head_dim)  # query heads of kv head j are rows of group j
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        outputs.append(od.reshape(b, num_heads, head_dim))
+
+    for chunk in meta.prefills:
+        qp = q[chunk.row_start : chunk.row_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        if chunk.context_slots is None:
+            kp = k[chunk.row_start : chunk.row_end].transpose(0, 1).unsqueeze(0)
+            vp = v[chunk.row_start : chunk.row_end].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            kp = k_cache.index_select(1, chunk.context_slots).unsqueeze(0)
+            vp = v_cache.index_select(1, chunk.context_slots).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+        outputs.append(op[0].transpose(0, 1))
+
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

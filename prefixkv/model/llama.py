@@ -1,0 +1,159 @@
+"""The Llama-family decoder (Llama, Qwen2 = qkv bias, Qwen3 = per-head q/k RMSNorm) over a paged KV pool.
+
+Tokens of all batch items are flattened into one [T] row axis, so every matmul runs once per layer for the
+whole step. q/k/v and gate/up projections are fused into single matmuls. The lm_head is separate
+(`compute_logits`) so the runner applies it only to rows that sample.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixkv.model.attention import AttentionMetadata, paged_attention
+from prefixkv.model.config import ModelConfig
+from prefixkv.model.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """Normalise in fp32 and scale after casting back, exactly as Hugging Face does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, cos, sin, k_cache, v_cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack. The runner binds the KV pool with `bind_kv_cache` before the first forward."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+        self.kv_cache: torch.Tensor | None = None  # [layers, 2, kv_heads, slots, head_dim]
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] (all batch items flattened) -> final-normed hidden states [T, hidden]."""
+        if self.kv_cache is None:
+            raise RuntimeError("bind_kv_cache() must be called before forward()")
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, self.kv_cache[i, 0], self.kv_cache[i, 1], attn)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab]; call only on rows that sample."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Missing or unexpected weights are errors."""
+        state = dict(state)
+        params = dict(self.named_parameters())
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ValueError(f"checkpoint is missing weight {name}")
+            return state.pop(name)
+
+        def put(name: str, value: torch.Tensor) -> None:
+            p = params.pop(name)
+            if p.shape != value.shape:
+                raise ValueError(f"weight {name}: checkpoint shape {tuple(value.shape)} != model {tuple(p.shape)}")
+            p.copy_(value)
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        if self.lm_head is not None:
+            put("lm_head.weight", take("lm_head.weight"))
+        else:
+            state.pop("lm_head.weight", None)  # tied checkpoints sometimes store a copy
+        for i in range(self.config.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
+            put(dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight"))
+            qkv = [take(f"{src}self_attn.{p}_proj.weight") for p in "qkv"]
+            put(dst + "self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
+            if self.config.attention_bias:
+                put(dst + "self_attn.qkv_proj.bias", torch.cat([take(f"{src}self_attn.{p}_proj.bias") for p in "qkv"]))
+            put(dst + "self_attn.o_proj.weight", take(src + "self_attn.o_proj.weight"))
+            if self.config.qk_norm:
+                put(dst + "self_attn.q_norm.weight", take(src + "self_attn.q_norm.weight"))
+                put(dst + "self_attn.k_norm.weight", take(src + "self_attn.k_norm.weight"))
+            gate_up = [take(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]
+            put(dst + "mlp.gate_up_proj.weight", torch.cat(gate_up, dim=0))
+            put(dst + "mlp.down_proj.weight", take(src + "mlp.down_proj.weight"))
+        leftover = [k for k in state if "rotary_emb" not in k]
+        if leftover:
+            raise ValueError(f"checkpoint has unexpected weights, e.g. {leftover[:3]}")
+        if params:
+            raise ValueError(f"weights never loaded: {sorted(params)[:3]}")

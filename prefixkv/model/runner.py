@@ -1,0 +1,99 @@
+"""ModelRunner: owns the KV pool, turns a list of BatchItems into one forward pass and samples.
+
+It sees only page tables: which prefix cache (if any) produced them is invisible here.
+"""
+from __future__ import annotations
+
+import torch
+
+from prefixkv.engine.batch import BatchItem, Sample
+from prefixkv.model.attention import AttentionMetadata
+from prefixkv.model.config import ModelConfig
+from prefixkv.model.loader import LoadedModel, parse_dtype
+from prefixkv.model.sampler import Sampler
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_pages: int,
+        page_size: int,
+        device: str | None = None,
+        dtype: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """device/dtype default to the loaded model's; if given and different, the model is moved/cast."""
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = loaded.config
+        first = next(self.model.parameters())
+        self.device = torch.device(device) if device is not None else first.device
+        self.dtype = parse_dtype(dtype) if dtype is not None else first.dtype
+        if first.device != self.device or first.dtype != self.dtype:
+            self.model.to(device=self.device, dtype=self.dtype)
+        self.num_pages, self.page_size = num_pages, page_size
+        c = self.config
+        # zeros, not empty: padded decode rows read slot 0 and masked garbage must still be finite
+        self.kv_cache = torch.zeros(
+            c.num_layers, 2, c.num_kv_heads, num_pages * page_size, c.head_dim, dtype=self.dtype, device=self.device
+        )
+        self.model.bind_kv_cache(self.kv_cache)
+        self.sampler = Sampler(seed)
+
+    @staticmethod
+    def kv_bytes_per_token(config: ModelConfig, dtype: str = "float32") -> int:
+        """Bytes of K and V for one token across all layers (the engine sizes the pool from this)."""
+        element = torch.empty((), dtype=parse_dtype(dtype)).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+
+    @torch.inference_mode()
+    def execute(self, items: list[BatchItem]) -> list[Sample | None]:
+        """One forward pass over all items; returns a Sample for each item with sample=True, else None."""
+        if not items:
+            return []
+        for it in items:
+            self._check(it)
+        # single-token items (decodes) first: they share one batched attention call per layer
+        order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) != 1)
+        ordered = [items[i] for i in order]
+        counts = [len(it.token_ids) for it in ordered]
+        meta = AttentionMetadata.build(
+            counts, [it.start_pos for it in ordered], [it.page_table for it in ordered],
+            self.page_size, self.device, self.dtype,
+        )
+        input_ids = torch.tensor([t for it in ordered for t in it.token_ids], dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(it.start_pos, it.start_pos + n) for it, n in zip(ordered, counts)])
+        hidden = self.model(input_ids, positions.to(self.device), meta)
+
+        # rows whose logits are needed: the last token of each sampling item
+        sample_rows, sample_items, row = [], [], 0
+        for it, n in zip(ordered, counts):
+            row += n
+            if it.sample:
+                sample_rows.append(row - 1)
+                sample_items.append(it)
+        results: list[Sample | None] = [None] * len(items)
+        if not sample_items:
+            return results
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        samples = self.sampler(
+            logits, [it.sampling_params for it in sample_items], [it.num_output_tokens for it in sample_items]
+        )
+        by_id = {id(it): s for it, s in zip(sample_items, samples)}
+        for original_index, it in zip(order, ordered):
+            results[original_index] = by_id.get(id(it))
+        return results
+
+    def _check(self, it: BatchItem) -> None:
+        n = len(it.token_ids)
+        if n == 0:
+            raise ValueError(f"request {it.request_id}: empty token_ids")
+        needed = -(-(it.start_pos + n) // self.page_size)
+        if len(it.page_table) < needed:
+            raise ValueError(
+                f"request {it.request_id}: page_table has {len(it.page_table)} pages, "
+                f"positions up to {it.start_pos + n} need {needed}"
+            )

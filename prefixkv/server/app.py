@@ -1,0 +1,47 @@
+"""Assemble the FastAPI app around an already loaded Engine.
+
+The engine is built before the app (loading weights takes seconds), so uvicorn only starts accepting
+connections once /health can answer ok. The engine thread starts and stops with the app's lifespan.
+"""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI
+
+from prefixkv.server import admin, chat, completions
+from prefixkv.server.async_engine import AsyncEngine
+from prefixkv.server.auth import TENANT_ISOLATION, require_api_key
+from prefixkv.server.errors import install_error_handlers
+from prefixkv.server.metrics import ServerMetrics
+from prefixkv.server.state import ServerState
+
+
+def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
+              tenant_isolation: str = "none") -> FastAPI:
+    if tenant_isolation not in TENANT_ISOLATION:
+        raise ValueError(f"tenant_isolation must be one of {TENANT_ISOLATION}, got {tenant_isolation!r}")
+    name = served_model_name or engine.model_name
+    metrics = ServerMetrics(name)
+    async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished, on_aborted=metrics.observe_aborted)
+    state = ServerState(engine=async_engine, tokenizer=engine.tokenizer, served_model_name=name,
+                        max_model_len=engine.max_model_len, metrics=metrics, api_key=api_key,
+                        tenant_isolation=tenant_isolation)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="prefixkv", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(admin.public)
+    secured = [Depends(require_api_key)]
+    for router in (admin.router, completions.router, chat.router):
+        app.include_router(router, dependencies=secured)
+    return app

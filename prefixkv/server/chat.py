@@ -1,0 +1,88 @@
+"""POST /v1/chat/completions: messages go through the model's chat template, then generate like a completion.
+
+The templated prompt is a string, so a repeated system prompt tokenises to the same leading tokens every time
+and its KV is found in the prefix cache.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from prefixkv.outputs import RequestOutput
+from prefixkv.server.deltas import choice_deltas
+from prefixkv.server.errors import APIError
+from prefixkv.server.logprobs import chat_logprobs
+from prefixkv.server.protocol import ChatCompletionRequest
+from prefixkv.server.sse import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnected
+from prefixkv.server.state import ServerState, server_state, submit
+from prefixkv.server.usage import usage
+
+router = APIRouter()
+
+
+def render_prompt(state: ServerState, body: ChatCompletionRequest) -> str:
+    messages = body.template_messages()
+    try:
+        return state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
+        raise APIError(f"messages could not be rendered by the chat template: {exc}", param="messages",
+                       code="invalid_value") from None
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+    state = server_state(raw)
+    model = state.check_model(body.model)
+    params = body.sampling_params()
+    prompt = render_prompt(state, body)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    group = await submit(state, raw, request_id, [prompt], params, body)
+    created = int(time.time())
+    if body.stream:
+        return EventStreamResponse(_stream(state, body, group, request_id, model, created), on_close=group.close)
+    try:
+        finals = await until_disconnected(raw, group.collect())
+    except ClientDisconnected:
+        return JSONResponse({}, status_code=499)
+    finally:
+        group.close()
+    return _response(state, body, finals[0], request_id, model, created)
+
+
+def _response(state: ServerState, body: ChatCompletionRequest, final: RequestOutput, request_id: str, model: str,
+              created: int) -> dict:
+    choices = []
+    for c in sorted(final.outputs, key=lambda c: c.index):
+        logprobs = chat_logprobs(state.tokenizer, list(c.logprobs or [])) if body.logprobs else None
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage([final])}
+
+
+async def _stream(state: ServerState, body: ChatCompletionRequest, group, request_id: str, model: str,
+                  created: int) -> AsyncIterator[str]:
+    finals: list[RequestOutput | None] = [None]
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    try:
+        for index in range(body.n):  # OpenAI opens every choice with the role
+            yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        async for d in choice_deltas(group, body.n, finals):
+            delta = {"content": d.text} if d.text else {}
+            logprobs = chat_logprobs(state.tokenizer, d.logprobs) if body.logprobs else None
+            yield sse({**base, "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
+                                            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]})
+        if body.include_usage:
+            yield sse({**base, "choices": [], "usage": usage(finals)})
+    except Exception as exc:  # headers are sent: the error travels as an event
+        err = exc if isinstance(exc, APIError) else APIError(str(exc), status=500)
+        yield sse(err.body())
+    finally:
+        group.close()
+    yield DONE

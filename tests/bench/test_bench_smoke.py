@@ -1,0 +1,163 @@
+"""Smoke tests of the benchmarks at tiny sizes: they run, write the JSON the registry promises, and report sane,
+internally consistent numbers (cache hits where there must be hits, none where there must be none).
+
+No speed assertions: timings on a shared CI machine mean nothing. Engines are loaded once per cache kind for the
+whole module and handed to each benchmark through its llm_factory argument.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from prefixkv.bench import common, multi_turn, system_prompt, throughput, zero_hit, workloads
+
+KV_TOKENS = 4096  # small pool: quick to allocate, still far more than these workloads need
+
+
+@pytest.fixture(scope="module")
+def factory():
+    """Memoised LLMs keyed by their options: every test after the first reuses loaded models."""
+    from prefixkv.llm import LLM
+
+    cache = {}
+
+    def make(prefix_cache="hash", **overrides):
+        key = (prefix_cache, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = LLM(prefix_cache=prefix_cache, kv_cache_tokens=KV_TOKENS, num_threads=2, **overrides)
+        return cache[key]
+
+    return make
+
+
+def parse(module, argv: list[str]) -> argparse.Namespace:
+    """Parse argv with the benchmark's own subcommand, exactly as `prefixkv bench` would."""
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="bench", required=True)
+    module.register(sub)
+    return parser.parse_args(argv)
+
+
+def finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_throughput(factory):
+    args = parse(throughput, ["throughput", "--input-len", "64", "--output-len", "2", "--num-prompts", "2"])
+    res = throughput.run(args, llm_factory=factory)
+    json.dumps(res)
+    assert res["config"]["input_len"] == 64 and res["config"]["num_prompts"] == 2
+    assert res["config"]["model"] and res["config"]["num_threads"] >= 1
+    ours = res["prefixkv"]
+    assert ours["prompt_tokens"] == 2 * 64 and ours["output_tokens"] == 2 * 2  # ignore_eos: exact lengths
+    assert ours["cached_tokens"] == 0  # the cache was reset and random prompts share nothing
+    assert finite_positive(ours["output_tok_s"]) and ours["total_tok_s"] > ours["output_tok_s"]
+    assert "hf" not in res
+
+
+def test_shared_prefix(factory):
+    args = parse(throughput, ["shared-prefix", "--prefix-len", "64", "--suffix-len", "8", "--output-len", "2",
+                              "--num-prompts", "3"])
+    res = throughput.run_shared_prefix(args, llm_factory=factory)
+    json.dumps(res)
+    assert set(res["modes"]) == {"off", "hash"}
+    assert res["modes"]["off"]["cached_tokens"] == 0
+    assert res["modes"]["hash"]["cached_tokens"] > 0  # later requests hit the shared prefix
+    assert res["modes"]["hash"]["output_tokens"] == 3 * 2
+    assert finite_positive(res["ratio_output_tok_s_on_over_off"])
+    assert res["reference"]["output_tok_s_on"] == 426.0
+
+
+def test_system_prompt(factory):
+    args = parse(system_prompt, ["system-prompt", "--system-tokens", "64", "--question-tokens", "8",
+                                 "--repeats", "2"])
+    res = system_prompt.run(args, llm_factory=factory)
+    json.dumps(res)
+    on, off = res["ttft"]["hash"], res["ttft"]["off"]
+    assert on["cold_cached_tokens"] == [0, 0]  # each repetition starts from an empty cache
+    assert on["warm_cached_tokens"] == [64, 64]  # the whole system prompt (4 full blocks) hits
+    assert off["warm_cached_tokens"] == [0, 0]
+    for t in (on, off):
+        assert finite_positive(t["cold_s"]) and finite_positive(t["warm_s"])
+    assert finite_positive(res["speedup_warm_vs_cold_on"]) and finite_positive(res["speedup_warm_on_vs_off"])
+    assert res["config"]["system_tokens"] == 64
+
+
+def test_multi_turn(factory):
+    args = parse(multi_turn, ["multi-turn", "--turns", "3", "--turn-tokens", "20", "--output-len", "2",
+                              "--repeats", "1"])
+    res = multi_turn.run(args, llm_factory=factory)
+    json.dumps(res)
+    turns = res["turns"]
+    assert [t["prompt_tokens"] for t in turns] == [20, 42, 64]  # history + answer + new message
+    assert turns[0]["cached_hash"] == 0 and turns[-1]["cached_hash"] > 0
+    assert all(t["cached_off"] == 0 for t in turns)
+    assert all(finite_positive(t["ttft_hash_s"]) and finite_positive(t["ttft_off_s"]) for t in turns)
+    assert finite_positive(res["ratio_last_over_first_on"])
+
+
+def test_zero_hit(factory):
+    args = parse(zero_hit, ["zero-hit", "--input-len", "64", "--output-len", "2", "--num-prompts", "2",
+                            "--repeats", "2", "--hash-blocks", "64"])
+    res = zero_hit.run(args, llm_factory=factory)
+    json.dumps(res)
+    assert set(res["modes"]) == {"off", "hash", "radix"}
+    assert res["modes"]["off"]["cached_tokens"] == 0 and res["modes"]["hash"]["cached_tokens"] == 0
+    assert len(res["modes"]["radix"]["output_tok_s_runs"]) == 2
+    assert set(res["ratio_output_tok_s_on_over_off"]) == {"hash", "radix"}
+    assert set(res["hash_us_per_block"]) == {"sha256", "xxhash"}
+    assert all(finite_positive(us) for us in res["hash_us_per_block"].values())
+
+
+def test_cli_writes_json_and_plot(factory, tmp_path, monkeypatch):
+    """Through `prefixkv bench`, with the module's engines patched in: the registry writes NAME.json and a plot."""
+    from prefixkv.cli import main
+
+    monkeypatch.setattr(common, "make_llm", lambda args, prefix_cache=None, **kw: factory(prefix_cache, **kw))
+    argv = ["bench", "system-prompt", "--system-tokens", "32", "--question-tokens", "4", "--repeats", "1",
+            "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "system-prompt.json").read_text())
+    assert res["benchmark"] == "system-prompt" and res["ttft"]["hash"]["warm_cached_tokens"] == [32]
+    assert (tmp_path / "system-prompt.png").stat().st_size > 0
+
+
+def test_plots_render(tmp_path):
+    """Every plot() draws from a hand-made result, so a plotting bug cannot hide behind a slow benchmark."""
+    cfg = {"dtype": "float32", "num_threads": 2, "system_tokens": 8, "question_tokens": 2, "turn_tokens": 4,
+           "output_len": 2}
+    ref = {"label": common.REFERENCE_LABEL, "cold_s": 0.98, "warm_s": 0.055, "output_tok_s_on": 426.0,
+           "output_tok_s_off": 65.0, "unrelated_512_output_tok_s": 150.0}
+    cases = {
+        system_prompt: {"config": cfg, "reference": ref,
+                        "ttft": {"hash": {"cold_s": 0.5, "warm_s": 0.02}, "off": {"cold_s": 0.5, "warm_s": 0.5}}},
+        multi_turn: {"config": cfg, "modes": ["hash", "off"],
+                     "turns": [{"turn": i, "ttft_hash_s": 0.1, "ttft_off_s": 0.1 * i} for i in (1, 2, 3)]},
+        zero_hit: {"config": cfg, "modes": {m: {"output_tok_s": 100.0, "output_tok_s_runs": [99.0, 101.0]}
+                                            for m in ("off", "hash", "radix")}},
+        throughput: {"config": cfg, "reference": ref, "prefixkv": {"output_tok_s": 120.0},
+                     "hf": {"output_tok_s": 60.0}},
+    }
+    for i, (module, results) in enumerate(cases.items()):
+        png = tmp_path / f"{i}.png"
+        module.plot(results, str(png))
+        assert png.stat().st_size > 0
+    png = tmp_path / "shared.png"
+    throughput.plot({"config": cfg, "reference": ref, "modes": {"off": {"output_tok_s": 60.0},
+                                                                "hash": {"output_tok_s": 300.0}}}, str(png))
+    assert png.stat().st_size > 0
+
+
+def test_workload_helpers():
+    sampler = workloads.TokenSampler(vocab_size=50, special_ids=range(10), seed=1)
+    prompts = workloads.shared_prefix_prompts(sampler, 3, 8, 4)
+    assert all(len(p) == 12 and p[:8] == prompts[0][:8] for p in prompts)
+    assert all(10 <= t < 50 for p in prompts for t in p)
+    again = workloads.TokenSampler(vocab_size=50, special_ids=range(10), seed=1)
+    assert workloads.shared_prefix_prompts(again, 3, 8, 4) == prompts  # seeded: reproducible
+    assert workloads.percentile([1, 2, 3, 4], 50) == 2.5 and workloads.percentile([5], 99) == 5
+    assert workloads.summarize([1.0, 3.0])["median"] == 2.0
+    assert math.isnan(workloads.ratio(1.0, 0.0))

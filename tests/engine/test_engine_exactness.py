@@ -1,0 +1,77 @@
+"""Greedy fp32 outputs must not depend on batching, chunking, preemption or the prefix cache."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prefixkv.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(tok) -> list[list[int]]:
+    """16 prompts of mixed lengths (5..300 tokens), some sharing prefixes."""
+    rng = random.Random(0)
+    base = tok.encode("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+                      "combined movable metal type, oil-based ink and a screw press. ") * 3
+    out = []
+    for i in range(16):
+        if i % 3 == 0:
+            out.append(base[: 20 + 17 * i] + [rng.randrange(100, 40000) for _ in range(i + 1)])
+        else:
+            out.append([rng.randrange(100, 40000) for _ in range(5 + 19 * i)])
+    return out
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference(llm_factory):
+    """Each prompt alone, caching off, a roomy pool."""
+    llm = llm_factory(prefix_cache="off")
+    prompts = _prompts(llm.get_tokenizer())
+    alone = [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    return prompts, alone
+
+
+def test_batch_of_16_mixed_lengths_matches_alone(llm_factory, reference):
+    prompts, alone = reference
+    llm = llm_factory(prefix_cache="off")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert _tokens(outs) == alone
+
+
+def test_tiny_token_budget_forces_chunked_prefill(llm_factory, reference):
+    prompts, alone = reference
+    llm = llm_factory(prefix_cache="off", max_num_batched_tokens=24)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert _tokens(outs) == alone
+
+
+@pytest.mark.parametrize("cache", ["off", "hash"])
+def test_small_pool_forces_preemption(llm_factory, reference, cache):
+    prompts, alone = reference
+    llm = llm_factory(prefix_cache=cache, kv_cache_tokens=640, max_num_batched_tokens=256)
+    before = llm.llm_engine.get_stats().num_preemptions
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert llm.llm_engine.get_stats().num_preemptions > before, "the pool was meant to be too small"
+    assert _tokens(outs) == alone
+    assert llm.llm_engine.get_stats().num_pages_used == 0
+
+
+def test_every_page_is_free_after_all_requests_finish_or_abort(llm_factory):
+    llm = llm_factory(prefix_cache="hash")
+    engine = llm.llm_engine
+    ids = [engine.add_request(None, {"prompt_token_ids": list(range(200 + i, 260 + i))}, GREEDY) for i in range(6)]
+    engine.step()
+    engine.step()
+    engine.abort(ids[0])
+    engine.abort(ids[3])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats().num_pages_used == 0
+    assert engine.get_stats().num_running == 0 and engine.get_stats().num_waiting == 0
+    engine.kv.check_invariants()

@@ -1,0 +1,90 @@
+"""Prefix caching end to end on the real model: same tokens as caching off, and the hits it promises."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prefixkv.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+
+SYSTEM = ("You are a meticulous support agent for Northwind Bikes. Always answer in two sentences, mention the "
+          "warranty when relevant, and never invent part numbers. ")
+
+
+def hit_heavy_workload(tok) -> list[list[int]]:
+    """Shared system prompts, a multi-turn conversation, repeats, last-token variants, sub-block prompts."""
+    rng = random.Random(1)
+    system = tok.encode(SYSTEM * 4)
+    prompts = []
+    for q in ("How do I fix a flat?", "Is the frame covered?", "What tyre pressure?"):
+        prompts.append(system + tok.encode(q))
+    history = tok.encode(SYSTEM)
+    for turn in range(4):  # each turn is the whole conversation so far + a new message
+        history = history + tok.encode(f" User: question number {turn}? Assistant: answer {turn}.")
+        prompts.append(list(history))
+    repeated = [rng.randrange(200, 40000) for _ in range(70)]
+    prompts += [repeated, list(repeated)]
+    prompts += [repeated[:-1] + [11], repeated[:-1] + [12]]  # differ only in the last token
+    prompts += [repeated[:5], repeated[:15], [42]]  # shorter than one block
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def workload_and_expected(llm_factory):
+    llm = llm_factory(prefix_cache="off")
+    prompts = hit_heavy_workload(llm.get_tokenizer())
+    expected = [o.outputs[0].token_ids
+                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+    return prompts, expected
+
+
+@pytest.mark.parametrize("options", [dict(prefix_cache="hash"), dict(prefix_cache="hash", prefix_caching_hash_algo="xxhash"),
+                                     dict(prefix_cache="hash", max_num_batched_tokens=40)])
+def test_caching_on_equals_off_sequential_and_batched(llm_factory, workload_and_expected, options):
+    prompts, expected = workload_and_expected
+    llm = llm_factory(**options)
+    llm.reset_prefix_cache()
+    one_by_one = [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in one_by_one] == expected
+    assert sum(o.num_cached_tokens for o in one_by_one) > 0.4 * sum(len(p) for p in prompts)
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batched] == expected
+    assert llm.llm_engine.get_stats().num_pages_used == 0
+
+
+def test_system_prompt_hit_counts_and_isolation(llm_factory):
+    llm = llm_factory(prefix_cache="hash")
+    llm.reset_prefix_cache()
+    tok = llm.get_tokenizer()
+    rng = random.Random(2)
+    system = [rng.randrange(200, 40000) for _ in range(2048)]
+    q1 = [rng.randrange(200, 40000) for _ in range(50)]
+    q2 = [rng.randrange(200, 40000) for _ in range(50)]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    stats0 = llm.llm_engine.get_stats()
+    first = llm.generate({"prompt_token_ids": system + q1}, one, use_tqdm=False)[0]
+    second = llm.generate({"prompt_token_ids": system + q2}, one, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 2048  # 128 full blocks of 16
+    salted = llm.generate({"prompt_token_ids": system + q2, "cache_salt": "tenant-b"}, one, use_tqdm=False)[0]
+    adapter = llm.generate({"prompt_token_ids": system + q2, "lora_id": "adapter-7"}, one, use_tqdm=False)[0]
+    assert salted.num_cached_tokens == 0 and adapter.num_cached_tokens == 0
+    assert salted.outputs[0].token_ids == second.outputs[0].token_ids
+    stats = llm.llm_engine.get_stats()
+    assert stats.prefix_cache_hits - stats0.prefix_cache_hits == 2048
+    assert stats.prefix_cache_queries - stats0.prefix_cache_queries == 4 * 2098
+    assert 0 < stats.prefix_cache_hit_rate < 1
+    del tok
+
+
+def test_reset_prefix_cache_and_chat_hits(llm_factory):
+    llm = llm_factory(prefix_cache="hash")
+    msgs = [{"role": "system", "content": SYSTEM * 3}, {"role": "user", "content": "Hi!"}]
+    llm.chat(msgs, GREEDY, use_tqdm=False)
+    again = llm.chat(msgs[:1] + [{"role": "user", "content": "Hello?"}], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 16 * 5
+    assert llm.reset_prefix_cache() is True
+    cold = llm.chat(msgs, GREEDY, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0

@@ -1,0 +1,374 @@
+import pytest
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prefixkv.engine.request import MultiModalHash
+from prefixkv.kvcache.manager import create_kv_cache_manager
+from prefixkv.kvcache.radix_cache import RadixPrefixCache
+from prefixkv.kvcache.radix_tree import RadixTree, common_prefix_len
+
+from tests.kvcache.helpers import admit, compute, make_request, run_to_completion
+
+
+def cached_then_freed(kv, tokens, **kw):
+    req = make_request(tokens, **kw)
+    run_to_completion(kv, req)
+    kv.free(req)
+    kv.check_invariants()
+    return req
+
+
+def test_factory_builds_radix():
+    kv = create_kv_cache_manager("radix", 8, 1)
+    assert isinstance(kv, RadixPrefixCache) and kv.name == "radix"
+
+
+def test_common_prefix_len_long_runs():
+    run = list(range(300))
+    assert common_prefix_len(run, run, 0, 300) == 300
+    other = run[:200] + [-1] * 100
+    assert common_prefix_len(run, other, 0, 300) == 200
+    assert common_prefix_len(run, [9] + run, 1, 150) == 149
+
+
+def test_hit_never_covers_the_whole_sequence():
+    kv = RadixPrefixCache(32, 1)
+    a = cached_then_freed(kv, range(10))
+    assert kv.lookup(make_request(range(10))) == 9  # last token recomputed for its logits
+    assert kv.lookup(make_request(range(12))) == 10
+    assert kv.lookup(make_request([1])) == 0
+    assert a.num_cached_tokens == 0
+
+
+def test_match_inside_a_node_splits_it_without_copying_kv():
+    kv = RadixPrefixCache(32, 1)
+    a = make_request([1, 2, 3, 4, 5, 6])
+    run_to_completion(kv, a)
+    a_pages = kv.page_table(a)
+    assert kv.tree.num_nodes == 1
+    b = make_request([1, 2, 3, 9, 9])
+    assert kv.lookup(b) == 3 and admit(kv, b)
+    kv.check_invariants()
+    # the node was cut at 3: upper keeps a's first 3 page ids, lower the rest; no page moved or was copied
+    root = kv.tree.root((None, None))
+    upper = root.children[1]
+    assert upper.tokens == [1, 2, 3] and upper.pages == a_pages[:3]
+    assert upper.children[4].pages == a_pages[3:]
+    assert kv.page_table(a) == a_pages
+    assert kv.page_table(b)[:3] == a_pages[:3]
+    assert b.num_computed_tokens == 3 and b.num_cached_tokens == 3
+    assert kv.num_free_pages() == 32 - 6 - 2
+
+
+def test_eviction_takes_lru_leaf_first_then_the_parent_that_became_a_leaf():
+    kv = RadixPrefixCache(64, 1)
+    a = make_request([1, 2, 3, 4, 90])
+    run_to_completion(kv, a)
+    a_pages = kv.page_table(a)
+    kv.free(a)
+    cached_then_freed(kv, [1, 2, 5, 6, 91])  # freed later: more recently used
+    assert kv.tree.num_nodes == 3 and kv.tree.evictable_tokens == 8
+    freed = kv.tree.evict(3)
+    assert sorted(freed) == sorted(a_pages[2:])  # a's own tail, not the shared [1, 2]
+    kv._free.extend(freed)
+    kv.check_invariants()
+    assert kv.lookup(make_request([1, 2, 3, 4, 90, 0])) == 2  # a's leaf went first
+    assert kv.lookup(make_request([1, 2, 5, 6, 91, 0])) == 5
+    kv._free.extend(kv.tree.evict(3))  # then b's leaf; [1, 2] is now a leaf itself
+    kv.check_invariants()
+    assert kv.lookup(make_request([1, 2, 5, 6, 91, 0])) == 2
+    kv._free.extend(kv.tree.evict(2))
+    kv.check_invariants()
+    assert kv.tree.num_nodes == 0 and kv.tree.roots == {} and kv.num_free_pages() == 64
+
+
+def test_eviction_trims_a_leaf_from_its_tail_when_less_is_needed():
+    kv = RadixPrefixCache(16, 1)
+    cached_then_freed(kv, range(10))
+    kv._free.extend(kv.tree.evict(4))
+    kv.check_invariants()
+    assert kv.lookup(make_request(range(12))) == 6
+
+
+def test_locked_prefix_survives_pressure_and_failed_allocation_changes_nothing():
+    kv = RadixPrefixCache(12, 1)
+    running = make_request([7] * 6)
+    run_to_completion(kv, running)  # holds 6 pages, locked
+    cached_then_freed(kv, [1, 2, 3, 4])  # 4 evictable pages
+    assert kv.num_free_pages() == 6
+    big = make_request(range(100, 107))  # 7 pages: more than free + evictable
+    before = (kv.summary(), kv.page_table(running), list(kv._free))
+    assert not admit(kv, big)
+    assert (kv.summary(), kv.page_table(running), list(kv._free)) == before
+    kv.check_invariants()
+    fits = make_request(range(100, 106))  # 6 pages: evicts the unlocked prefix, never the running one
+    assert admit(kv, fits)
+    kv.check_invariants()
+    assert kv.lookup(make_request([1, 2, 3, 4, 5])) == 0
+    assert kv.lookup(make_request([7] * 8)) == 6
+    assert kv.num_free_pages() == 0
+
+
+def test_failed_admission_with_hit_leaves_locks_and_roots_as_they_were():
+    kv = RadixPrefixCache(8, 1)
+    cached_then_freed(kv, [1, 2, 3, 4], cache_salt="t")
+    req = make_request([1, 2, 3, 4] + list(range(10, 20)), cache_salt="t")
+    assert not admit(kv, req)
+    kv.check_invariants()
+    assert kv.tree.protected_tokens == 0 and req.num_computed_tokens == 0 and req.num_cached_tokens == -1
+    assert not admit(kv, make_request(range(50, 70), cache_salt="new tenant"))
+    assert set(kv.tree.roots) == {(None, "t")}
+
+
+def test_namespaces_are_isolated():
+    kv = RadixPrefixCache(64, 1)
+    tokens = list(range(20))
+    cached_then_freed(kv, tokens)
+    assert kv.lookup(make_request(tokens)) == 19
+    assert kv.lookup(make_request(tokens, cache_salt="a")) == 0
+    assert kv.lookup(make_request(tokens, lora_id="adapter")) == 0
+    cached_then_freed(kv, tokens, cache_salt="a")
+    assert kv.lookup(make_request(tokens, cache_salt="a")) == 19
+    assert kv.lookup(make_request(tokens, cache_salt="b")) == 0
+    assert len(kv.tree.roots) == 2
+
+
+def test_multimodal_inputs_with_different_hashes_do_not_match():
+    kv = RadixPrefixCache(64, 1)
+    tokens = [5, 5] + [0] * 8 + [6, 7]  # 8 image placeholder tokens
+    cached_then_freed(kv, tokens, mm_hashes=(MultiModalHash(2, 8, "cat"),))
+    assert kv.lookup(make_request(tokens, mm_hashes=(MultiModalHash(2, 8, "cat"),))) == 11
+    assert kv.lookup(make_request(tokens, mm_hashes=(MultiModalHash(2, 8, "dog"),))) == 2
+    assert kv.lookup(make_request(tokens)) == 2
+
+
+def test_page_size_16_matches_whole_pages_only():
+    kv = RadixPrefixCache(64, 16)
+    base = list(range(40))
+    a = make_request(base)
+    run_to_completion(kv, a)
+    assert kv.tree.evictable_tokens + kv.tree.protected_tokens == 32  # the 8-token tail page is private
+    kv.free(a)
+    kv.check_invariants()
+    assert kv.lookup(make_request(base[:35] + [-1] * 10)) == 32
+    assert kv.lookup(make_request(base[:31] + [-1] * 10)) == 16
+    assert kv.lookup(make_request(base[:15] + [-1] * 10)) == 0
+    assert kv.lookup(make_request(base[:33])) == 32
+    assert kv.lookup(make_request(base[:32])) == 16  # 32 would cover the last token
+    # a mismatch inside the second page splits on the page boundary
+    b = make_request(base[:20] + [-1] * 20)
+    assert admit(kv, b) and b.num_computed_tokens == 16
+    compute(kv, b)
+    kv.check_invariants()
+    assert kv.tree.num_nodes == 3
+
+
+def test_concurrent_duplicate_prefill_frees_the_second_copy():
+    kv = RadixPrefixCache(32, 1)
+    a, b = make_request(range(10)), make_request(range(10))
+    assert admit(kv, a) and admit(kv, b)  # both miss: nothing cached yet
+    assert kv.num_free_pages() == 12
+    compute(kv, a)
+    compute(kv, b)  # b's 10 pages duplicate a's: returned, b now points at a's pages
+    kv.check_invariants()
+    assert kv.page_table(b) == kv.page_table(a)
+    assert kv.num_free_pages() == 22
+    kv.free(a)
+    kv.check_invariants()
+    assert kv.tree.protected_tokens == 10  # b still holds the path
+    kv.free(b)
+    assert kv.tree.evictable_tokens == 10 and kv.num_free_pages() == 32
+
+
+def test_running_request_is_shareable_chunk_by_chunk_and_while_decoding():
+    kv = RadixPrefixCache(64, 4)
+    a = make_request(range(20))
+    assert kv.allocate(a, 8)  # first chunk
+    compute(kv, a)
+    assert kv.lookup(make_request(range(30))) == 8
+    assert kv.allocate(a, 12)
+    compute(kv, a)
+    a.token_ids += [100, 101, 102, 103, 104]  # decoding
+    assert kv.allocate(a, 5)
+    compute(kv, a, 4)
+    kv.check_invariants()
+    assert kv.lookup(make_request(list(range(20)) + [100, 101, 102, 103, 104, 105])) == 24
+    kv.free(a)
+    kv.check_invariants()
+
+
+def test_reset_drops_unlocked_nodes_and_reports_holders():
+    kv = RadixPrefixCache(64, 1)
+    cached_then_freed(kv, range(10))
+    running = make_request(range(100, 110))
+    run_to_completion(kv, running)
+    assert kv.reset_prefix_cache() is False  # a running request still holds its pages
+    kv.check_invariants()
+    assert kv.lookup(make_request(range(12))) == 0
+    assert kv.lookup(make_request(range(100, 112))) == 10
+    kv.free(running)
+    assert kv.reset_prefix_cache() is True
+    kv.check_invariants()
+    assert kv.tree.num_nodes == 0 and kv.num_free_pages() == 64 and kv._free.__len__() == 64
+
+
+def test_stats_summary_and_render():
+    kv = RadixPrefixCache(256, 1)
+    system = list(range(1000, 1032))
+    for i in range(4):
+        cached_then_freed(kv, system + [i, i + 1, i + 2])
+    s = kv.summary()
+    assert s["type"] == "radix" and s["nodes"] == 5 and s["cached_tokens"] == 32 + 4 * 3
+    assert s["evictable_tokens"] == 44 and s["protected_tokens"] == 0
+    assert s["queries"] == 4 * 35 and s["hits"] == 3 * 32
+    assert s["top_prefixes"][0] == {"tokens": 32, "hits": 3, "locks": 0, "namespace": [None, None]}
+    text = kv.render_tree(tokenizer_decode=lambda ids: "tok" * len(ids), max_depth=2, max_children=2)
+    assert "+32 tok" in text and "hits=3" in text and "... 2 more" in text
+    assert "'toktok" in text
+    assert "1000 1001" in kv.render_tree()
+
+
+def test_lookup_memo_follows_tree_changes():
+    kv = RadixPrefixCache(64, 1)
+    probe = make_request(range(12))
+    assert kv.lookup(probe) == 0
+    cached_then_freed(kv, range(10))
+    assert kv.lookup(probe) == 10
+    kv.reset_prefix_cache()
+    assert kv.lookup(probe) == 0
+
+
+def test_tree_insert_moves_the_lock_down():
+    tree = RadixTree(1)
+    root = tree.root("ns", create=True)
+    tree.lock(root)
+    node, pages = tree.insert(root, [1, 2, 3], 0, 3, [10, 11, 12])
+    assert pages == [10, 11, 12] and node.lock_ref == 1 and root.lock_ref == 1
+    assert tree.protected_tokens == 3 and tree.evictable_tokens == 0
+    assert tree.evict(3) == []
+    tree.unlock(node)
+    assert tree.evictable_tokens == 3
+    assert sorted(tree.evict(5)) == [10, 11, 12] and tree.roots == {}
+
+
+# -- property test: random operations through the KVCacheManager API ----------------------------------------
+PREFIXES = [[], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5]]
+
+
+class RadixMachine(RuleBasedStateMachine):
+    """Requests come, are prefilled in chunks, decode, get preempted, finish; the pool is small so eviction and
+    failed allocations are common. A shadow of the KV pool records which token sequence each slot was written
+    for: a request may only write its private pages, and everything it has computed must still read back as
+    its own tokens (so no locked page was ever evicted and reused)."""
+
+    @initialize(num_pages=st.integers(3, 24), page_size=st.sampled_from([1, 2, 4]))
+    def setup(self, num_pages, page_size):
+        self.kv = RadixPrefixCache(num_pages, page_size)
+        self.waiting = []
+        self.running = []
+        self.slot_content = {}
+        self.next_token = 1000
+
+    def _ns_keys(self, req, i):
+        return (req.extra_keys, tuple(req.token_ids[:i + 1]))
+
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+          salt=st.sampled_from([None, None, "t"]))
+    def arrive(self, prefix, suffix, salt):
+        self.waiting.append(make_request(prefix + suffix, cache_salt=salt))
+
+    @precondition(lambda self: self.waiting)
+    @rule(i=st.integers(0, 10), chunk=st.integers(1, 12))
+    def admit(self, i, chunk):
+        req = self.waiting[i % len(self.waiting)]
+        cached = self.kv.lookup(req)
+        assert cached % self.kv.page_size == 0 and cached < req.num_tokens
+        n = min(chunk, req.num_tokens - cached)
+        free_before = self.kv.num_free_pages()
+        if self.kv.allocate(req, n, cached):
+            assert req.num_computed_tokens == cached
+            self.waiting.remove(req)
+            self.running.append(req)
+            self._check_readback(req)
+        else:
+            assert self.kv.num_free_pages() == free_before and req.num_computed_tokens == 0
+            assert self.kv.page_table(req) == []
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 10), k=st.integers(1, 12))
+    def forward(self, i, k):
+        """Compute up to k allocated tokens, then commit."""
+        req = self.running[i % len(self.running)]
+        ps = self.kv.page_size
+        table = self.kv.page_table(req)
+        cap = min(len(table) * ps, req.num_tokens)
+        end = min(req.num_computed_tokens + k, cap)
+        state = self.kv._requests[req.request_id]
+        for pos in range(req.num_computed_tokens, end):
+            assert pos // ps >= state.committed // ps, "writing into a shared tree page"
+            self.slot_content[table[pos // ps] * ps + pos % ps] = self._ns_keys(req, pos)
+        req.num_computed_tokens = max(req.num_computed_tokens, end)
+        self.kv.commit(req)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 10), k=st.integers(1, 12))
+    def extend(self, i, k):
+        """Next prefill chunk, or one decode step once the sequence is computed (preempt on failure)."""
+        req = self.running[i % len(self.running)]
+        if req.num_computed_tokens == req.num_tokens:
+            req.token_ids.append(self.next_token % 4)
+            self.next_token += 1
+            k = 1
+        n = min(k, req.num_tokens - req.num_computed_tokens)
+        if not self.kv.allocate(req, n):
+            self.preempt_request(req)
+
+    def preempt_request(self, req):
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 10))
+    def preempt(self, i):
+        self.preempt_request(self.running[i % len(self.running)])
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 10))
+    def finish(self, i):
+        req = self.running.pop(i % len(self.running))
+        self.kv.free(req)
+
+    @rule(n=st.integers(1, 8))
+    def evict(self, n):
+        protected = self.kv.tree.protected_tokens
+        self.kv._free.extend(self.kv.tree.evict(n))
+        assert self.kv.tree.protected_tokens == protected
+
+    @rule()
+    def reset(self):
+        assert self.kv.reset_prefix_cache() == (not self.running)
+        assert self.kv.tree.evictable_tokens == 0
+
+    def _check_readback(self, req):
+        ps = self.kv.page_size
+        table = self.kv.page_table(req)
+        for pos in range(req.num_computed_tokens):
+            assert self.slot_content.get(table[pos // ps] * ps + pos % ps) == self._ns_keys(req, pos), \
+                "computed KV of a running request was overwritten or never written"
+
+    @invariant()
+    def accounting(self):
+        if not hasattr(self, "kv"):
+            return
+        self.kv.check_invariants()
+        for req in self.running:
+            self._check_readback(req)
+        if not self.running:
+            assert self.kv.num_free_pages() == self.kv.num_pages
+
+
+RadixMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
+TestRadixMachine = RadixMachine.TestCase

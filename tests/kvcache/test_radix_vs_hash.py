@@ -1,0 +1,88 @@
+"""With no eviction pressure, a radix tree with 16-token pages and a hash chain with 16-token blocks are the same
+index: every request of any workload sees the same hit. Both managers get the same admissions, chunks, decodes,
+preemptions and frees, and must agree on every lookup and every admission's cached-token count."""
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prefixkv.kvcache.hash_cache import HashPrefixCache
+from prefixkv.kvcache.radix_cache import RadixPrefixCache
+
+from tests.kvcache.helpers import make_request
+
+BASES = [list(range(100, 150)), list(range(100, 120)) + list(range(200, 230)), [7] * 40]
+
+
+class SameHits(RuleBasedStateMachine):
+    @initialize()
+    def setup(self):
+        self.hash = HashPrefixCache(4096, 16)
+        self.radix = RadixPrefixCache(4096, 16)
+        self.waiting: list[tuple] = []
+        self.running: list[tuple] = []
+        self.lookups_compared = 0
+
+    @rule(base=st.sampled_from(BASES), cut=st.integers(0, 50), suffix=st.lists(st.integers(0, 2), max_size=25),
+          salt=st.sampled_from([None, None, None, "t"]), copies=st.integers(1, 3))
+    def arrive(self, base, cut, suffix, salt, copies):
+        tokens = base[:cut] + suffix or [1]
+        for _ in range(copies):
+            self.waiting.append((make_request(tokens, cache_salt=salt), make_request(tokens, cache_salt=salt)))
+
+    @precondition(lambda self: self.waiting)
+    @rule(i=st.integers(0, 20), chunk=st.integers(1, 40))
+    def admit(self, i, chunk):
+        pair = self.waiting.pop(i % len(self.waiting))
+        for kv, req in zip((self.hash, self.radix), pair):
+            cached = kv.lookup(req)
+            assert kv.allocate(req, min(chunk, req.num_tokens - cached), cached)
+        assert pair[0].num_cached_tokens == pair[1].num_cached_tokens
+        assert pair[0].num_computed_tokens == pair[1].num_computed_tokens
+        self.running.append(pair)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 20), k=st.integers(1, 40), token=st.integers(0, 2))
+    def forward(self, i, k, token):
+        """Compute up to k allocated tokens and commit; a fully computed sequence samples a token and asks for
+        room for it (decode), an unfinished one for its next chunk."""
+        pair = self.running[i % len(self.running)]
+        for kv, req in zip((self.hash, self.radix), pair):
+            cap = min(len(kv.page_table(req)) * kv.page_size, req.num_tokens)
+            req.num_computed_tokens = min(req.num_computed_tokens + k, cap)
+            kv.commit(req)
+            if req.num_computed_tokens == req.num_tokens:
+                req.token_ids.append(token)
+            assert kv.allocate(req, min(k, req.num_tokens - req.num_computed_tokens))
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 20))
+    def prefill_all(self, i):
+        pair = self.running[i % len(self.running)]
+        for kv, req in zip((self.hash, self.radix), pair):
+            assert kv.allocate(req, req.num_tokens - req.num_computed_tokens)
+            req.num_computed_tokens = req.num_tokens
+            kv.commit(req)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 20), preempt=st.booleans())
+    def release(self, i, preempt):
+        pair = self.running.pop(i % len(self.running))
+        for kv, req in zip((self.hash, self.radix), pair):
+            kv.free(req)
+            req.num_computed_tokens = 0
+        if preempt:
+            self.waiting.insert(0, pair)
+
+    @invariant()
+    def same_hits(self):
+        if not hasattr(self, "hash"):
+            return
+        for h, r in self.waiting + self.running:
+            assert self.hash.lookup(h) == self.radix.lookup(r), (h.token_ids, r.token_ids)
+            self.lookups_compared += 1
+        assert self.hash.stats == self.radix.stats
+        self.radix.check_invariants()
+
+
+SameHits.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                                      suppress_health_check=[HealthCheck.too_slow])
+TestSameHits = SameHits.TestCase

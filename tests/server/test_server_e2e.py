@@ -1,0 +1,240 @@
+"""The server as a real subprocess on the default model (fp32), driven by the official openai client.
+
+One server for the whole module (loading the model costs seconds); each test leaves it idle with no page held
+by a request, and checks that itself where it matters.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from prefixkv.sampling_params import SamplingParams
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "My favourite colour is",
+           "The quick brown fox", "In 1492, Columbus", "To make a cake you need", "The sun is a"]
+SYSTEM = ("You are a meticulous assistant for a small bakery. You answer questions about opening hours, "
+          "ingredients, allergens, prices and custom orders. Keep every answer short, friendly and accurate, "
+          "and never invent products that the bakery does not sell.")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "prefixkv.server", "--port", str(port), "--api-key", KEY,
+                             "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-3000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become healthy")
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def _summary(base: str) -> dict:
+    return httpx.get(base + "/cache/summary", headers=AUTH).json()
+
+
+def _wait_no_pages_held(base: str, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _summary(base)
+        if s["kv_pages_used"] == 0 and s["engine"]["num_running"] == 0 and s["engine"]["num_waiting"] == 0:
+            return s
+        assert time.monotonic() < deadline, f"pages still held: {s}"
+        time.sleep(0.1)
+
+
+def test_greedy_http_matches_llm_generate(client, model, llm_factory):
+    """fp32 greedy text over HTTP (completions and chat) equals the in-process LLM's."""
+    llm = llm_factory()
+    params = SamplingParams(temperature=0, max_tokens=16)
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    got = client.completions.create(model=model, prompt=PROMPTS[:3], max_tokens=16, temperature=0)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
+    assert got.usage.completion_tokens == sum(len(o.outputs[0].token_ids) for o in
+                                              llm.generate(PROMPTS[:3], params, use_tqdm=False))
+
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    want = llm.chat(messages, params, use_tqdm=False)[0]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    assert chat.choices[0].message.content == want.outputs[0].text
+    assert chat.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_streaming_chat_with_usage(client, model):
+    messages = [{"role": "user", "content": "Say hello in French."}]
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_cached_tokens_for_repeated_system_prompt(server, client, model):
+    def ask(question: str, **extra):
+        return client.chat.completions.create(
+            model=model, max_tokens=4, temperature=0, extra_body=extra or None,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+
+    first = ask("When do you open?")
+    assert first.usage.prompt_tokens > 32
+    second = ask("Do you sell rye bread?")
+    assert second.usage.prompt_tokens_details.cached_tokens >= 32
+    salted = ask("Do you sell rye bread?", cache_salt="another-tenant")
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+
+    stream = client.chat.completions.create(
+        model=model, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Any vegan cakes?"}])
+    assert list(stream)[-1].usage.prompt_tokens_details.cached_tokens >= 32
+
+    assert httpx.post(server + "/reset_prefix_cache", headers=AUTH).json() == {"reset": True}
+    assert ask("Do you sell rye bread?").usage.prompt_tokens_details.cached_tokens == 0
+    assert _summary(server)["hit_rate"] > 0
+
+
+def test_64_concurrent_streams(server, client, model):
+    """Many connections, one engine: all finish with the sequential greedy text, and no page stays held."""
+    reference = {p: client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0).choices[0].text
+                 for p in PROMPTS}
+    before = httpx.get(server + "/metrics", headers=AUTH).text
+    aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+    async def one(prompt: str, sem: asyncio.Semaphore) -> tuple[str, str, str | None]:
+        async with sem:
+            stream = await aclient.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
+                                                      stream=True)
+            parts, finish = [], None
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    parts.append(choice.text)
+                    finish = choice.finish_reason or finish
+            return prompt, "".join(parts), finish
+
+    async def main():
+        sem = asyncio.Semaphore(64)
+        try:
+            return await asyncio.gather(*(one(PROMPTS[i % len(PROMPTS)], sem) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    assert len(results) == 64
+    for prompt, text, finish in results:
+        assert finish in ("stop", "length")
+        assert text == reference[prompt], prompt
+    _wait_no_pages_held(server)
+
+    def done_count(metrics: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("prefixkv:request_success_total{"))
+
+    after = httpx.get(server + "/metrics", headers=AUTH).text
+    assert done_count(after) - done_count(before) >= 64
+    assert 'prefixkv:kv_pages_used{model_name="%s"} 0.0' % model in after
+    assert "prefixkv:time_to_first_token_seconds_count" in after
+    assert "prefixkv:prefix_cache_hits_total" in after
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b"{oops", 400, None),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "warm"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hello " * 9000}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.2}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}, {"content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+])
+def test_bad_input_then_good(server, client, model, path, body, status, param):
+    r = httpx.post(server + path, headers=AUTH, timeout=60,
+                   **({"content": body} if isinstance(body, bytes) else {"json": body}))
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0).choices[0].text
+
+
+def test_disconnect_aborts_and_frees_pages(server):
+    body = {"prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", headers=AUTH, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+        assert _summary(server)["kv_pages_used"] > 0
+    _wait_no_pages_held(server)
+    metrics = httpx.get(server + "/metrics", headers=AUTH).text
+    assert 'finished_reason="abort"' in metrics
+
+
+def test_api_key_enforced(server):
+    assert httpx.get(server + "/health").status_code == 200
+    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/cache/summary"),
+                         ("POST", "/reset_prefix_cache"), ("POST", "/v1/completions")]:
+        r = httpx.request(method, server + path, json={"prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_bench_client_against_server(server):
+    from prefixkv.bench.serve_client import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    res = run(p.parse_args(["--base-url", server, "--api-key", KEY, "--num-requests", "4", "--concurrency", "2",
+                            "--system-prompt-tokens", "64", "--output-tokens", "4", "--ignore-eos"]))
+    assert res["num_ok"] == 4 and res["output_tokens"] == 16
+    assert res["cached_tokens"] > 0 and res["ttft_ms"]["p99"] > 0
