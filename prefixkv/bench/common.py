@@ -81,9 +81,13 @@ def greedy(max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def timed_generate(llm, prompts: Sequence[list[int]], max_tokens: int) -> dict:
-    """Run one batch to completion after emptying the prefix cache; wall time and token counts."""
+def timed_generate(llm, prompts: Sequence[list[int]], max_tokens: int,
+                   prime: Sequence[list[int]] = ()) -> dict:
+    """Run one batch to completion after emptying the prefix cache (then running the untimed `prime` prompts,
+    to start from a known cache state); wall time and token counts."""
     llm.reset_prefix_cache()
+    if prime:
+        llm.generate([list(p) for p in prime], greedy(1), use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate([list(p) for p in prompts], greedy(max_tokens), use_tqdm=False)
     elapsed = time.perf_counter() - start

@@ -24,7 +24,7 @@ def register_bench(subparsers) -> None:
         for added in set(bench_sub.choices) - before:
             p = bench_sub.choices[added]
             p.add_argument("--output-dir", default="bench_results", help="where JSON results and plots go")
-            func = p.get_defaults("func")
+            func = p.get_default("func")
             p.set_defaults(func=_writing_results(added, module, func))
 
 

@@ -213,7 +213,47 @@ async def run_async(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    return asyncio.run(run_async(args))
+    summary = asyncio.run(run_async(args))
+    t = summary["ttft_ms"]
+    print(f"{summary['num_ok']}/{summary['num_requests']} ok in {summary['duration_s']:.1f} s; "
+          f"TTFT mean {_ms(t['mean'])} p50 {_ms(t['p50'])} p99 {_ms(t['p99'])}; "
+          f"TPOT mean {_ms(summary['tpot_ms']['mean'])}; "
+          f"{summary['output_throughput_tok_s'] or 0:.1f} output tok/s; "
+          f"cached {summary['cached_tokens']}/{summary['prompt_tokens']} prompt tokens")
+    return summary
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} ms"
+
+
+def plot(results: dict, path: str) -> None:
+    """TTFT per turn (multi-turn) or the TTFT/TPOT distribution (system-prompt), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if results.get("per_turn"):
+        turns = sorted(results["per_turn"], key=int)
+        ax.plot([int(t) for t in turns], [results["per_turn"][t]["ttft_ms"] for t in turns], marker="o")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("mean TTFT (ms)")
+    else:
+        labels = ["mean", "p50", "p99"]
+        x = range(len(labels))
+        ax.bar([i - 0.2 for i in x], [results["ttft_ms"][k] or 0 for k in labels], width=0.4, label="TTFT")
+        ax.bar([i + 0.2 for i in x], [results["tpot_ms"][k] or 0 for k in labels], width=0.4, label="TPOT")
+        ax.set_xticks(list(x), labels)
+        ax.set_ylabel("ms")
+        ax.legend()
+    cfg = results.get("config", {})
+    ax.set_title(f"{cfg.get('workload', '')} @ {cfg.get('base_url', '')}, concurrency {cfg.get('concurrency', '')}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -184,7 +184,7 @@ class Engine:
 
     # -- the loop -------------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return bool(self._parents or self._aborted_outputs)  # aborted outputs are reported by the next step()
 
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted_outputs = self._aborted_outputs, []

@@ -49,8 +49,9 @@ class HashPrefixCache(KVCacheManager):
         max_blocks = (request.num_tokens - 1) // self.page_size  # the last token is always recomputed
         cached = self.cached
         n = 0
-        for key in self.block_hashes(request, max_blocks):
-            if key not in cached:
+        hashes = self.block_hashes(request, max_blocks)
+        for i in range(max_blocks):
+            if hashes[i] not in cached:
                 break
             n += 1
         return n * self.page_size

@@ -64,24 +64,52 @@ class RadixPrefixCache(KVCacheManager):
 
     # -- queries -------------------------------------------------------------------------------------------
     def lookup(self, request: Request) -> int:
-        """Longest cached prefix in whole pages, never the last token (its logits are needed)."""
+        """Longest cached prefix in whole pages, never the last token (its logits are needed).
+
+        Memoised on the request. With insertions but no eviction since, the match can only have grown below
+        the deepest node it matched in full, so it resumes there instead of at the root; if it stopped inside
+        a child that is still that node's child (not split, so no branch was added inside it), the answer
+        stands. Between two engine steps, which mostly insert, re-ordering a long queue then costs a dict
+        probe per request instead of re-comparing long prefixes."""
         limit = request.num_tokens - 1
+        if limit <= 0:
+            return 0
+        tree = self.tree
         memo = request.cache_state.get("radix_lookup")
-        if memo is not None and memo[0] is self and memo[1] == self.tree.version and memo[2] == limit:
-            return memo[3]
-        _, hit = self.tree.match(self._namespace(request), self._keys(request), limit) if limit > 0 else ([], 0)
-        request.cache_state["radix_lookup"] = (self, self.tree.version, limit, hit)
+        if memo is not None and memo[0] is self and memo[1] == tree.evict_version and memo[2] == limit:
+            _, _, _, version, hit, node, start, inside = memo
+            if version == tree.version or hit == limit - limit % self.page_size:
+                return hit
+            if start == 0:  # the namespace root may have been dropped and made again
+                node = tree.roots.get(self._namespace(request))
+        else:
+            node, start, inside = tree.roots.get(self._namespace(request)), 0, None
+        keys = self._keys(request)
+        if inside is not None and node is not None and node.children.get(tree.key(keys, start)) is inside:
+            request.cache_state["radix_lookup"] = memo[:3] + (tree.version,) + memo[4:]
+            return hit
+        hit, inside = 0, None
+        if node is not None:
+            path, hit, node, start = tree.walk(node, keys, start, limit)
+            if hit > start:
+                inside = path[-1]
+        request.cache_state["radix_lookup"] = (self, tree.evict_version, limit, tree.version, hit, node, start, inside)
         return hit
 
     def prefix_path(self, request: Request) -> list:
-        """Hashable ids of the cached prefix's nodes, root side first: equal ids mean an equal prefix.
-        A node matched only partly appears as (node, tokens matched in it)."""
-        limit = request.num_tokens - 1
-        if limit <= 0:
+        """Nodes of the cached prefix, root side first: equal nodes mean an equal prefix (dfs-weight builds its
+        tree of waiting requests from these). A match ending inside a node splits it there, as SGLang's
+        scheduler does, so two requests ending at different points of one node get distinct, nested nodes.
+        Splitting moves no KV and changes no lookup result."""
+        hit = self.lookup(request)
+        if not hit:
             return []
-        path, hit = self.tree.match(self._namespace(request), self._keys(request), limit)
-        if path and self.tree.depth(path[-1]) > hit:
-            path[-1] = (path[-1], len(path[-1].tokens) - (self.tree.depth(path[-1]) - hit))
+        node = self.tree.match_node(self._namespace(request), self._keys(request), hit)
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
         return path
 
     def page_table(self, request: Request) -> list[int]:

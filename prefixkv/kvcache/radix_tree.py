@@ -46,6 +46,8 @@ class RadixNode:
 def common_prefix_len(run: Sequence, seq: Sequence, start: int, end: int) -> int:
     """Length of the common prefix of run and seq[start:end]; slice compares in chunks keep it in C mostly."""
     limit = min(len(run), end - start)
+    if run[:limit] == seq[start:start + limit]:  # the common case: one comparison in C
+        return limit
     n, step = 0, 64
     while n < limit:
         m = min(step, limit - n)
@@ -68,6 +70,7 @@ class RadixTree:
         self.protected_tokens = 0  # tokens in locked nodes
         self.num_nodes = 0  # excluding roots
         self.version = 0  # bumped whenever a match result can change (insert, evict); lookups memoise on it
+        self.evict_version = 0  # bumped when cached tokens go: only then can a match shrink
         self._clock = itertools.count(1)
         self._seq = itertools.count()
         self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, seq, leaf); stale entries skipped
@@ -93,23 +96,32 @@ class RadixTree:
         The last node may be matched only partly. Read-only: nothing is split or touched.
         """
         node = self.roots.get(namespace)
+        if node is None:
+            return [], 0
+        path, matched, _, _ = self.walk(node, tokens, 0, limit)
+        return path, matched
+
+    def walk(self, node: RadixNode, tokens: Sequence, i: int, limit: int) -> tuple[list[RadixNode], int, RadixNode, int]:
+        """Continue a match from `node`, which ends at token i. Returns the nodes entered, the match length, and
+        the deepest node matched in full with the token where it ends. Without evictions that node stays in
+        the tree (splits keep the lower part's identity and end), so a later match can resume there: only
+        insertions below it can make the match longer."""
         limit -= limit % self.page_size
         path: list[RadixNode] = []
-        i = 0
-        while node is not None and i < limit:
+        full, full_end = node, i
+        while i < limit:
             child = node.children.get(self.key(tokens, i))
             if child is None:
                 break
             n = common_prefix_len(child.tokens, tokens, i, limit)
             n -= n % self.page_size
-            if n == 0:
-                break
             path.append(child)
             i += n
             if n < len(child.tokens):
                 break
-            node = child
-        return path, i
+            node = full = child
+            full_end = i
+        return path, i, full, full_end
 
     def match_node(self, namespace: Namespace, tokens: Sequence, length: int) -> RadixNode:
         """The node ending exactly at `length` matched tokens (splitting one if needed). Creates the root."""
@@ -232,6 +244,7 @@ class RadixTree:
                 continue
             need = num_pages - len(freed)
             self.version += 1
+            self.evict_version += 1
             if len(node.pages) > need:
                 freed.extend(node.pages[-need:])
                 del node.pages[-need:]

@@ -39,6 +39,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] additive mask hiding the padding
     decode_max_len: int
     prefills: list[PrefillChunk]
+    workspace: torch.Tensor  # flat scratch for gathered K/V, reused by every layer (no per-layer allocation)
 
     @staticmethod
     def build(
@@ -48,8 +49,14 @@ class AttentionMetadata:
         page_size: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        gather_width: int,
+        workspace: torch.Tensor | None = None,
     ) -> AttentionMetadata:
-        """Items must already be ordered with every 1-token item first (see ModelRunner)."""
+        """Items must already be ordered with every 1-token item first (see ModelRunner).
+
+        gather_width: elements per gathered slot (2 * kv_heads * head_dim). `workspace` is reused when it is
+        large enough (the runner keeps one across steps); the returned metadata holds the one actually used.
+        """
         num_decodes = 0
         while num_decodes < len(token_counts) and token_counts[num_decodes] == 1:
             num_decodes += 1
@@ -92,43 +99,56 @@ class AttentionMetadata:
             row += n
 
         slot_mapping = torch.from_numpy(np.concatenate(slot_parts)).to(device)
-        return AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, max_len, prefills)
+        most_slots = max([num_decodes * max_len] + [len(c.context_slots) for c in prefills if c.context_slots is not None])
+        need = most_slots * gather_width
+        if workspace is None or workspace.numel() < need or workspace.dtype != dtype:
+            workspace = torch.empty(max(need + need // 4, 1), dtype=dtype, device=device)  # headroom: fewer regrows
+        return AttentionMetadata(slot_mapping, num_decodes, decode_slots, decode_mask, max_len, prefills, workspace)
+
+
+def _gather(kv_layer: torch.Tensor, slots: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
+    """kv_layer [2, KVH, S, d] -> [2, KVH, len(slots), d] gathered into the workspace (one index_select)."""
+    two, kv_heads, _, head_dim = kv_layer.shape
+    out = workspace[: two * kv_heads * len(slots) * head_dim].view(two * kv_heads, len(slots), head_dim)
+    torch.index_select(kv_layer.view(two * kv_heads, -1, head_dim), 1, slots, out=out)
+    return out.view(two, kv_heads, len(slots), head_dim)
 
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: torch.Tensor,
+    kv_layer: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q [T, H, d], k/v [T, KVH, d]; caches [KVH, slots, d]. Writes k/v to their slots, returns [T, H, d]."""
+    """q [T, H, d], kv [T, 2, KVH, d] (new keys and values), kv_layer [2, KVH, slots, d] (this layer's pool).
+
+    Writes the new K/V into their slots, then attends; returns [T, H, d].
+    """
     num_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k.shape[1]
+    kv_heads = kv.shape[2]
     group = num_heads // kv_heads
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    kv_layer.index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
     outputs: list[torch.Tensor] = []
 
     if meta.num_decodes:
         b, length = meta.num_decodes, meta.decode_max_len
-        kd = k_cache.index_select(1, meta.decode_slots).view(kv_heads, b, length, head_dim).transpose(0, 1)
-        vd = v_cache.index_select(1, meta.decode_slots).view(kv_heads, b, length, head_dim).transpose(0, 1)
+        gathered = _gather(kv_layer, meta.decode_slots, meta.workspace).view(2, kv_heads, b, length, head_dim)
+        kd, vd = gathered[0].transpose(0, 1), gathered[1].transpose(0, 1)  # [B, KVH, L, d], L x d contiguous
         qd = q[:b].view(b, kv_heads, group, head_dim)  # query heads of kv head j are rows of group j
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         outputs.append(od.reshape(b, num_heads, head_dim))
 
     for chunk in meta.prefills:
-        qp = q[chunk.row_start : chunk.row_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        rows = slice(chunk.row_start, chunk.row_end)
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         if chunk.context_slots is None:
-            kp = k[chunk.row_start : chunk.row_end].transpose(0, 1).unsqueeze(0)
-            vp = v[chunk.row_start : chunk.row_end].transpose(0, 1).unsqueeze(0)
+            kp = kv[rows, 0].transpose(0, 1).unsqueeze(0)
+            vp = kv[rows, 1].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            kp = k_cache.index_select(1, chunk.context_slots).unsqueeze(0)
-            vp = v_cache.index_select(1, chunk.context_slots).unsqueeze(0)
+            gathered = _gather(kv_layer, chunk.context_slots, meta.workspace)
+            kp, vp = gathered[0].unsqueeze(0), gathered[1].unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
         outputs.append(op[0].transpose(0, 1))
 

@@ -65,7 +65,7 @@ def _dequantize(tensor) -> np.ndarray:
     if tensor.qtype not in SUPPORTED_QTYPES:
         raise ValueError(f"tensor {tensor.name}: GGUF type {tensor.qtype.name} is not supported")
     if tensor.qtype == GGMLQuantizationType.F32:
-        flat = tensor.raw.view(np.float32)
+        flat = tensor.raw.view(np.float32).copy()  # the memmap is read-only
     elif tensor.qtype == GGMLQuantizationType.F16:
         flat = tensor.raw.view(np.float16).astype(np.float32)
     else:

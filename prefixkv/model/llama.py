@@ -15,12 +15,33 @@ from prefixkv.model.config import ModelConfig
 from prefixkv.model.rope import RotaryEmbedding, apply_rotary
 
 
+class Linear(nn.Module):
+    """nn.Linear without random init: weights always come from a checkpoint, and init costs seconds."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     """Normalise in fp32 and scale after casting back, exactly as Hugging Face does."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,13 +57,13 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -51,7 +72,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        kv = torch.stack((k, v), dim=1)  # [T, 2, KVH, d]: one index_copy_ writes both
+        out = paged_attention(q, kv, kv_layer, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -59,8 +81,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -75,8 +97,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, cos, sin, k_cache, v_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta)
+    def forward(self, h, cos, sin, kv_layer, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -86,13 +108,13 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, kv_heads, slots, head_dim]
 
@@ -106,7 +128,7 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, self.kv_cache[i, 0], self.kv_cache[i, 1], attn)
+            h = layer(h, cos, sin, self.kv_cache[i], attn)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -129,7 +151,7 @@ class LlamaModel(nn.Module):
             p = params.pop(name)
             if p.shape != value.shape:
                 raise ValueError(f"weight {name}: checkpoint shape {tuple(value.shape)} != model {tuple(p.shape)}")
-            p.copy_(value)
+            p.data = value.to(p.dtype).contiguous()  # adopt the storage: no copy of a 500 MB model
 
         put("embed_tokens.weight", take("model.embed_tokens.weight"))
         put("norm.weight", take("model.norm.weight"))

@@ -86,10 +86,8 @@ def load_model(model: str | None = None, dtype: str = "float32", device: str = "
 
 
 def build_model(config: ModelConfig, state: dict, dtype: torch.dtype, device: str = "cpu") -> LlamaModel:
-    """Construct without random init (meta device), then fill from the checkpoint."""
-    with torch.device("meta"):
-        model = LlamaModel(config)
-    model.to_empty(device="cpu")
+    """Construct (uninitialised parameters), then fill from the checkpoint."""
+    model = LlamaModel(config)
     model.load_weights(state)
     model.to(device=device, dtype=dtype)
     return model.eval().requires_grad_(False)

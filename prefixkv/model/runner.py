@@ -42,6 +42,7 @@ class ModelRunner:
         )
         self.model.bind_kv_cache(self.kv_cache)
         self.sampler = Sampler(seed)
+        self._workspace: torch.Tensor | None = None  # gather scratch kept across steps (fresh pages are slow)
 
     @staticmethod
     def kv_bytes_per_token(config: ModelConfig, dtype: str = "float32") -> int:
@@ -62,8 +63,10 @@ class ModelRunner:
         counts = [len(it.token_ids) for it in ordered]
         meta = AttentionMetadata.build(
             counts, [it.start_pos for it in ordered], [it.page_table for it in ordered],
-            self.page_size, self.device, self.dtype,
+            self.page_size, self.device, self.dtype, 2 * self.config.num_kv_heads * self.config.head_dim,
+            self._workspace,
         )
+        self._workspace = meta.workspace
         input_ids = torch.tensor([t for it in ordered for t in it.token_ids], dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(it.start_pos, it.start_pos + n) for it, n in zip(ordered, counts)])
         hidden = self.model(input_ids, positions.to(self.device), meta)

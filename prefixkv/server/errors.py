@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefixkv.server.async_engine import EngineDeadError
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -90,6 +92,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(str(exc.detail), status=exc.status_code).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(str(exc), status=503, code="engine_dead").response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from prefixkv.outputs import RequestOutput
@@ -69,6 +69,7 @@ class _EngineStatsCollector:
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
+        disable_created_metrics()  # no `_created` twin per series (process-wide, as vLLM does)
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]

@@ -7,30 +7,52 @@ whole module and handed to each benchmark through its llm_factory argument.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import functools
 import json
 import math
 
 import pytest
+import torch
 
 from prefixkv.bench import common, multi_turn, system_prompt, throughput, zero_hit, workloads
 
 KV_TOKENS = 4096  # small pool: quick to allocate, still far more than these workloads need
+BUDGET = 64  # tokens per step: small, so requests sent together still run in several steps and can share pages
 
 
 @pytest.fixture(scope="module")
 def factory():
-    """Memoised LLMs keyed by their options: every test after the first reuses loaded models."""
-    from prefixkv.llm import LLM
+    """Memoised LLMs keyed by their options; the checkpoint itself is read once for the whole module.
 
-    cache = {}
+    Every engine gets its own copy of the model module (the runner binds its KV pool to it) that shares the
+    read-only weight tensors with the others, so a third engine costs a KV pool, not another GGUF load.
+    """
+    from prefixkv.llm import LLM
+    from prefixkv.model import loader
+
+    real_load = functools.cache(loader.load_model)
+
+    def load_shared(model=None, dtype="float32", device="cpu"):
+        base = real_load(model, dtype, device)
+        shared = {id(t): t for t in base.model.parameters()}
+        return dataclasses.replace(base, model=copy.deepcopy(base.model, shared))
+
+    engines = {}
 
     def make(prefix_cache="hash", **overrides):
         key = (prefix_cache, tuple(sorted(overrides.items())))
-        if key not in cache:
-            cache[key] = LLM(prefix_cache=prefix_cache, kv_cache_tokens=KV_TOKENS, num_threads=2, **overrides)
-        return cache[key]
+        if key not in engines:
+            options = dict(kv_cache_tokens=KV_TOKENS, max_num_batched_tokens=BUDGET, num_threads=1) | overrides
+            engines[key] = LLM(prefix_cache=prefix_cache, **options)
+        return engines[key]
 
-    return make
+    threads = torch.get_num_threads()  # engines set it process-wide; later test modules must not inherit 1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader, "load_model", load_shared)
+        yield make
+    torch.set_num_threads(threads)
 
 
 def parse(module, argv: list[str]) -> argparse.Namespace:
@@ -60,12 +82,12 @@ def test_throughput(factory):
 
 def test_shared_prefix(factory):
     args = parse(throughput, ["shared-prefix", "--prefix-len", "64", "--suffix-len", "8", "--output-len", "2",
-                              "--num-prompts", "3"])
+                              "--num-prompts", "3", "--warm-prefix"])
     res = throughput.run_shared_prefix(args, llm_factory=factory)
     json.dumps(res)
-    assert set(res["modes"]) == {"off", "hash"}
+    assert set(res["modes"]) == {"off", "hash"} and res["config"]["prefix_state"] == "warm"
     assert res["modes"]["off"]["cached_tokens"] == 0
-    assert res["modes"]["hash"]["cached_tokens"] > 0  # later requests hit the shared prefix
+    assert res["modes"]["hash"]["cached_tokens"] == 3 * 64  # every request hits the whole (block-aligned) prefix
     assert res["modes"]["hash"]["output_tokens"] == 3 * 2
     assert finite_positive(res["ratio_output_tok_s_on_over_off"])
     assert res["reference"]["output_tok_s_on"] == 426.0
@@ -100,8 +122,8 @@ def test_multi_turn(factory):
 
 
 def test_zero_hit(factory):
-    args = parse(zero_hit, ["zero-hit", "--input-len", "64", "--output-len", "2", "--num-prompts", "2",
-                            "--repeats", "2", "--hash-blocks", "64"])
+    args = parse(zero_hit, ["zero-hit", "--input-len", "32", "--output-len", "2", "--num-prompts", "2",
+                            "--repeats", "2", "--hash-blocks", "16"])
     res = zero_hit.run(args, llm_factory=factory)
     json.dumps(res)
     assert set(res["modes"]) == {"off", "hash", "radix"}
@@ -109,7 +131,7 @@ def test_zero_hit(factory):
     assert len(res["modes"]["radix"]["output_tok_s_runs"]) == 2
     assert set(res["ratio_output_tok_s_on_over_off"]) == {"hash", "radix"}
     assert set(res["hash_us_per_block"]) == {"sha256", "xxhash"}
-    assert all(finite_positive(us) for us in res["hash_us_per_block"].values())
+    assert all(finite_positive(us) for c in res["hash_us_per_block"].values() for us in c.values())
 
 
 def test_cli_writes_json_and_plot(factory, tmp_path, monkeypatch):

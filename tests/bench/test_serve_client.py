@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from prefixkv.bench.serve_client import _dist, add_arguments, run
+from prefixkv.bench.serve_client import _dist, add_arguments, plot, run
 from tests.server.fake_server import running_fake_server
 
 
@@ -14,7 +14,7 @@ def _args(base: str, *extra: str) -> argparse.Namespace:
                          "--output-tokens", "4", "--concurrency", "3", *extra])
 
 
-def test_bench_serve_workloads():
+def test_bench_serve_workloads(tmp_path):
     with running_fake_server(api_key="k") as (base, _, _):
         res = run(_args(base, "--num-requests", "5"))
         assert res["num_ok"] == 5 and res["num_errors"] == 0
@@ -27,6 +27,8 @@ def test_bench_serve_workloads():
         assert res["num_ok"] == 6
         assert sorted(res["per_turn"]) == [1, 2, 3]
         assert res["per_turn"][3]["prompt_tokens"] > res["per_turn"][1]["prompt_tokens"]
+        plot(res, str(tmp_path / "multi_turn.png"))
+        assert (tmp_path / "multi_turn.png").stat().st_size > 0
 
         bad = run(_args(base, "--num-requests", "1", "--model", "nope"))
         assert bad["num_errors"] == 1 and "404" in bad["errors"][0]

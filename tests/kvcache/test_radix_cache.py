@@ -365,6 +365,9 @@ class RadixMachine(RuleBasedStateMachine):
         self.kv.check_invariants()
         for req in self.running:
             self._check_readback(req)
+        for req in self.waiting:  # the memoised lookup equals a fresh match from the root
+            fresh = self.kv.tree.match(req.extra_keys, req.token_ids, req.num_tokens - 1)[1]
+            assert self.kv.lookup(req) == fresh
         if not self.running:
             assert self.kv.num_free_pages() == self.kv.num_pages
 

@@ -46,6 +46,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.added: list[dict] = []
         self.prompt_tokens = self.generation_tokens = 0
+        self.fail_steps = 0  # that many next steps raise, like an engine bug would
 
     def add_request(self, request_id, prompt, sampling_params: SamplingParams, *, priority=0, cache_salt=None,
                     lora_id=None) -> str:
@@ -82,6 +83,9 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         time.sleep(self.step_delay)
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("injected step failure")
         now = time.monotonic()
         outputs = []
         for rid, r in list(self.requests.items()):

@@ -175,3 +175,13 @@ def test_concurrent_streams_batch_and_metrics(server):
     assert 'prefixkv:request_success_total{finished_reason="length",model_name="fake-model"}' in metrics
     summary = httpx.get(base + "/cache/summary", headers={"Authorization": "Bearer sekret"}).json()
     assert summary["kv_pages_used"] == 0 and "hit_rate" in summary
+
+
+def test_engine_step_failure_fails_requests_not_server(server):
+    base, engine, _ = server
+    engine.fail_steps = 1
+    r = _post(base, "/v1/completions", {"prompt": "boom", "max_tokens": 3})
+    assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"]
+    _wait_idle(engine)
+    ok = _post(base, "/v1/completions", {"prompt": "fine", "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == expected_text(list(b"fine"), 3)

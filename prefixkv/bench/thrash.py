@@ -1,0 +1,258 @@
+"""`prefixkv bench thrash`: two hot prefixes, a pool that holds one, and what each scheduling policy makes of it.
+
+Requests of group X (prefix X) and group Y (prefix Y) arrive interleaved, one every `--arrival-every` steps.
+The pool holds one prefix plus the running requests' own pages, so serving X, Y, X, Y evicts each prefix just
+before it is needed again (FCFS thrashes); serving the cached group first (LPM) keeps one prefix resident but
+lets the other group wait as long as the first keeps arriving; bounded-lpm switches groups only when a request
+has waited `--max-wait-steps` steps.
+
+This benchmark is SIMULATED: the real Scheduler and KV manager run, but no model. Each step "computes" the
+scheduled tokens instantly and is charged a cost-model time (overhead + per-token cost), so it runs in seconds
+and its throughput numbers are cost-model numbers, not measurements. Hit rates, waits in steps and
+preemptions are exact for the scheduler and cache as implemented.
+
+Offline optimum: every request hits at most its group prefix (whole pages, never the last prompt token), and
+the first request of each group must compute its prefix (a compulsory miss). Serving each group contiguously
+achieves exactly that with a pool holding one prefix, so (requests - groups) full-prefix hits is both an upper
+bound for any order (Belady's bound with only compulsory misses) and achievable offline.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass, field
+
+from prefixkv.config import EngineConfig
+from prefixkv.engine.policies import SchedulingPolicy, create_policy
+from prefixkv.engine.request import Request, RequestStatus
+from prefixkv.engine.scheduler import Scheduler
+from prefixkv.kvcache.manager import KVCacheManager, create_kv_cache_manager
+from prefixkv.sampling_params import SamplingParams
+
+POLICIES = ("fcfs", "lpm", "dfs-weight", "bounded-lpm")
+SIMULATED = "simulated: real scheduler and KV manager, no model; step time = overhead + per-token cost model"
+
+
+# -- a model-free engine loop ----------------------------------------------------------------------------------
+@dataclass
+class CostModel:
+    """Time of one forward pass: a fixed part (weights read once per step) plus a part per batched token."""
+
+    step_overhead_s: float = 0.010
+    per_token_s: float = 0.0002
+
+    def step_time(self, num_batched_tokens: int) -> float:
+        return self.step_overhead_s + self.per_token_s * num_batched_tokens
+
+
+@dataclass
+class SimRequest:
+    arrival_step: int
+    prompt: list[int]
+    output_len: int
+    group: str = ""
+    lora_id: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass
+class SimResult:
+    requests: list[Request] = field(default_factory=list)
+    groups: dict[str, str] = field(default_factory=dict)  # request_id -> group
+    wait_steps: dict[str, int] = field(default_factory=dict)  # request_id -> first admission step - arrival step
+    wait_s: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+    sim_seconds: float = 0.0
+    computed_tokens: int = 0
+    output_tokens: int = 0
+    preemptions: int = 0
+
+
+def make_policy(name: str, max_wait_steps: int = 64) -> SchedulingPolicy:
+    return create_policy(EngineConfig(schedule_policy=name, lpm_fallback_threshold=None, max_wait_steps=max_wait_steps))
+
+
+def simulate(kv: KVCacheManager, policy: SchedulingPolicy, workload: list[SimRequest], max_num_seqs: int = 8,
+             max_num_batched_tokens: int = 2048, cost: CostModel | None = None, max_steps: int = 100_000,
+             check_every: int = 0) -> SimResult:
+    """Drive the real Scheduler over a workload: each scheduled chunk is computed and committed at once, a
+    request whose sequence is fully computed samples a fresh token, and finishes after output_len of them."""
+    cost = cost or CostModel()
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    sched = Scheduler(config, kv, policy)
+    pending = sorted(workload, key=lambda r: r.arrival_step)
+    res = SimResult()
+    arrived_at: dict[str, float] = {}
+    next_token = 10_000_000  # generated ids never collide with prompt ids or each other
+    i = 0
+    while i < len(pending) or sched.has_work():
+        if sched.step_count >= max_steps:
+            raise RuntimeError(f"simulation did not finish in {max_steps} steps")
+        while i < len(pending) and pending[i].arrival_step <= sched.step_count:
+            spec = pending[i]
+            req = Request(f"{spec.group}{i}", list(spec.prompt), SamplingParams(max_tokens=spec.output_len),
+                          lora_id=spec.lora_id, cache_salt=spec.cache_salt)
+            req.max_tokens = spec.output_len
+            sched.add(req)
+            res.requests.append(req)
+            res.groups[req.request_id] = spec.group
+            arrived_at[req.request_id] = res.sim_seconds
+            i += 1
+        step = sched.step_count
+        out = sched.schedule()
+        for req, n in out.scheduled:
+            if req.request_id not in res.wait_steps:
+                res.wait_steps[req.request_id] = step - req.arrival_step
+                res.wait_s[req.request_id] = res.sim_seconds - arrived_at[req.request_id]
+        res.sim_seconds += cost.step_time(out.num_batched_tokens) if out.scheduled else cost.step_overhead_s
+        res.computed_tokens += out.num_batched_tokens
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            kv.commit(req)
+            if req.num_computed_tokens == req.num_tokens:
+                req.token_ids.append(next_token)
+                next_token += 1
+                res.output_tokens += 1
+                if req.num_output_tokens >= req.max_tokens:
+                    sched.finish(req, RequestStatus.FINISHED_LENGTH)
+        if check_every and step % check_every == 0:
+            kv.check_invariants()
+    res.steps = sched.step_count
+    res.preemptions = sched.num_preemptions
+    return res
+
+
+def summarize_run(res: SimResult, kv: KVCacheManager) -> dict:
+    """Hit rate over first admissions (what the offline bound is about), waits, simulated throughput."""
+    from prefixkv.bench.workloads import percentile, ratio, summarize
+
+    prompt = sum(r.num_prompt_tokens for r in res.requests)
+    hit = sum(max(r.num_cached_tokens, 0) for r in res.requests)
+    waits = list(res.wait_steps.values())
+    per_group: dict[str, list[int]] = {}
+    for rid, w in res.wait_steps.items():
+        per_group.setdefault(res.groups[rid], []).append(w)
+    return {
+        "token_hit_rate": ratio(hit, prompt),
+        "hit_tokens": hit,
+        "prompt_tokens": prompt,
+        "hit_rate_all_admissions": kv.stats.hit_rate,  # counts re-admissions after preemption too
+        "computed_tokens": res.computed_tokens,
+        "output_tokens": res.output_tokens,
+        "steps": res.steps,
+        "sim_seconds": res.sim_seconds,
+        "sim_output_tok_s": ratio(res.output_tokens, res.sim_seconds),
+        "sim_requests_per_s": ratio(len(res.requests), res.sim_seconds),
+        "preemptions": res.preemptions,
+        "wait_steps": summarize(waits),
+        "wait_s": summarize(list(res.wait_s.values())),
+        "p99_wait_steps": percentile(waits, 99),
+        "max_wait_steps": max(waits, default=0),
+        "mean_wait_steps_by_group": {g: sum(ws) / len(ws) for g, ws in sorted(per_group.items())},
+    }
+
+
+# -- the thrash workload -----------------------------------------------------------------------------------------
+def thrash_workload(requests_per_group: int = 64, prefix_len: int = 1024, suffix_len: int = 32, output_len: int = 16,
+                    arrival_every: int = 1, groups: int = 2, seed: int = 0) -> list[SimRequest]:
+    rng = random.Random(seed)
+    names = "XYZW"[:groups] if groups <= 4 else [f"G{g}" for g in range(groups)]
+    prefixes = {g: [rng.randrange(1, 32000) for _ in range(prefix_len)] for g in names}
+    out = []
+    for k in range(requests_per_group * groups):
+        g = names[k % groups]
+        suffix = [rng.randrange(1, 32000) for _ in range(suffix_len)]
+        out.append(SimRequest(k * arrival_every, prefixes[g] + suffix, output_len, g))
+    return out
+
+
+def optimal_hit_tokens(workload: list[SimRequest], prefix_len: int, page_size: int) -> int:
+    """Compulsory misses only: all but the first request of each group hit their whole (page-aligned) prefix."""
+    seen: set[str] = set()
+    total = 0
+    for spec in workload:
+        if spec.group in seen:
+            cap = min(prefix_len, len(spec.prompt) - 1)
+            total += cap - cap % page_size
+        seen.add(spec.group)
+    return total
+
+
+def pool_pages(prefix_len: int, suffix_len: int, output_len: int, max_num_seqs: int, page_size: int) -> int:
+    """One prefix plus every running request's own pages (one page of slack each for the partial page)."""
+    per_request = -(-(suffix_len + output_len) // page_size) + 1
+    return -(-prefix_len // page_size) + max_num_seqs * per_request
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("thrash", help="two hot prefixes, a pool holding one: hit rate and waits per policy "
+                                             "(simulated, no model)")
+    p.add_argument("--requests-per-group", type=int, default=128)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--arrival-every", type=int, default=3, help="steps between arrivals (groups alternate)")
+    p.add_argument("--cache", choices=("hash", "radix"), default="radix")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-wait-steps", type=int, default=64, help="bounded-lpm's bound")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from prefixkv.bench.common import print_table
+    from prefixkv.bench.workloads import ratio
+
+    workload = thrash_workload(args.requests_per_group, args.prefix_len, args.suffix_len, args.output_len,
+                               args.arrival_every, seed=args.seed)
+    num_pages = pool_pages(args.prefix_len, args.suffix_len, args.output_len, args.max_num_seqs, args.page_size)
+    optimal = optimal_hit_tokens(workload, args.prefix_len, args.page_size)
+    prompt_tokens = sum(len(s.prompt) for s in workload)
+    optimal_rate = ratio(optimal, prompt_tokens)
+    results = {"mode": SIMULATED, "config": {k: v for k, v in vars(args).items() if k != "func"},
+               "num_pages": num_pages, "pool_tokens": num_pages * args.page_size,
+               "optimal_token_hit_rate": optimal_rate,
+               "optimal_how": "compulsory misses only: each group's first request computes the prefix, every other "
+                              "request hits it; achieved offline by serving each group contiguously",
+               "policies": {}}
+    rows = []
+    for name in [s.strip() for s in args.policies.split(",") if s.strip()]:
+        kv = create_kv_cache_manager(args.cache, num_pages, args.page_size)
+        t0 = time.perf_counter()
+        res = simulate(kv, make_policy(name, args.max_wait_steps), workload, args.max_num_seqs,
+                       args.max_num_batched_tokens)
+        kv.check_invariants()
+        s = summarize_run(res, kv)
+        s["of_optimal"] = ratio(s["token_hit_rate"], optimal_rate)
+        s["wall_s"] = time.perf_counter() - t0
+        results["policies"][name] = s
+        rows.append([name, s["token_hit_rate"], s["of_optimal"], s["sim_output_tok_s"], s["p99_wait_steps"],
+                     s["max_wait_steps"], s["preemptions"], s["steps"]])
+    print_table(["policy", "hit rate", "of optimal", "sim out tok/s", "p99 wait (steps)", "max wait", "preempt",
+                 "steps"], rows, title=f"thrash ({SIMULATED}); {args.cache} cache, page {args.page_size}, pool "
+                                       f"{num_pages * args.page_size} tokens; optimal hit rate {optimal_rate:.4f}")
+    return results
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["policies"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(names, [results["policies"][n]["token_hit_rate"] for n in names])
+    a.axhline(results["optimal_token_hit_rate"], color="k", linestyle="--", label="offline optimum")
+    a.set_ylabel("token hit rate")
+    a.legend()
+    b.bar(names, [results["policies"][n]["p99_wait_steps"] for n in names])
+    b.set_ylabel("p99 wait (steps)")
+    fig.suptitle("thrash (simulated)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

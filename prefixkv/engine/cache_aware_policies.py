@@ -1,0 +1,178 @@
+"""Scheduling policies that look at the prefix cache: lpm, dfs-weight (both from SGLang) and bounded-lpm (ours).
+
+All three work with any KV manager through `kv.lookup`; dfs-weight also needs the identity of the cached prefix
+(`kv.prefix_path` on the radix cache, block hashes on the hash cache) and degrades to FCFS without a cache.
+
+Why order at all: with a pool that holds one hot prefix, FCFS alternates between groups and evicts each prefix
+just before it is needed again (thrashing). Serving the requests that hit first keeps the hot prefix resident.
+LPM's flaw is starvation: a request whose prefix is cold is passed over as long as hot requests keep coming.
+bounded-lpm keeps LPM's order but no request waits more than `max_wait_steps` steps behind it.
+"""
+from __future__ import annotations
+
+import heapq
+
+from prefixkv.config import EngineConfig
+from prefixkv.engine.policies import SchedulingPolicy
+from prefixkv.engine.request import Request
+from prefixkv.kvcache.manager import KVCacheManager
+
+
+def lpm_order(waiting: list[Request], kv: KVCacheManager) -> list[Request]:
+    """Longest cached prefix first; the sort is stable, so ties keep queue order (arrival, preempted first)."""
+    hits = {id(r): kv.lookup(r) for r in waiting}
+    return sorted(waiting, key=lambda r: -hits[id(r)])
+
+
+class LPMPolicy(SchedulingPolicy):
+    """Longest prefix match. Past `fallback_threshold` waiting requests it orders FCFS like SGLang (None: never;
+    lookups are memoised on the request per cache version, so 4096 waiting requests cost milliseconds)."""
+
+    name = "lpm"
+
+    def __init__(self, fallback_threshold: int | None = None) -> None:
+        self.fallback_threshold = fallback_threshold
+
+    def _fallback(self, waiting: list[Request]) -> bool:
+        return self.fallback_threshold is not None and len(waiting) > self.fallback_threshold
+
+    def order(self, waiting, kv, step):
+        return list(waiting) if self._fallback(waiting) else lpm_order(waiting, kv)
+
+
+def _cached_path(kv: KVCacheManager, request: Request) -> list:
+    """Hashable ids of the request's cached prefix, root side first; equal ids mean an equal cached prefix."""
+    if hasattr(kv, "prefix_path"):
+        return kv.prefix_path(request)
+    num_blocks = kv.lookup(request) // kv.page_size
+    if num_blocks and hasattr(kv, "block_hashes"):
+        return kv.block_hashes(request, num_blocks)[:num_blocks]
+    return []
+
+
+class DFSWeightPolicy(SchedulingPolicy):
+    """SGLang's dfs-weight: lay the waiting requests on the tree of their cached prefixes, weight each node by
+    the requests below it, and walk depth-first taking heavier subtrees first; a node's own requests come after
+    its children's (deeper hits first). Requests sharing a cached prefix run together while it is resident."""
+
+    name = "dfs-weight"
+
+    def order(self, waiting, kv, step):
+        root = object()
+        children: dict = {root: []}
+        weight: dict = {}
+        own: dict = {}
+        for request in waiting:
+            parent = root
+            for node in _cached_path(kv, request):
+                if node not in weight:
+                    weight[node] = 0
+                    children[node] = []
+                    children[parent].append(node)  # first appearance order breaks weight ties: arrival order
+                weight[node] += 1
+                parent = node
+            own.setdefault(parent, []).append(request)
+
+        out: list[Request] = []
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                out.extend(own.get(node, ()))
+                continue
+            stack.append((node, True))
+            kids = sorted(children[node], key=lambda n: -weight[n])
+            stack.extend((kid, False) for kid in reversed(kids))
+        return out
+
+
+class BoundedLPMPolicy(LPMPolicy):
+    """LPM with a bound on overtaking, and deferral of duplicate prefills.
+
+    Order: LPM, except that no request is placed ahead of one that arrived more than `max_wait_steps` steps
+    before it. So a request is passed over by newer ones only during its first max_wait_steps steps; after that
+    it stands ahead of every newcomer, and once it is first only a full pool keeps it out (the scheduler admits
+    nobody behind a request that does not fit). With a steady hot stream and one cold request, the cold one waits
+    about max_wait_steps plus the time the hot running requests take to drain: plain LPM lets it wait as long
+    as the hot stream lasts. Unlike "overdue requests first, oldest first", the rule never degrades to FCFS order
+    when a backlog builds up: requests that arrived within max_wait_steps of each other still go in LPM order,
+    so groups sharing a prefix stay together and the pool does not thrash.
+
+    Deferral rule: a request that shares at least one not-yet-cached page, right after its cached prefix, with a
+    request admitted earlier in the same step (same adapter, salt and token ids up to that page) is skipped for
+    this step. The admitted request computes the shared pages and commits them, so next step the deferred one
+    hits them instead of computing them a second time in the same batch (what plain lpm and fcfs do). A request
+    waiting longer than max_wait_steps is never deferred.
+    """
+
+    name = "bounded-lpm"
+
+    def __init__(self, max_wait_steps: int = 64, fallback_threshold: int | None = None) -> None:
+        super().__init__(fallback_threshold)
+        if max_wait_steps < 0:
+            raise ValueError(f"max_wait_steps must be >= 0, got {max_wait_steps}")
+        self.max_wait_steps = max_wait_steps
+        self._step = 0
+
+    def order(self, waiting, kv, step):
+        self._step = step
+        if not waiting or self._fallback(waiting):
+            return list(waiting)
+        bound = self.max_wait_steps
+        by_age = sorted(range(len(waiting)), key=lambda i: waiting[i].arrival_step)
+        if waiting[by_age[-1]].arrival_step - waiting[by_age[0]].arrival_step <= bound:
+            return lpm_order(waiting, kv)  # everyone arrived within the bound of each other: plain LPM
+        # Greedy: repeatedly emit the best LPM candidate among the requests that arrived at most `bound` steps
+        # after the oldest one not yet emitted. Each request enters the heap once: O(n log n).
+        hit = [kv.lookup(r) for r in waiting]
+        out: list[Request] = []
+        done = [False] * len(waiting)
+        heap: list[tuple[int, int]] = []
+        oldest = entered = 0
+        while len(out) < len(waiting):
+            while done[by_age[oldest]]:
+                oldest += 1
+            limit = waiting[by_age[oldest]].arrival_step + bound
+            while entered < len(by_age) and waiting[by_age[entered]].arrival_step <= limit:
+                i = by_age[entered]
+                heapq.heappush(heap, (-hit[i], i))  # ties: queue order (arrival, preempted first)
+                entered += 1
+            _, i = heapq.heappop(heap)
+            done[i] = True
+            out.append(waiting[i])
+        return out
+
+    def _overdue(self, request: Request) -> bool:
+        return self._step - request.arrival_step > self.max_wait_steps
+
+    def should_defer(self, request, num_cached_tokens, admitted, kv):
+        if not admitted or self._overdue(request):
+            return False
+        start, end = num_cached_tokens, num_cached_tokens + kv.page_size
+        if end > request.num_tokens - 1:  # a hit next step could not cover a new page: nothing to gain
+            return False
+        tokens = request.token_ids
+        for other in admitted:
+            theirs = other.token_ids
+            if (other.extra_keys == request.extra_keys and len(theirs) >= end
+                    and theirs[start:end] == tokens[start:end] and theirs[:start] == tokens[:start]
+                    and _same_mm(other, request, end)):
+                return True
+        return False
+
+
+def _same_mm(a: Request, b: Request, end: int) -> bool:
+    if not a.mm_hashes and not b.mm_hashes:
+        return True
+    return [m for m in a.mm_hashes if m.offset < end] == [m for m in b.mm_hashes if m.offset < end]
+
+
+def create(config: EngineConfig) -> SchedulingPolicy:
+    name = config.schedule_policy
+    if name == "lpm":
+        return LPMPolicy(config.lpm_fallback_threshold)
+    if name == "dfs-weight":
+        return DFSWeightPolicy()
+    if name == "bounded-lpm":
+        return BoundedLPMPolicy(config.max_wait_steps, config.lpm_fallback_threshold)
+    raise ValueError(f"not a cache-aware policy: {name!r}")

@@ -1,0 +1,146 @@
+import pytest
+
+from prefixkv.bench.thrash import SimRequest, make_policy, pool_pages, simulate
+from prefixkv.config import EngineConfig
+from prefixkv.engine.cache_aware_policies import BoundedLPMPolicy, DFSWeightPolicy, LPMPolicy, create
+from prefixkv.engine.policies import create_policy
+from prefixkv.kvcache.hash_cache import HashPrefixCache
+from prefixkv.kvcache.radix_cache import RadixPrefixCache
+
+from tests.kvcache.helpers import make_request, run_to_completion
+
+P = list(range(1000, 1064))  # 64 tokens: 4 pages of 16
+Q = list(range(2000, 2096))  # 96 tokens
+
+
+def warm(kv, *prompts):
+    for tokens in prompts:
+        req = make_request(tokens)
+        run_to_completion(kv, req)
+        kv.free(req)
+
+
+def caches():
+    return [RadixPrefixCache(512, 1), RadixPrefixCache(512, 16), HashPrefixCache(512, 16)]
+
+
+def ids(reqs):
+    return [r.request_id for r in reqs]
+
+
+def test_create_maps_names():
+    assert isinstance(create(EngineConfig(schedule_policy="lpm")), LPMPolicy)
+    assert isinstance(create(EngineConfig(schedule_policy="dfs-weight")), DFSWeightPolicy)
+    bounded = create_policy(EngineConfig(schedule_policy="bounded-lpm", max_wait_steps=7, lpm_fallback_threshold=None))
+    assert isinstance(bounded, BoundedLPMPolicy) and bounded.max_wait_steps == 7
+    assert bounded.fallback_threshold is None
+    with pytest.raises(ValueError):
+        create(EngineConfig(schedule_policy="fcfs"))
+
+
+@pytest.mark.parametrize("kv", caches(), ids=lambda kv: f"{kv.name}{kv.page_size}")
+def test_lpm_orders_longest_hit_first_ties_by_queue_order(kv):
+    warm(kv, P + [1] * 40)
+    miss = make_request(Q + [5])
+    short = make_request(P[:32] + [7] * 8)
+    long1 = make_request(P + [1] * 20 + [9])
+    long2 = make_request(P + [1] * 20 + [8])
+    waiting = [miss, short, long1, long2]
+    assert ids(LPMPolicy().order(waiting, kv, 0)) == ids([long1, long2, short, miss])
+    assert LPMPolicy(fallback_threshold=3).order(waiting, kv, 0) == waiting  # past the threshold: FCFS
+
+
+@pytest.mark.parametrize("kv", caches(), ids=lambda kv: f"{kv.name}{kv.page_size}")
+def test_dfs_weight_takes_heavier_subtrees_first(kv):
+    warm(kv, P + [1] * 40, Q + [2] * 40)
+    q_long = make_request(Q + [2] * 32 + [0])  # the longest single hit
+    p_reqs = [make_request(P + [3, i]) for i in range(3)]  # three requests below P
+    p_deep = make_request(P + [1] * 32 + [4])  # below P, deeper
+    miss = make_request([9] * 40)
+    waiting = [miss, q_long, p_reqs[0], p_reqs[1], p_deep, p_reqs[2]]
+    order = ids(DFSWeightPolicy().order(waiting, kv, 0))
+    # P's subtree has 4 waiting requests, Q's 1: P first, its deeper hit before the rest; misses last
+    assert order == ids([p_deep] + p_reqs + [q_long, miss])
+    assert ids(LPMPolicy().order(waiting, kv, 0))[0] == q_long.request_id
+
+
+def test_dfs_weight_without_hits_is_queue_order():
+    kv = RadixPrefixCache(64, 1)
+    waiting = [make_request([i, i]) for i in range(5)]
+    assert DFSWeightPolicy().order(waiting, kv, 3) == waiting
+
+
+def test_bounded_lpm_never_lets_newcomers_pass_a_request_older_than_the_bound():
+    kv = RadixPrefixCache(512, 1)
+    warm(kv, P + [1])
+    cold = make_request(Q + [0])
+    cold.arrival_step = 0
+    hot = []
+    for s in (3, 8, 20, 25):
+        r = make_request(P + [s, s])
+        r.arrival_step = s
+        hot.append(r)
+    policy = BoundedLPMPolicy(max_wait_steps=10)
+    # hot requests that arrived within 10 steps of the cold one may pass it; later ones may not
+    assert ids(policy.order([cold] + hot, kv, 25)) == ids([hot[0], hot[1], cold, hot[2], hot[3]])
+    # everyone within the bound of each other: plain LPM
+    assert ids(policy.order([cold] + hot[:2], kv, 9)) == ids(hot[:2] + [cold])
+    assert ids(BoundedLPMPolicy(max_wait_steps=100).order([cold] + hot, kv, 25)) == ids(hot + [cold])
+
+
+def test_bounded_lpm_defers_a_request_sharing_an_uncached_page_with_one_admitted_this_step():
+    kv = RadixPrefixCache(512, 16)
+    policy = BoundedLPMPolicy(max_wait_steps=10)
+    policy.order([], kv, step=5)
+    a = make_request(P + [1, 2, 3])
+    b = make_request(P + [4, 5, 6])
+    assert policy.should_defer(b, 0, [a], kv)
+    assert not policy.should_defer(b, 0, [], kv)
+    assert not policy.should_defer(b, 0, [make_request(P[:15] + [0] * 20)], kv)  # shares less than a page
+    assert not policy.should_defer(make_request(P + [4], cache_salt="x"), 0, [a], kv)  # other tenant
+    warm(kv, P + [9])
+    assert not policy.should_defer(b, 64, [a], kv)  # everything shared is cached already
+    b.arrival_step = -20
+    assert not policy.should_defer(b, 0, [a], kv)  # waited past the bound: never deferred
+    assert not LPMPolicy().should_defer(make_request(P + [4, 5, 6]), 0, [a], kv)
+
+
+# -- with the real scheduler, driven without a model ------------------------------------------------------------
+def hot_stream_and_one_cold(steps=400):
+    hot_prefix, cold_prefix = list(range(10_000, 10_256)), list(range(20_000, 20_256))
+    work = [SimRequest(s, hot_prefix + [s, s + 1, s + 2], 8, "hot") for s in range(0, steps, 2)]
+    work.append(SimRequest(5, cold_prefix + [1, 2, 3], 8, "cold"))
+    return work
+
+
+@pytest.mark.parametrize("cache", ["radix", "hash"])
+def test_lpm_starves_a_cold_request_and_bounded_lpm_admits_it_within_its_bound(cache):
+    def run(policy):
+        kv = (RadixPrefixCache if cache == "radix" else HashPrefixCache)(pool_pages(256, 3, 8, 8, 16), 16)
+        res = simulate(kv, make_policy(policy, max_wait_steps=20), hot_stream_and_one_cold(), max_num_seqs=8,
+                       max_num_batched_tokens=512, check_every=7)
+        kv.check_invariants()
+        cold = next(r for r in res.requests if res.groups[r.request_id] == "cold")
+        return res, res.wait_steps[cold.request_id]
+
+    lpm, lpm_wait = run("lpm")
+    bounded, bounded_wait = run("bounded-lpm")
+    assert lpm_wait > 350  # passed over as long as hot requests keep coming
+    assert bounded_wait <= 20 + 20  # the bound, plus the running hot requests draining (8 output tokens each)
+    hot_hits = [sum(r.num_cached_tokens for r in res.requests) for res in (lpm, bounded)]
+    assert hot_hits[1] >= 0.95 * hot_hits[0]  # the detour costs about two prefix misses
+
+
+def test_bounded_lpm_computes_a_new_shared_prefix_once_per_step():
+    prefix = list(range(30_000, 30_512))
+    work = [SimRequest(0, prefix + [i, i + 1], 4, "g") for i in range(6)]
+
+    def computed(policy):
+        kv = RadixPrefixCache(4096, 16)
+        res = simulate(kv, make_policy(policy), work, max_num_seqs=8, max_num_batched_tokens=8192)
+        kv.check_invariants()
+        return res.computed_tokens
+
+    # lpm prefills the cold 512-token prefix six times in one batch; bounded-lpm once, the rest hit it next step
+    assert computed("lpm") >= 6 * 512
+    assert computed("bounded-lpm") < 2 * 512

@@ -1,0 +1,62 @@
+"""A step mixing decodes and prefill chunks of several requests gives each request exactly the tokens it
+gets when run alone (on a tiny checkpoint, so the test is fast)."""
+from __future__ import annotations
+
+import pytest
+
+from prefixkv.engine.batch import BatchItem
+from prefixkv.model.loader import load_model
+from prefixkv.model.runner import ModelRunner
+from prefixkv.sampling_params import SamplingParams
+from tests.model.helpers import PagePool, Sequence, greedy_generate, run_batch
+
+PROMPTS = [
+    [1, 504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 17, 9046],
+    [5, 6],
+    list(range(300, 341)),
+    [9000],
+    list(range(1000, 1019)),
+]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen2")
+    return load_model(path)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mixed_batch_equals_alone(tiny, page_size):
+    runner = ModelRunner(tiny, num_pages=200 // page_size + 20, page_size=page_size)
+    alone = [greedy_generate(runner, p, NEW) for p in PROMPTS]
+    pool = PagePool(runner.num_pages, shuffle_seed=7)
+    seqs = [Sequence(f"r{i}", p, pool, page_size, chunk=[None, 1, 9, None, 4][i]) for i, p in enumerate(PROMPTS)]
+    # stagger arrivals so that steps really mix decodes with prefill chunks
+    run_batch(runner, seqs[:2], 3)
+    run_batch(runner, seqs, NEW)
+    assert [s.output for s in seqs] == alone
+
+
+def test_non_sampling_items_return_none(tiny):
+    runner = ModelRunner(tiny, num_pages=8, page_size=16)
+    greedy = SamplingParams(temperature=0)
+    items = [
+        BatchItem("a", [1, 2, 3], 0, [0], False, greedy),
+        BatchItem("b", [4, 5], 0, [1], True, greedy),
+    ]
+    out = runner.execute(items)
+    assert out[0] is None and out[1] is not None
+    assert runner.execute([]) == []
+
+
+def test_short_page_table_is_an_error(tiny):
+    runner = ModelRunner(tiny, num_pages=8, page_size=4)
+    with pytest.raises(ValueError, match="page_table"):
+        runner.execute([BatchItem("a", list(range(10)), 0, [0, 1], True, SamplingParams(temperature=0))])
+
+
+def test_kv_bytes_per_token(tiny):
+    c = tiny.config
+    assert ModelRunner.kv_bytes_per_token(c, "float32") == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    assert ModelRunner.kv_bytes_per_token(c, "bfloat16") == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
