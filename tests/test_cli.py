@@ -32,3 +32,10 @@ def test_bad_option_is_a_clear_error():
     proc = _run(["generate", "hi", "--model", "/no/such/model.gguf"])
     assert proc.returncode == 2
     assert "error:" in proc.stderr
+
+
+def test_cache_tree_renders_shared_system_prompt():
+    proc = _run(["cache-tree", "--max-tokens", "2"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("radix cache:")
+    assert "travel agency" in proc.stdout and "hits=" in proc.stdout

@@ -40,8 +40,12 @@ def workload_and_expected(llm_factory):
     return prompts, expected
 
 
-@pytest.mark.parametrize("options", [dict(prefix_cache="hash"), dict(prefix_cache="hash", prefix_caching_hash_algo="xxhash"),
-                                     dict(prefix_cache="hash", max_num_batched_tokens=40)])
+@pytest.mark.parametrize("options", [
+    dict(prefix_cache="hash"),
+    dict(prefix_cache="hash", prefix_caching_hash_algo="xxhash", max_num_batched_tokens=40),
+    dict(prefix_cache="radix", page_size=1),
+    dict(prefix_cache="radix", page_size=16, max_num_batched_tokens=40, schedule_policy="bounded-lpm"),
+], ids=["hash", "hash-xxhash-chunked", "radix-page1", "radix-page16-chunked-bounded"])
 def test_caching_on_equals_off_sequential_and_batched(llm_factory, workload_and_expected, options):
     prompts, expected = workload_and_expected
     llm = llm_factory(**options)
@@ -54,8 +58,9 @@ def test_caching_on_equals_off_sequential_and_batched(llm_factory, workload_and_
     assert llm.llm_engine.get_stats().num_pages_used == 0
 
 
-def test_system_prompt_hit_counts_and_isolation(llm_factory):
-    llm = llm_factory(prefix_cache="hash")
+@pytest.mark.parametrize("cache", ["hash", "radix"])
+def test_system_prompt_hit_counts_and_isolation(llm_factory, cache):
+    llm = llm_factory(prefix_cache=cache)
     llm.reset_prefix_cache()
     tok = llm.get_tokenizer()
     rng = random.Random(2)
@@ -67,7 +72,7 @@ def test_system_prompt_hit_counts_and_isolation(llm_factory):
     first = llm.generate({"prompt_token_ids": system + q1}, one, use_tqdm=False)[0]
     second = llm.generate({"prompt_token_ids": system + q2}, one, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
-    assert second.num_cached_tokens == 2048  # 128 full blocks of 16
+    assert second.num_cached_tokens == 2048  # 128 full blocks of 16; radix (page 1) matches to the first new token
     salted = llm.generate({"prompt_token_ids": system + q2, "cache_salt": "tenant-b"}, one, use_tqdm=False)[0]
     adapter = llm.generate({"prompt_token_ids": system + q2, "lora_id": "adapter-7"}, one, use_tqdm=False)[0]
     assert salted.num_cached_tokens == 0 and adapter.num_cached_tokens == 0
@@ -88,3 +93,15 @@ def test_reset_prefix_cache_and_chat_hits(llm_factory):
     assert llm.reset_prefix_cache() is True
     cold = llm.chat(msgs, GREEDY, use_tqdm=False)[0]
     assert cold.num_cached_tokens == 0
+
+
+def test_radix_cache_summary_and_tree(llm_factory):
+    llm = llm_factory(prefix_cache="radix")
+    msgs = [{"role": "system", "content": SYSTEM * 3}]
+    for q in ("Hi!", "Hello?", "Hey there"):
+        llm.chat(msgs + [{"role": "user", "content": q}], GREEDY, use_tqdm=False)
+    summary = llm.cache_summary()
+    assert summary["type"] == "radix" and summary["cached_tokens"] > 0
+    assert summary["top_prefixes"] and summary["top_prefixes"][0]["hits"] >= 2
+    tree = llm.render_cache_tree()
+    assert "Northwind" in tree
