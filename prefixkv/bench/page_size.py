@@ -13,7 +13,8 @@ import argparse
 import random
 import time
 
-from prefixkv.bench.thrash import SIMULATED, SimRequest, make_policy, simulate, summarize_run
+from prefixkv.bench.thrash import SIMULATED
+from prefixkv.sim.simulator import SimRequest, make_policy, simulate, summarize_run
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 
 

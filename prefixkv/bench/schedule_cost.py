@@ -15,7 +15,7 @@ import random
 import statistics
 import time
 
-from prefixkv.bench.thrash import make_policy
+from prefixkv.sim.simulator import make_policy
 from prefixkv.engine.request import Request
 from prefixkv.kvcache.manager import create_kv_cache_manager
 from prefixkv.sampling_params import SamplingParams

@@ -1,6 +1,7 @@
 import pytest
 
-from prefixkv.bench.thrash import SimRequest, make_policy, pool_pages, simulate
+from prefixkv.bench.thrash import pool_pages
+from prefixkv.sim.simulator import SimRequest, make_policy, simulate
 from prefixkv.config import EngineConfig
 from prefixkv.engine.cache_aware_policies import BoundedLPMPolicy, DFSWeightPolicy, LPMPolicy, create
 from prefixkv.engine.policies import create_policy
