@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import platform
 import time
@@ -128,7 +129,7 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence], title: str | N
 
 def _fmt(value) -> str:
     if isinstance(value, float):
-        if value != value:  # nan
+        if math.isnan(value):
             return "nan"
         return f"{value:.4f}" if abs(value) < 1 else f"{value:.1f}"
     return str(value)

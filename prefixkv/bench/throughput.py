@@ -11,7 +11,7 @@ import os
 import time
 
 from prefixkv.bench import common
-from prefixkv.bench.workloads import median, ratio, random_prompts, sampler_for, shared_prefix_prompts
+from prefixkv.bench.workloads import median, random_prompts, ratio, sampler_for, shared_prefix_prompts
 
 
 def register(subparsers) -> None:
@@ -24,6 +24,9 @@ def register(subparsers) -> None:
                    help="also time Hugging Face transformers generate() on the same prompts, in this process")
     p.add_argument("--hf-batch-size", type=int, default=0,
                    help="prompts per HF generate() call, left-padded (0: all prompts in one batch)")
+    p.add_argument("--hf-gguf", default="dequantize", choices=["dequantize", "packed"],
+                   help="how transformers loads a .gguf: dequantize to dense --dtype weights (the same computation "
+                        "as prefixkv) or keep the packed blocks (transformers' own default, fp32 kernels)")
     common.add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -93,14 +96,17 @@ def run_hf(args: argparse.Namespace, llm, prompts: list[list[int]]) -> dict:
     out_tokens = sum(len(o) for o in out_ids)
     in_tokens = sum(len(p) for p in prompts)
     del model
-    return {"model_path": model_path, "batching": f"batches of {batch_size}, left padding",
+    return {"model_path": model_path, "gguf_weights": getattr(args, "hf_gguf", None),
+            "dtype": args.dtype,
+            "batching": f"batches of {batch_size}, left padding",
             "batch_size": batch_size, "elapsed_s": elapsed, "output_tokens": out_tokens,
             "output_tok_s": ratio(out_tokens, elapsed), "total_tok_s": ratio(in_tokens + out_tokens, elapsed),
             "output_token_ids": out_ids}
 
 
 def load_hf_model(args: argparse.Namespace):
-    """AutoModelForCausalLM for --model (a .gguf file is dequantised by transformers, like our loader does)."""
+    """AutoModelForCausalLM for --model. For a .gguf, recent transformers keeps quantised blocks packed by default;
+    --hf-gguf dequantize (the default here) unpacks them to dense weights, as prefixkv's loader does."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -109,8 +115,16 @@ def load_hf_model(args: argparse.Namespace):
     path = args.model or default_model_path()
     dtype = getattr(torch, args.dtype)
     if path.endswith(".gguf"):
+        kwargs = {}
+        if getattr(args, "hf_gguf", "dequantize") == "dequantize":
+            try:
+                from transformers import GgufConfig
+            except ImportError:  # older transformers: GGUF weights are always dequantised at load
+                GgufConfig = None
+            if GgufConfig is not None:
+                kwargs["quantization_config"] = GgufConfig(dequantize=True)
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                     gguf_file=os.path.basename(path), dtype=dtype)
+                                                     gguf_file=os.path.basename(path), dtype=dtype, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.eval(), path
@@ -214,7 +228,7 @@ def plot(results: dict, png_path: str) -> None:
         title = "throughput: output tok/s"
     cfg = results["config"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    colors = ["tab:blue" if "ref" not in label else "tab:gray" for label in labels]
+    colors = ["tab:gray" if label.endswith("(ref)") else "tab:blue" for label in labels]
     ax.bar(labels, values, color=colors)
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"{title} ({cfg['dtype']}, {cfg['num_threads']} threads)")

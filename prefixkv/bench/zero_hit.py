@@ -80,8 +80,8 @@ def hash_cost_us(sampler, num_blocks: int, rounds: int = 5) -> dict[str, dict[st
     payloads = [ROOT_KEY + bytes(4 + 4 * HASH_BLOCK_SIZE) for _ in range(num_blocks)]  # same size as a real block
     cost = {}
     for algo, fn in HASH_FUNCTIONS.items():
-        full = _best_of(rounds, lambda: hash_prompt_blocks(tokens, HASH_BLOCK_SIZE, algo))
-        bare = _best_of(rounds, lambda: [fn(p) for p in payloads])
+        full = _best_of(rounds, lambda a=algo: hash_prompt_blocks(tokens, HASH_BLOCK_SIZE, a))
+        bare = _best_of(rounds, lambda f=fn: [f(p) for p in payloads])
         cost[algo] = {"hash_prompt_blocks": full / num_blocks * 1e6, "hash_fn_only": bare / num_blocks * 1e6}
     return cost
 

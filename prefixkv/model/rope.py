@@ -33,19 +33,29 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 def _yarn_inv_freq(base: float, dim: int, s: dict, max_pos: int) -> tuple[torch.Tensor, float]:
     """YaRN: interpolate low frequencies, extrapolate high ones, and scale attention by mscale."""
-    factor = s["factor"]
     old_len = s.get("original_max_position_embeddings") or max_pos
+    factor = s.get("factor") or max_pos / old_len
     beta_fast = s.get("beta_fast") or 32
     beta_slow = s.get("beta_slow") or 1
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
-        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
 
     def correction_dim(num_rotations: float) -> float:
         return (dim * math.log(old_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)

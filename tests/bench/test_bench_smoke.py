@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from prefixkv.bench import common, multi_turn, system_prompt, throughput, zero_hit, workloads
+from prefixkv.bench import common, multi_turn, system_prompt, throughput, workloads, zero_hit
 
 KV_TOKENS = 4096  # small pool: quick to allocate, still far more than these workloads need
 BUDGET = 64  # tokens per step: small, so requests sent together still run in several steps and can share pages
@@ -44,7 +44,7 @@ def factory():
     def make(prefix_cache="hash", **overrides):
         key = (prefix_cache, tuple(sorted(overrides.items())))
         if key not in engines:
-            options = dict(kv_cache_tokens=KV_TOKENS, max_num_batched_tokens=BUDGET, num_threads=1) | overrides
+            options = {"kv_cache_tokens": KV_TOKENS, "max_num_batched_tokens": BUDGET, "num_threads": 1} | overrides
             engines[key] = LLM(prefix_cache=prefix_cache, **options)
         return engines[key]
 
@@ -78,6 +78,17 @@ def test_throughput(factory):
     assert ours["cached_tokens"] == 0  # the cache was reset and random prompts share nothing
     assert finite_positive(ours["output_tok_s"]) and ours["total_tok_s"] > ours["output_tok_s"]
     assert "hf" not in res
+
+
+def test_throughput_compare_hf(factory):
+    args = parse(throughput, ["throughput", "--input-len", "32", "--output-len", "2", "--num-prompts", "2",
+                              "--compare-hf"])
+    res = throughput.run(args, llm_factory=factory)
+    json.dumps(res)
+    hf = res["hf"]
+    assert hf["output_tokens"] == 2 * 2 and hf["gguf_weights"] == "dequantize" and "left padding" in hf["batching"]
+    assert 0.0 <= hf["token_match"] <= 1.0 and "output_token_ids" not in hf
+    assert finite_positive(res["ratio_output_tok_s_prefixkv_over_hf"])
 
 
 def test_shared_prefix(factory):

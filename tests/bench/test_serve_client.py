@@ -1,26 +1,30 @@
-"""The HTTP benchmark client against a real (model-free) server: both workloads, tiny sizes."""
+"""The HTTP benchmark client against a real server on the default model: both workloads, tiny sizes."""
 from __future__ import annotations
 
 import argparse
 
 from prefixkv.bench.serve_client import _dist, add_arguments, plot, run
-from tests.server.fake_server import running_fake_server
+from prefixkv.config import EngineConfig
+from prefixkv.engine.engine import Engine
+from tests.server.live_server import running_server
 
 
 def _args(base: str, *extra: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_arguments(p)
     return p.parse_args(["--base-url", base + "/v1", "--api-key", "k", "--system-prompt-tokens", "20",
-                         "--output-tokens", "4", "--concurrency", "3", *extra])
+                         "--output-tokens", "4", "--concurrency", "3", "--ignore-eos", *extra])
 
 
 def test_bench_serve_workloads(tmp_path):
-    with running_fake_server(api_key="k") as (base, _, _):
+    engine = Engine(EngineConfig())
+    with running_server(engine, api_key="k") as (base, _, _):
         res = run(_args(base, "--num-requests", "5"))
         assert res["num_ok"] == 5 and res["num_errors"] == 0
         assert res["output_tokens"] == 20 and res["prompt_tokens"] > 100
         assert res["ttft_ms"]["p50"] > 0 and res["output_throughput_tok_s"] > 0
-        assert res["config"]["model"] == "fake-model"
+        assert res["config"]["model"] == engine.model_name
+        assert res["cached_tokens"] > 0
 
         res = run(_args(base, "--workload", "multi-turn", "--num-requests", "6", "--turns", "3",
                         "--turn-tokens", "5"))

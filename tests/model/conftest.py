@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see prefixkv/model/__init__.py
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -82,6 +84,9 @@ def _tiny_config(arch: str):
         return LlamaConfig(**{**common, "tie_word_embeddings": True}, rope_parameters=rope)
     if arch == "qwen2":
         return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if arch == "qwen2-yarn":
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+        return Qwen2Config(**common, rope_parameters=rope)
     if arch == "qwen3":
         # explicit head_dim different from hidden / heads, as in real Qwen3 checkpoints
         return Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32,
@@ -102,7 +107,7 @@ def tiny_checkpoint(tmp_path_factory, smol_tokenizer_dir):
         if arch not in cache:
             torch.manual_seed(0)
             hf = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32).eval()
-            if arch == "qwen2":  # random init leaves biases at zero; make them matter
+            if arch.startswith("qwen2"):  # random init leaves biases at zero; make them matter
                 with torch.no_grad():
                     for layer in hf.model.layers:
                         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

@@ -20,6 +20,7 @@ PROMPT = [1, 504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 17, 9046, 1232, 44, 10
         ("llama", 1, 5),  # radix-style pages, chunked prefill (start_pos > 0)
         ("llama-linear", 3, 8),  # linear rope, tied embeddings, odd page size
         ("qwen2", 16, 7),  # qkv bias
+        ("qwen2-yarn", 2, 10),  # yarn rope (attention scaling), context past original_max_position_embeddings
         ("qwen3", 4, None),  # q/k norm, explicit head_dim
         ("qwen3", 1, 6),
     ],

@@ -112,8 +112,11 @@ def test_streaming_chat_with_usage(client, model):
     plain = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
     chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].choices == []  # the usage chunk carries no choice
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
 
@@ -226,8 +229,9 @@ def test_api_key_enforced(server):
     assert httpx.get(server + "/health").status_code == 200
     for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/cache/summary"),
                          ("POST", "/reset_prefix_cache"), ("POST", "/v1/completions")]:
-        r = httpx.request(method, server + path, json={"prompt": "x"})
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):  # none, wrong, no scheme
+            r = httpx.request(method, server + path, json={"prompt": "x"}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
 

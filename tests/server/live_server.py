@@ -1,21 +1,26 @@
-"""Run the real app (uvicorn on 127.0.0.1) around a FakeEngine in a background thread."""
+"""Run the real app (uvicorn on 127.0.0.1, a free port) around an engine in a background thread.
+
+In-process, so a test can reach the engine behind the server (to inject a fault into its real parts, or to
+see what a request handed it). The engine thread starts and stops with the app's lifespan.
+"""
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import uvicorn
 
 from prefixkv.server.app import build_app
-from tests.server.fake_engine import FakeEngine
 
 
 @contextmanager
-def running_fake_server(engine: FakeEngine | None = None, **app_kwargs):
-    engine = engine or FakeEngine()
+def running_server(engine: Any, **app_kwargs) -> Iterator[tuple[str, Any, Any]]:
+    """Yield (base_url, engine, app) while uvicorn serves build_app(engine, **app_kwargs)."""
     app = build_app(engine, **app_kwargs)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -24,12 +29,12 @@ def running_fake_server(engine: FakeEngine | None = None, **app_kwargs):
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("fake server did not start")
-        time.sleep(0.01)
     try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
         httpx.get(base + "/health").raise_for_status()
         yield base, engine, app
     finally:
