@@ -4,6 +4,7 @@ It sees only page tables: which prefix cache (if any) produced them is invisible
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from prefixkv.engine.batch import BatchItem, Sample
@@ -57,8 +58,11 @@ class ModelRunner:
             return []
         for it in items:
             self._check(it)
-        # single-token items (decodes) first: they share one batched attention call per layer
-        order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) != 1)
+        # single-token items (decodes) first, shortest context first: they share batched attention calls
+        order = sorted(
+            range(len(items)),
+            key=lambda i: (0, items[i].start_pos) if len(items[i].token_ids) == 1 else (1, 0),
+        )
         ordered = [items[i] for i in order]
         counts = [len(it.token_ids) for it in ordered]
         meta = AttentionMetadata.build(
@@ -68,26 +72,24 @@ class ModelRunner:
         )
         self._workspace = meta.workspace
         input_ids = torch.tensor([t for it in ordered for t in it.token_ids], dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(it.start_pos, it.start_pos + n) for it, n in zip(ordered, counts)])
-        hidden = self.model(input_ids, positions.to(self.device), meta)
+        positions = np.concatenate([np.arange(it.start_pos, it.start_pos + n) for it, n in zip(ordered, counts)])
+        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), meta)
 
         # rows whose logits are needed: the last token of each sampling item
-        sample_rows, sample_items, row = [], [], 0
-        for it, n in zip(ordered, counts):
+        sample_rows, sample_at, row = [], [], 0
+        for k, (it, n) in enumerate(zip(ordered, counts)):
             row += n
             if it.sample:
                 sample_rows.append(row - 1)
-                sample_items.append(it)
+                sample_at.append(k)
         results: list[Sample | None] = [None] * len(items)
-        if not sample_items:
+        if not sample_at:
             return results
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        samples = self.sampler(
-            logits, [it.sampling_params for it in sample_items], [it.num_output_tokens for it in sample_items]
-        )
-        by_id = {id(it): s for it, s in zip(sample_items, samples)}
-        for original_index, it in zip(order, ordered):
-            results[original_index] = by_id.get(id(it))
+        chosen = [ordered[k] for k in sample_at]
+        samples = self.sampler(logits, [it.sampling_params for it in chosen], [it.num_output_tokens for it in chosen])
+        for k, sample in zip(sample_at, samples):
+            results[order[k]] = sample
         return results
 
     def _check(self, it: BatchItem) -> None:

@@ -27,7 +27,7 @@ def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
         try:
             return AutoTokenizer.from_pretrained(cached)
-        except Exception:  # a corrupt cache entry must never stop a load; rebuild it below
+        except Exception:  # noqa: BLE001 - a corrupt cache entry must never stop a load; rebuild it below
             shutil.rmtree(cached, ignore_errors=True)
     hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     try:
@@ -46,7 +46,7 @@ class Tokenizer:
     def __init__(self, hf: PreTrainedTokenizerBase, name: str, extra_eos_token_ids: Iterable[int] = ()) -> None:
         self.hf = hf
         self.name = name
-        eos = set(int(t) for t in extra_eos_token_ids)
+        eos = {int(t) for t in extra_eos_token_ids}
         if hf.eos_token_id is not None:
             eos.add(int(hf.eos_token_id))
         self.eos_token_ids: set[int] = eos
@@ -88,7 +88,7 @@ def _check_messages(messages) -> None:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be a dict, got {type(m).__name__}")
+            raise ValueError(f"messages[{i}] must be a dict, got {type(m).__name__}")  # noqa: TRY004 (API error)
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{i}] needs a non-empty string 'role'")

@@ -8,16 +8,18 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see prefixkv/model/__init__.py
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 torch.set_num_threads(2)
 
 CHAT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 RAW_PROMPTS = [
     "The quick brown fox jumps over the lazy dog. Once upon a time,",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
-    "    a, b = 0, 1\n    for _ in range(n - 1):\n        a, b = b, a + b\n    return b\n\n\ndef is_prime(n):\n",
+    (
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+        "    a, b = 0, 1\n    for _ in range(n - 1):\n        a, b = b, a + b\n    return b\n\n\ndef is_prime(n):\n"
+    ),
 ]
 
 
@@ -70,11 +72,12 @@ def smol_tokenizer_dir(tmp_path_factory, smol) -> str:
 def _tiny_config(arch: str):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-6,
-        bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
-    )
+    common = {
+        "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "initializer_range": 0.2, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": None, "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
     if arch == "llama":
         rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

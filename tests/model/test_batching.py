@@ -3,8 +3,10 @@ gets when run alone (on a tiny checkpoint, so the test is fast)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from prefixkv.engine.batch import BatchItem
+from prefixkv.model import attention
 from prefixkv.model.loader import load_model
 from prefixkv.model.runner import ModelRunner
 from prefixkv.sampling_params import SamplingParams
@@ -26,8 +28,10 @@ def tiny(tiny_checkpoint):
     return load_model(path)
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_mixed_batch_equals_alone(tiny, page_size):
+@pytest.mark.parametrize("page_size, split_decodes", [(1, False), (16, True)])
+def test_mixed_batch_equals_alone(tiny, page_size, split_decodes, monkeypatch):
+    if split_decodes:  # decodes of different context lengths go to separate padded groups
+        monkeypatch.setattr(attention, "_MIN_SPLIT_LEN", 0)
     runner = ModelRunner(tiny, num_pages=200 // page_size + 20, page_size=page_size)
     alone = [greedy_generate(runner, p, NEW) for p in PROMPTS]
     pool = PagePool(runner.num_pages, shuffle_seed=7)
@@ -36,6 +40,16 @@ def test_mixed_batch_equals_alone(tiny, page_size):
     run_batch(runner, seqs[:2], 3)
     run_batch(runner, seqs, NEW)
     assert [s.output for s in seqs] == alone
+
+
+def test_decode_groups_bound_padding(monkeypatch):
+    lens = [3, 5, 300, 310, 700, 2000]
+    meta = attention.AttentionMetadata.build(
+        [1] * len(lens), [n - 1 for n in lens], [list(range(n)) for n in lens], 1, "cpu", torch.float32, 8
+    )
+    groups = [(g.row_start, g.row_end, g.max_len) for g in meta.decodes]
+    assert groups == [(0, 2, 5), (2, 4, 310), (4, 5, 700), (5, 6, 2000)]
+    assert meta.slot_mapping.tolist() == [n - 1 for n in lens]
 
 
 def test_non_sampling_items_return_none(tiny):

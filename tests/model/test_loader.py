@@ -72,3 +72,25 @@ def test_tokenizer_cache_is_optional(monkeypatch, tmp_path):
     tok = tkmod.Tokenizer.from_gguf(default_model_path(), "x")
     assert tok.encode("Hello world") == [19556, 905]
     assert (tmp_path / "missing" / "cache").is_dir()
+
+
+def test_hf_dir_chat_template_from_either_file(tiny_checkpoint, tmp_path, smol):
+    """HF dirs keep the chat template in chat_template.jinja (new) or tokenizer_config.json (old)."""
+    import json
+    import os
+    import shutil
+
+    from prefixkv.model.tokenizer import Tokenizer
+
+    src, _ = tiny_checkpoint("qwen3")
+    expected = smol.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert load_model(src).tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]) == expected
+    old = tmp_path / "old_style"
+    shutil.copytree(src, old)
+    template = (old / "chat_template.jinja").read_text()
+    os.remove(old / "chat_template.jinja")
+    cfg = json.loads((old / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (old / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer.from_hf_dir(str(old), "old")
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == expected
