@@ -1,4 +1,10 @@
 """prefixkv: an LLM serving engine that never computes the same KV twice."""
+import os
+
+# OpenMP threads that spin while idle make every op wait for a descheduled thread when the cores are shared
+# (10x slower steps seen here); must be set before torch is first imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from prefixkv.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig"]

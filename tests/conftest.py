@@ -6,6 +6,7 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before anything imports torch (see prefixkv/__init__.py)
 
 
 @pytest.fixture(scope="session")
