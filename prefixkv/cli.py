@@ -106,7 +106,9 @@ def cmd_cache_tree(args) -> int:
         prompts = [llm.get_tokenizer().apply_chat_template(
             [{"role": "system", "content": system}, {"role": "user", "content": q}], add_generation_prompt=True)
             for q in ("Best month for Lisbon?", "Is Kyoto crowded in April?", "Cheap flights to Oslo?")]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    for prompt in prompts:  # one by one, as a conversation log replays: later prompts hit earlier ones
+        llm.generate(prompt, params, use_tqdm=False)
     print(llm.render_cache_tree(max_depth=args.depth))
     return 0
 

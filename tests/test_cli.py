@@ -38,4 +38,4 @@ def test_cache_tree_renders_shared_system_prompt():
     proc = _run(["cache-tree", "--max-tokens", "2"])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("radix cache:")
-    assert "travel agency" in proc.stdout and "hits=" in proc.stdout
+    assert "careful assistant" in proc.stdout and "hits=2" in proc.stdout  # the system prompt, hit by 2 of 3

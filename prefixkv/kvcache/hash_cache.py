@@ -28,11 +28,14 @@ class HashPrefixCache(KVCacheManager):
         self.cached: dict[bytes, Block] = {}
         self._req_blocks: dict[str, list[Block]] = {}
         self._req_num_committed: dict[str, int] = {}  # leading blocks of the request already keyed
+        self.num_evictions = 0  # keys only leave the map on eviction: a memoised match stays valid until then
+        self._hashes_key = ("block_hashes", page_size, hash_algo)  # request.cache_state keys
+        self._match_key = ("match", id(self))
 
     # -- keys ----------------------------------------------------------------------------------------------
     def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """Keys of the request's first num_blocks full blocks, memoised on the request (token ids only grow)."""
-        hashes: list[bytes] = request.cache_state.setdefault("block_hashes", [])
+        hashes: list[bytes] = request.cache_state.setdefault(self._hashes_key, [])
         bs = self.page_size
         tokens = request.token_ids
         parent = hashes[-1] if hashes else ROOT_KEY
@@ -47,13 +50,14 @@ class HashPrefixCache(KVCacheManager):
         if not self.caching:
             return 0
         max_blocks = (request.num_tokens - 1) // self.page_size  # the last token is always recomputed
+        memo = request.cache_state.get(self._match_key)  # (num_evictions, matched blocks) from an earlier lookup
+        n = memo[1] if memo is not None and memo[0] == self.num_evictions else 0
+        n = min(n, max_blocks)
         cached = self.cached
-        n = 0
         hashes = self.block_hashes(request, max_blocks)
-        for i in range(max_blocks):
-            if hashes[i] not in cached:
-                break
+        while n < max_blocks and hashes[n] in cached:
             n += 1
+        request.cache_state[self._match_key] = (self.num_evictions, n)
         return n * self.page_size
 
     def page_table(self, request: Request) -> list[int]:
@@ -71,7 +75,7 @@ class HashPrefixCache(KVCacheManager):
             blocks = []
         hit_blocks: list[Block] = []
         if num_cached_tokens:
-            keys = request.cache_state["block_hashes"][: num_cached_tokens // self.page_size]
+            keys = request.cache_state[self._hashes_key][: num_cached_tokens // self.page_size]
             hit_blocks = [self.cached[k] for k in keys]
         total_tokens = request.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_new_blocks = -(-total_tokens // self.page_size) - len(blocks) - len(hit_blocks)
@@ -133,6 +137,7 @@ class HashPrefixCache(KVCacheManager):
         if key is not None:
             if self.cached.get(key) is block:
                 del self.cached[key]
+                self.num_evictions += 1
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:

@@ -239,8 +239,8 @@ class RadixPrefixCache(KVCacheManager):
             if tokenizer_decode is not None:
                 ids = [t for t in run[:32] if isinstance(t, int)]
                 text = repr(tokenizer_decode(ids))
-                if len(text) > 42:
-                    text = text[:39] + "..."
+                if len(text) > 64:
+                    text = text[:61] + "..."
             else:
                 text = " ".join(map(str, run[:8])) + (" ..." if len(run) > 8 else "")
             return f"+{len(run)} tok  hits={node.hits} locks={node.lock_ref}  {text}"
