@@ -76,6 +76,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-wait-steps", type=int, default=64, help="bounded-lpm's bound")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--on-model", action="store_true",
+                   help="also run every policy on the real engine and model (same arrivals, same pool), timing it")
+    p.add_argument("--dtype", default="bfloat16", help="with --on-model")
+    p.add_argument("--num-threads", type=int, default=None, help="with --on-model")
     p.set_defaults(func=run)
 
 
@@ -111,7 +115,49 @@ def run(args: argparse.Namespace) -> dict:
     print_table(["policy", "hit rate", "of optimal", "sim out tok/s", "p99 wait (steps)", "max wait", "preempt",
                  "steps"], rows, title=f"thrash ({SIMULATED}); {args.cache} cache, page {args.page_size}, pool "
                                        f"{num_pages * args.page_size} tokens; optimal hit rate {optimal_rate:.4f}")
+    if args.on_model:
+        results["on_model"] = {}
+        rows = []
+        for name in results["policies"]:
+            s = run_on_model(workload, name, args, num_pages)
+            s["of_optimal"] = ratio(s["token_hit_rate"], optimal_rate)
+            results["on_model"][name] = s
+            rows.append([name, s["token_hit_rate"], s["of_optimal"], s["output_tok_s"], s["p99_wait_s"],
+                         s["wall_s"]])
+        print_table(["policy", "hit rate", "of optimal", "output tok/s", "p99 wait s", "wall s"], rows,
+                    title=f"thrash on the model ({args.dtype}); same arrivals (in engine steps) and pool")
     return results
+
+
+def run_on_model(workload: list[SimRequest], policy: str, args: argparse.Namespace, num_pages: int) -> dict:
+    """The same arrivals on the real engine: a request arrives when the engine has taken its arrival step."""
+    from prefixkv.bench.workloads import percentile, ratio
+    from prefixkv.llm import LLM
+    from prefixkv.sampling_params import SamplingParams
+
+    llm = LLM(dtype=args.dtype, num_threads=args.num_threads, prefix_cache=args.cache, page_size=args.page_size,
+              kv_cache_tokens=num_pages * args.page_size, schedule_policy=policy, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_wait_steps=args.max_wait_steps,
+              lpm_fallback_threshold=None)
+    engine = llm.llm_engine
+    pending = sorted(workload, key=lambda r: r.arrival_step)
+    finished = []
+    i = 0
+    t0 = time.perf_counter()
+    while i < len(pending) or engine.has_unfinished_requests():
+        while i < len(pending) and pending[i].arrival_step <= engine.scheduler.step_count:
+            spec = pending[i]
+            params = SamplingParams(temperature=0, max_tokens=spec.output_len, ignore_eos=True)
+            engine.add_request(f"{spec.group}{i}", {"prompt_token_ids": spec.prompt}, params)
+            i += 1
+        finished += [out for out in engine.step() if out.finished]
+    wall = time.perf_counter() - t0
+    prompt = sum(len(o.prompt_token_ids) for o in finished)
+    waits = [o.metrics.first_scheduled_time - o.metrics.arrival_time for o in finished]
+    output = sum(len(o.outputs[0].token_ids) for o in finished)
+    return {"token_hit_rate": ratio(sum(o.num_cached_tokens for o in finished), prompt), "wall_s": wall,
+            "output_tok_s": ratio(output, wall), "p99_wait_s": percentile(waits, 99), "requests": len(finished),
+            "preemptions": engine.get_stats().num_preemptions}
 
 
 def plot(results: dict, path: str) -> None:

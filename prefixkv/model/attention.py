@@ -11,10 +11,19 @@ lot, decodes are split into a few length groups so that padding never more than 
 Prefill chunks run one SDPA each; a chunk with no cached context uses the fast causal kernel on its own K/V,
 a chunk after cached tokens gathers its context and uses an offset causal mask.
 Gathered K/V go into one workspace reused by every layer: fresh large allocations are slow on CPU.
+
+Cascade attention (opt-in per step, see `AttentionMetadata.build(cascade=...)`): decodes whose page tables start
+with the same pages (many requests behind one cached system prompt) would each gather the same prefix K/V every
+layer. Instead, a cascade group attends to the shared prefix ONCE (queries of all members as rows of one GEMM per
+kv head), attends to each member's own remaining slots separately, and merges the two softmax pieces exactly
+(running max / sum, in float32). This changes the floating-point summation order, so the runner enables it by
+default only for bf16/fp16 (fp32 greedy output must stay identical with prefix caching on and off).
+Decode rows are then permuted so that every group (cascade or padded) is a contiguous range; `decode_order`
+maps back.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,6 +33,8 @@ import torch.nn.functional as F
 # than _MIN_SPLIT_LEN (below that, padding is cheaper than another SDPA call per layer)
 _GROUP_GROWTH = 2.0
 _MIN_SPLIT_LEN = 256
+# a cascade group needs at least 2 members sharing at least this many leading tokens (whole pages)
+_CASCADE_MIN_PREFIX = 64
 
 
 @dataclass
@@ -35,6 +46,22 @@ class DecodeGroup:
     max_len: int
     slots: torch.Tensor  # [B * max_len] flattened padded context slots (padding reads slot 0)
     mask: torch.Tensor  # [B, 1, 1, max_len] additive mask hiding the padding
+
+
+@dataclass
+class CascadeGroup:
+    """Rows [row_start, row_end) (of the permuted decode rows) share the context positions [0, prefix_len).
+
+    Every member's own positions [prefix_len, start_pos + 1) are padded to suffix_len slots.
+    """
+
+    row_start: int
+    row_end: int
+    prefix_len: int
+    prefix_slots: torch.Tensor  # [prefix_len]
+    suffix_len: int
+    suffix_slots: torch.Tensor  # [B * suffix_len] flattened padded slots (padding reads slot 0)
+    suffix_mask: torch.Tensor  # [B, 1, 1, suffix_len] float32 additive mask hiding the padding
 
 
 @dataclass
@@ -56,6 +83,11 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
     workspace: torch.Tensor  # flat scratch for gathered K/V, reused by every layer (no per-layer allocation)
+    cascades: list[CascadeGroup] = field(default_factory=list)
+    # with cascades, decode rows are processed permuted (cascade groups first, then the padded groups):
+    # permuted row r is step row decode_perm[r]; decode_order[i] = where step row i went
+    decode_perm: torch.Tensor | None = None
+    decode_order: torch.Tensor | None = None
 
     @staticmethod
     def build(
@@ -67,31 +99,56 @@ class AttentionMetadata:
         dtype: torch.dtype,
         gather_width: int,
         workspace: torch.Tensor | None = None,
+        cascade: bool = False,
     ) -> AttentionMetadata:
         """Items must already be ordered 1-token items first, by ascending start_pos (see ModelRunner).
 
         gather_width: elements per gathered slot (2 * kv_heads * head_dim). `workspace` is reused when it is
         large enough (the runner keeps one across steps); the returned metadata holds the one actually used.
+        cascade: attend to leading pages shared by several decodes once per group (see the module docstring).
         """
         num_decodes = 0
         while num_decodes < len(token_counts) and token_counts[num_decodes] == 1:
             num_decodes += 1
-        slot_parts: list[np.ndarray] = []
+        # new K/V of decode i go to the slot of position start_positions[i]
+        slot_parts: list[np.ndarray] = [
+            np.asarray(
+                [page_tables[i][start_positions[i] // page_size] * page_size + start_positions[i] % page_size
+                 for i in range(num_decodes)],
+                dtype=np.int64,
+            )
+        ]
+
+        cascades: list[CascadeGroup] = []
+        rest = list(range(num_decodes))  # decodes left to the padded path (ascending start_pos)
+        perm: list[int] = []
+        if cascade and num_decodes >= 2:
+            for members, prefix_pages in _cascade_groups(rest, start_positions, page_tables, page_size):
+                cascades.append(_cascade_group(len(perm), members, prefix_pages, start_positions, page_tables,
+                                               page_size, device))
+                perm += members
+            if cascades:
+                taken = set(perm)
+                rest = [i for i in rest if i not in taken]
 
         decodes: list[DecodeGroup] = []
         group_start = 0
-        for i in range(num_decodes + 1):
-            length = start_positions[i] + 1 if i < num_decodes else 0
-            if i == num_decodes or (
-                length > _MIN_SPLIT_LEN and length > _GROUP_GROWTH * (start_positions[group_start] + 1)
+        for k in range(len(rest) + 1):
+            length = start_positions[rest[k]] + 1 if k < len(rest) else 0
+            if k == len(rest) or (
+                length > _MIN_SPLIT_LEN and length > _GROUP_GROWTH * (start_positions[rest[group_start]] + 1)
             ):
-                if i > group_start:
-                    group, group_slots = _decode_group(
-                        group_start, i, start_positions, page_tables, page_size, device, dtype
+                if k > group_start:
+                    decodes.append(
+                        _decode_group(len(perm) + group_start, rest[group_start:k], start_positions, page_tables,
+                                      page_size, device, dtype)
                     )
-                    decodes.append(group)
-                    slot_parts.append(group_slots)
-                group_start = i
+                group_start = k
+        decode_perm = decode_order = None
+        if cascades:
+            perm += rest
+            decode_perm = torch.tensor(perm, dtype=torch.long, device=device)
+            decode_order = torch.from_numpy(np.argsort(np.asarray(perm))).to(device)
 
         prefills: list[PrefillChunk] = []
         row = num_decodes
@@ -115,34 +172,85 @@ class AttentionMetadata:
             [0]
             + [(g.row_end - g.row_start) * g.max_len for g in decodes]
             + [len(c.context_slots) for c in prefills if c.context_slots is not None]
+            + [max(c.prefix_len, (c.row_end - c.row_start) * c.suffix_len) for c in cascades]
         )
         need = most_slots * gather_width
         if workspace is None or workspace.numel() < need or workspace.dtype != dtype:
             workspace = torch.empty(max(need + need // 4, 1), dtype=dtype, device=device)  # headroom: fewer regrows
-        return AttentionMetadata(slot_mapping, decodes, prefills, workspace)
+        return AttentionMetadata(slot_mapping, decodes, prefills, workspace, cascades, decode_perm, decode_order)
 
 
-def _decode_group(start, end, start_positions, page_tables, page_size, device, dtype):
-    """Padded slot table and mask for decodes [start, end); also the slots their new tokens go to."""
-    lens = np.asarray(start_positions[start:end], dtype=np.int64) + 1
-    max_len = int(lens.max())
-    max_pages = -(-max_len // page_size)
-    table = np.zeros((end - start, max_pages), dtype=np.int64)
-    for b in range(end - start):
-        pt = page_tables[start + b][:max_pages]
+def _padded_slots(members, offset, start_positions, page_tables, page_size):
+    """Slots of positions [offset, start_pos + 1) of each member, padded to the longest: (slots [B, L], valid)."""
+    ends = np.asarray([start_positions[i] + 1 for i in members], dtype=np.int64)
+    width = int(ends.max()) - offset
+    max_pages = -(-(offset + width) // page_size)
+    table = np.zeros((len(members), max_pages), dtype=np.int64)
+    for b, i in enumerate(members):
+        pt = page_tables[i][:max_pages]
         table[b, : len(pt)] = pt
-    pos = np.arange(max_len, dtype=np.int64)
-    slots = table[:, pos // page_size] * page_size + pos % page_size  # [B, Lmax]
-    valid = pos[None, :] < lens[:, None]
-    slots = np.where(valid, slots, 0)  # padding reads slot 0 (finite: the pool is zero-initialised)
-    new_slots = slots[np.arange(end - start), lens - 1]
+    pos = offset + np.arange(width, dtype=np.int64)
+    slots = table[:, pos // page_size] * page_size + pos % page_size  # [B, width]
+    valid = pos[None, :] < ends[:, None]
+    return np.where(valid, slots, 0), valid  # padding reads slot 0 (finite: the pool is zero-initialised)
+
+
+def _decode_group(row_start, members, start_positions, page_tables, page_size, device, dtype):
+    """Padded slot table and mask for the decodes `members` (rows row_start onwards)."""
+    slots, valid = _padded_slots(members, 0, start_positions, page_tables, page_size)
+    b, max_len = slots.shape
     mask = torch.from_numpy(np.where(valid, 0.0, -np.inf).astype(np.float32))
-    group = DecodeGroup(
-        start, end, max_len,
+    return DecodeGroup(
+        row_start, row_start + b, max_len,
         torch.from_numpy(slots.reshape(-1)).to(device),
-        mask.to(device=device, dtype=dtype).view(end - start, 1, 1, max_len),
+        mask.to(device=device, dtype=dtype).view(b, 1, 1, max_len),
     )
-    return group, new_slots
+
+
+def _cascade_groups(decodes, start_positions, page_tables, page_size):
+    """[(members, shared_pages)]: decodes whose page tables share >= _CASCADE_MIN_PREFIX leading tokens.
+
+    Only pages lying entirely before every member's current position count (the current token's slot is
+    written this step). Members are grouped by their first page; when a group's common prefix is too short,
+    it is split by the first page where its members diverge (so two big families behind one short shared
+    start are both found).
+    """
+    min_pages = -(-_CASCADE_MIN_PREFIX // page_size)
+    found = []
+
+    def split(members: list[int], depth: int) -> None:
+        # members share pages [0, depth); each candidate has at least min_pages full pages before its position
+        by_page: dict[int, list[int]] = {}
+        for i in members:
+            by_page.setdefault(page_tables[i][depth], []).append(i)
+        for sub in by_page.values():
+            if len(sub) < 2:
+                continue
+            limit = min(start_positions[i] for i in sub) // page_size  # pages wholly before every position
+            table = np.asarray([page_tables[i][:limit] for i in sub], dtype=np.int64)
+            same = (table == table[0]).all(axis=0)
+            shared = limit if same.all() else int(np.argmin(same))
+            if shared >= min_pages:
+                found.append((sub, shared))
+            elif shared < limit:
+                split(sub, shared)
+
+    split([i for i in decodes if start_positions[i] // page_size >= min_pages], 0)
+    return found
+
+
+def _cascade_group(row_start, members, prefix_pages, start_positions, page_tables, page_size, device):
+    prefix_len = prefix_pages * page_size
+    pt = np.asarray(page_tables[members[0]][:prefix_pages], dtype=np.int64)
+    pos = np.arange(prefix_len, dtype=np.int64)
+    prefix_slots = pt[pos // page_size] * page_size + pos % page_size
+    slots, valid = _padded_slots(members, prefix_len, start_positions, page_tables, page_size)
+    b, suffix_len = slots.shape
+    mask = torch.from_numpy(np.where(valid, 0.0, -np.inf).astype(np.float32)).view(b, 1, 1, suffix_len)
+    return CascadeGroup(
+        row_start, row_start + b, prefix_len, torch.from_numpy(prefix_slots).to(device),
+        suffix_len, torch.from_numpy(slots.reshape(-1)).to(device), mask.to(device),
+    )
 
 
 def _gather(kv_layer: torch.Tensor, slots: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
@@ -170,13 +278,24 @@ def paged_attention(
     kv_layer.index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
     outputs: list[torch.Tensor] = []
 
+    if meta.decode_perm is not None:  # cascade groups: decode rows permuted so that every group is contiguous
+        q_dec = q.index_select(0, meta.decode_perm)
+        for c in meta.cascades:
+            outputs.append(_cascade_attention(q_dec[c.row_start : c.row_end], kv_layer, c, meta.workspace, scale))
+    else:
+        q_dec = q
+
     for g in meta.decodes:
         b = g.row_end - g.row_start
         gathered = _gather(kv_layer, g.slots, meta.workspace).view(2, kv_heads, b, g.max_len, head_dim)
         kd, vd = gathered[0].transpose(0, 1), gathered[1].transpose(0, 1)  # [B, KVH, L, d], L x d contiguous
-        qd = q[g.row_start : g.row_end].view(b, kv_heads, group, head_dim)  # heads of kv head j = rows of group j
+        qd = q_dec[g.row_start : g.row_end].view(b, kv_heads, group, head_dim)  # heads of kv head j = rows of group j
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
         outputs.append(od.reshape(b, num_heads, head_dim))
+
+    if meta.decode_order is not None:
+        decoded = torch.cat(outputs, dim=0).index_select(0, meta.decode_order)
+        outputs = [decoded]
 
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_end)
@@ -192,3 +311,43 @@ def paged_attention(
         outputs.append(op[0].transpose(0, 1))
 
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def _cascade_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, c: CascadeGroup, workspace: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, H, d] of the group's members -> [B, H, d]: shared prefix once, own suffixes, exact merge (float32)."""
+    b, num_heads, head_dim = q.shape
+    kv_heads = kv_layer.shape[1]
+    group = num_heads // kv_heads
+    qf = q.view(b, kv_heads, group, head_dim).float() * scale  # [B, KVH, g, d]
+
+    # prefix: one GEMM per kv head with the rows of every member; K/V gathered once for the whole group
+    prefix = _gather(kv_layer, c.prefix_slots, workspace).float()  # [2, KVH, Lp, d] (a copy unless fp32)
+    qp = qf.transpose(0, 1).reshape(kv_heads, b * group, head_dim)
+    s1 = torch.matmul(qp, prefix[0].transpose(1, 2))  # [KVH, B*g, Lp]
+    m1 = s1.amax(-1, keepdim=True)
+    p1 = s1.sub_(m1).exp_()
+    l1 = p1.sum(-1, keepdim=True)
+    o1 = torch.matmul(p1, prefix[1])  # [KVH, B*g, d], unnormalised
+    del prefix, s1, p1  # frees the workspace (fp32: the gathered view) for the suffix gather
+
+    def per_member(t: torch.Tensor) -> torch.Tensor:  # [KVH, B*g, x] -> [B, KVH, g, x]
+        return t.view(kv_heads, b, group, t.shape[-1]).transpose(0, 1)
+
+    m1, l1, o1 = per_member(m1), per_member(l1), per_member(o1)
+
+    # own suffixes, padded to the group's longest and masked
+    suffix = _gather(kv_layer, c.suffix_slots, workspace).view(2, kv_heads, b, c.suffix_len, head_dim)
+    ks = suffix[0].transpose(0, 1).float()  # [B, KVH, S, d]
+    vs = suffix[1].transpose(0, 1).float()
+    s2 = torch.matmul(qf, ks.transpose(-1, -2)).add_(c.suffix_mask)  # [B, KVH, g, S]
+    m2 = s2.amax(-1, keepdim=True)
+    p2 = s2.sub_(m2).exp_()
+    l2 = p2.sum(-1, keepdim=True)
+    o2 = torch.matmul(p2, vs)  # [B, KVH, g, d]
+
+    m = torch.maximum(m1, m2)
+    a1, a2 = (m1 - m).exp_(), (m2 - m).exp_()
+    out = (o1 * a1).add_(o2 * a2).div_((l1 * a1).add_(l2 * a2))
+    return out.to(q.dtype).reshape(b, num_heads, head_dim)

@@ -23,8 +23,14 @@ class ModelRunner:
         device: str | None = None,
         dtype: str | None = None,
         seed: int | None = None,
+        cascade_attention: bool | None = None,
     ) -> None:
-        """device/dtype default to the loaded model's; if given and different, the model is moved/cast."""
+        """device/dtype default to the loaded model's; if given and different, the model is moved/cast.
+
+        cascade_attention: attend once per step group to leading pages shared by several decodes (see
+        prefixkv.model.attention). None = auto: on for bf16/fp16, off for float32, where the changed summation
+        order could flip a near-tie and break token equality between prefix caching on and off.
+        """
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
         self.loaded = loaded
@@ -36,6 +42,9 @@ class ModelRunner:
         if first.device != self.device or first.dtype != self.dtype:
             self.model.to(device=self.device, dtype=self.dtype)
         self.num_pages, self.page_size = num_pages, page_size
+        self.cascade_attention = (
+            self.dtype in (torch.bfloat16, torch.float16) if cascade_attention is None else cascade_attention
+        )
         c = self.config
         # zeros, not empty: padded decode rows read slot 0 and masked garbage must still be finite
         self.kv_cache = torch.zeros(
@@ -68,7 +77,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             counts, [it.start_pos for it in ordered], [it.page_table for it in ordered],
             self.page_size, self.device, self.dtype, 2 * self.config.num_kv_heads * self.config.head_dim,
-            self._workspace,
+            self._workspace, cascade=self.cascade_attention,
         )
         self._workspace = meta.workspace
         input_ids = torch.tensor([t for it in ordered for t in it.token_ids], dtype=torch.long, device=self.device)
