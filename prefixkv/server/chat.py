@@ -18,7 +18,7 @@ from prefixkv.server.deltas import choice_deltas
 from prefixkv.server.errors import APIError
 from prefixkv.server.logprobs import chat_logprobs
 from prefixkv.server.protocol import ChatCompletionRequest
-from prefixkv.server.sse import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnected
+from prefixkv.server.sse import ClientDisconnected, EventStreamResponse, guarded_events, sse, until_disconnected
 from prefixkv.server.state import ServerState, server_state, submit
 from prefixkv.server.usage import usage
 
@@ -44,7 +44,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     group = await submit(state, raw, request_id, [prompt], params, body)
     created = int(time.time())
     if body.stream:
-        return EventStreamResponse(_stream(state, body, group, request_id, model, created), on_close=group.close)
+        events = guarded_events(_stream(state, body, group, request_id, model, created), group)
+        return EventStreamResponse(events, on_close=group.close)
     try:
         finals = await until_disconnected(raw, group.collect())
     except ClientDisconnected:
@@ -69,20 +70,13 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, group, reques
                   created: int) -> AsyncIterator[str]:
     finals: list[RequestOutput | None] = [None]
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
-    try:
-        for index in range(body.n):  # OpenAI opens every choice with the role
-            yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
-        async for d in choice_deltas(group, body.n, finals):
-            delta = {"content": d.text} if d.text else {}
-            logprobs = chat_logprobs(state.tokenizer, d.logprobs) if body.logprobs else None
-            yield sse({**base, "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
-                                            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]})
-        if body.include_usage:
-            yield sse({**base, "choices": [], "usage": usage(finals)})
-    except Exception as exc:  # headers are sent: the error travels as an event
-        err = exc if isinstance(exc, APIError) else APIError(str(exc), status=500)
-        yield sse(err.body())
-    finally:
-        group.close()
-    yield DONE
+    for index in range(body.n):  # OpenAI opens every choice with the role
+        yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]})
+    async for d in choice_deltas(group, body.n, finals):
+        delta = {"content": d.text} if d.text else {}
+        logprobs = chat_logprobs(state.tokenizer, d.logprobs) if body.logprobs else None
+        yield sse({**base, "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
+                                        "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]})
+    if body.include_usage:
+        yield sse({**base, "choices": [], "usage": usage(finals)})

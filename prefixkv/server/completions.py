@@ -10,10 +10,9 @@ from fastapi.responses import JSONResponse
 
 from prefixkv.outputs import RequestOutput
 from prefixkv.server.deltas import choice_deltas
-from prefixkv.server.errors import APIError
 from prefixkv.server.logprobs import completion_logprobs
 from prefixkv.server.protocol import CompletionRequest
-from prefixkv.server.sse import DONE, ClientDisconnected, EventStreamResponse, sse, until_disconnected
+from prefixkv.server.sse import ClientDisconnected, EventStreamResponse, guarded_events, sse, until_disconnected
 from prefixkv.server.state import ServerState, server_state, submit
 from prefixkv.server.usage import usage
 
@@ -30,8 +29,8 @@ async def create_completion(body: CompletionRequest, raw: Request):
     group = await submit(state, raw, request_id, prompts, params, body)
     created = int(time.time())
     if body.stream:
-        return EventStreamResponse(_stream(state, body, group, request_id, model, created, len(prompts)),
-                                   on_close=group.close)
+        events = guarded_events(_stream(state, body, group, request_id, model, created, len(prompts)), group)
+        return EventStreamResponse(events, on_close=group.close)
     try:
         finals = await until_disconnected(raw, group.collect())
     except ClientDisconnected:
@@ -60,19 +59,12 @@ async def _stream(state: ServerState, body: CompletionRequest, group, request_id
                   num_prompts: int) -> AsyncIterator[str]:
     finals: list[RequestOutput | None] = [None] * num_prompts
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-    try:
-        async for d in choice_deltas(group, body.n, finals):
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = completion_logprobs(state.tokenizer, d.logprobs, d.text_offset)
-            choice = {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason,
-                      "stop_reason": d.stop_reason}
-            yield sse({**base, "choices": [choice]})
-        if body.include_usage:
-            yield sse({**base, "choices": [], "usage": usage(finals)})
-    except Exception as exc:  # headers are sent: the error travels as an event
-        err = exc if isinstance(exc, APIError) else APIError(str(exc), status=500)
-        yield sse(err.body())
-    finally:
-        group.close()
-    yield DONE
+    async for d in choice_deltas(group, body.n, finals):
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(state.tokenizer, d.logprobs, d.text_offset)
+        choice = {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason,
+                  "stop_reason": d.stop_reason}
+        yield sse({**base, "choices": [choice]})
+    if body.include_usage:
+        yield sse({**base, "choices": [], "usage": usage(finals)})

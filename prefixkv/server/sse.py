@@ -14,6 +14,8 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from prefixkv.server.errors import APIError
+
 T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
@@ -21,6 +23,20 @@ DONE = "data: [DONE]\n\n"
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def guarded_events(events: AsyncIterator[str], group) -> AsyncIterator[str]:
+    """Once headers are sent an error can only travel as an event; the stream always ends with [DONE] and
+    always releases the engine requests of its group."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        err = exc if isinstance(exc, APIError) else APIError(str(exc), status=500)
+        yield sse(err.body())
+    finally:
+        group.close()
+    yield DONE
 
 
 class EventStreamResponse(StreamingResponse):
