@@ -91,7 +91,17 @@ def cmd_chat(args) -> int:
 
 
 def cmd_cache_tree(args) -> int:
-    """Replay a workload (one prompt per line of a file, or a built-in demo) and print the radix tree's top."""
+    """Print the top of a radix tree: a running server's (--url), or one built by replaying prompts (one per
+    line of --prompts-file, or a built-in demo)."""
+    if args.url:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        r = httpx.get(args.url.rstrip("/") + "/cache/tree", params={"depth": args.depth}, headers=headers)
+        if r.status_code != 200:
+            raise ValueError(f"{args.url} answered {r.status_code}: {r.text}")
+        print(r.text)
+        return 0
     from prefixkv.llm import LLM
     from prefixkv.sampling_params import SamplingParams
 
@@ -137,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t = sub.add_parser("cache-tree", help="replay prompts through the radix cache and print its tree")
     t.add_argument("--prompts-file", default=None)
+    t.add_argument("--url", default=None, help="a running `prefixkv serve --prefix-cache radix` to ask instead")
+    t.add_argument("--api-key", default=None)
     t.add_argument("--max-tokens", type=int, default=8)
     t.add_argument("--depth", type=int, default=3)
     add_engine_args(t)

@@ -53,11 +53,8 @@ class LLM:
     def cache_summary(self) -> dict:
         return self.llm_engine.cache_summary()
 
-    def render_cache_tree(self, **kwargs) -> str:
-        kv = self.llm_engine.kv
-        if not hasattr(kv, "render_tree"):
-            raise ValueError(f"the {kv.name!r} prefix cache has no tree to render; use prefix_cache='radix'")
-        return kv.render_tree(tokenizer_decode=self.llm_engine.tokenizer.decode, **kwargs)
+    def render_cache_tree(self, max_depth: int = 3, max_children: int = 5) -> str:
+        return self.llm_engine.render_cache_tree(max_depth, max_children)
 
     # -- internals -----------------------------------------------------------------------------------------
     @staticmethod

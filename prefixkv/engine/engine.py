@@ -284,3 +284,10 @@ class Engine:
 
     def cache_summary(self) -> dict:
         return self.kv.summary()
+
+    def render_cache_tree(self, max_depth: int = 3, max_children: int = 5) -> str:
+        """The top of the radix tree as text (ValueError for caches that are not a tree)."""
+        if not hasattr(self.kv, "render_tree"):
+            raise ValueError(f"the {self.kv.name!r} prefix cache has no tree to render; use prefix_cache='radix'")
+        return self.kv.render_tree(tokenizer_decode=self.tokenizer.decode, max_depth=max_depth,
+                                   max_children=max_children)

@@ -33,8 +33,11 @@ import torch.nn.functional as F
 # than _MIN_SPLIT_LEN (below that, padding is cheaper than another SDPA call per layer)
 _GROUP_GROWTH = 2.0
 _MIN_SPLIT_LEN = 256
-# a cascade group needs at least 2 members sharing at least this many leading tokens (whole pages)
+# a cascade group needs at least 2 members sharing at least this many leading tokens (whole pages), and must
+# gather at most this fraction of the slots its members would gather on their own (suffixes are padded to the
+# group's longest, so a group of very different lengths may not pay)
 _CASCADE_MIN_PREFIX = 64
+_CASCADE_MAX_GATHER = 0.75
 
 
 @dataclass
@@ -61,7 +64,7 @@ class CascadeGroup:
     prefix_slots: torch.Tensor  # [prefix_len]
     suffix_len: int
     suffix_slots: torch.Tensor  # [B * suffix_len] flattened padded slots (padding reads slot 0)
-    suffix_mask: torch.Tensor  # [B, 1, 1, suffix_len] float32 additive mask hiding the padding
+    suffix_mask: torch.Tensor  # [B, 1, 1, suffix_len] additive mask hiding the padding
 
 
 @dataclass
@@ -125,7 +128,7 @@ class AttentionMetadata:
         if cascade and num_decodes >= 2:
             for members, prefix_pages in _cascade_groups(rest, start_positions, page_tables, page_size):
                 cascades.append(_cascade_group(len(perm), members, prefix_pages, start_positions, page_tables,
-                                               page_size, device))
+                                               page_size, device, dtype))
                 perm += members
             if cascades:
                 taken = set(perm)
@@ -211,7 +214,8 @@ def _cascade_groups(decodes, start_positions, page_tables, page_size):
     """[(members, shared_pages)]: decodes whose page tables share >= _CASCADE_MIN_PREFIX leading tokens.
 
     Only pages lying entirely before every member's current position count (the current token's slot is
-    written this step). Members are grouped by their first page; when a group's common prefix is too short,
+    written this step), and only groups that gather clearly fewer slots than their members alone
+    (_CASCADE_MAX_GATHER). Members are grouped by their first page; when a group's common prefix is too short,
     it is split by the first page where its members diverge (so two big families behind one short shared
     start are both found).
     """
@@ -231,7 +235,10 @@ def _cascade_groups(decodes, start_positions, page_tables, page_size):
             same = (table == table[0]).all(axis=0)
             shared = limit if same.all() else int(np.argmin(same))
             if shared >= min_pages:
-                found.append((sub, shared))
+                ends = [start_positions[i] + 1 for i in sub]
+                cascade_slots = shared * page_size * (1 - len(sub)) + len(sub) * max(ends)
+                if cascade_slots <= _CASCADE_MAX_GATHER * sum(ends):
+                    found.append((sub, shared))
             elif shared < limit:
                 split(sub, shared)
 
@@ -239,7 +246,7 @@ def _cascade_groups(decodes, start_positions, page_tables, page_size):
     return found
 
 
-def _cascade_group(row_start, members, prefix_pages, start_positions, page_tables, page_size, device):
+def _cascade_group(row_start, members, prefix_pages, start_positions, page_tables, page_size, device, dtype):
     prefix_len = prefix_pages * page_size
     pt = np.asarray(page_tables[members[0]][:prefix_pages], dtype=np.int64)
     pos = np.arange(prefix_len, dtype=np.int64)
@@ -249,7 +256,7 @@ def _cascade_group(row_start, members, prefix_pages, start_positions, page_table
     mask = torch.from_numpy(np.where(valid, 0.0, -np.inf).astype(np.float32)).view(b, 1, 1, suffix_len)
     return CascadeGroup(
         row_start, row_start + b, prefix_len, torch.from_numpy(prefix_slots).to(device),
-        suffix_len, torch.from_numpy(slots.reshape(-1)).to(device), mask.to(device),
+        suffix_len, torch.from_numpy(slots.reshape(-1)).to(device), mask.to(device=device, dtype=dtype),
     )
 
 
@@ -313,16 +320,52 @@ def paged_attention(
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
+# CPU flash kernel that also returns the logsumexp of each row (what SDPA runs on CPU); None where unavailable
+_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _cascade_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, c: CascadeGroup, workspace: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [B, H, d] of the group's members -> [B, H, d]: shared prefix once, own suffixes, exact merge (float32)."""
+    """q [B, H, d] of the group's members -> [B, H, d]: shared prefix once, own suffixes, exact merge (float32).
+
+    The prefix is one attention with the queries of every member as rows of their kv head ([KVH, B*g, d] against
+    [KVH, Lp, d]: real GEMMs, K/V gathered once); the suffixes are one padded, masked batched attention. Each
+    part yields its output and the logsumexp of its scores; out = sum_i o_i * exp(lse_i - logaddexp(lse_1, lse_2)).
+    """
+    if _flash_with_lse is None or q.device.type != "cpu":
+        return _cascade_attention_reference(q, kv_layer, c, workspace, scale)
+    b, num_heads, head_dim = q.shape
+    kv_heads = kv_layer.shape[1]
+    group = num_heads // kv_heads
+
+    prefix = _gather(kv_layer, c.prefix_slots, workspace)  # [2, KVH, Lp, d]
+    qp = q.view(b, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, b * group, head_dim)
+    o1, lse1 = _flash_with_lse(qp, prefix[0].unsqueeze(0), prefix[1].unsqueeze(0), scale=scale)
+    o1 = o1.reshape(kv_heads, b, group, head_dim).transpose(0, 1)  # [B, KVH, g, d]
+    lse1 = lse1.reshape(kv_heads, b, group, 1).transpose(0, 1)
+
+    suffix = _gather(kv_layer, c.suffix_slots, workspace).view(2, kv_heads, b, c.suffix_len, head_dim)
+    o2, lse2 = _flash_with_lse(
+        q.view(b, kv_heads, group, head_dim), suffix[0].transpose(0, 1), suffix[1].transpose(0, 1),
+        attn_mask=c.suffix_mask, scale=scale,
+    )
+    lse2 = lse2.unsqueeze(-1)  # [B, KVH, g, 1]
+
+    lse = torch.logaddexp(lse1, lse2)
+    out = o1.float().mul_((lse1 - lse).exp_()).add_(o2.float().mul_((lse2 - lse).exp_()))
+    return out.to(q.dtype).reshape(b, num_heads, head_dim)
+
+
+def _cascade_attention_reference(
+    q: torch.Tensor, kv_layer: torch.Tensor, c: CascadeGroup, workspace: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The same with plain float32 ops (unnormalised softmax pieces: max m, sum l, output o); any device."""
     b, num_heads, head_dim = q.shape
     kv_heads = kv_layer.shape[1]
     group = num_heads // kv_heads
     qf = q.view(b, kv_heads, group, head_dim).float() * scale  # [B, KVH, g, d]
 
-    # prefix: one GEMM per kv head with the rows of every member; K/V gathered once for the whole group
     prefix = _gather(kv_layer, c.prefix_slots, workspace).float()  # [2, KVH, Lp, d] (a copy unless fp32)
     qp = qf.transpose(0, 1).reshape(kv_heads, b * group, head_dim)
     s1 = torch.matmul(qp, prefix[0].transpose(1, 2))  # [KVH, B*g, Lp]
@@ -337,7 +380,6 @@ def _cascade_attention(
 
     m1, l1, o1 = per_member(m1), per_member(l1), per_member(o1)
 
-    # own suffixes, padded to the group's longest and masked
     suffix = _gather(kv_layer, c.suffix_slots, workspace).view(2, kv_heads, b, c.suffix_len, head_dim)
     ks = suffix[0].transpose(0, 1).float()  # [B, KVH, S, d]
     vs = suffix[1].transpose(0, 1).float()

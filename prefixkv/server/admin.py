@@ -6,7 +6,7 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from prefixkv.server.state import server_state
@@ -70,3 +70,10 @@ async def cache_summary(raw: Request) -> dict:
     summary["kv_pages_used"] = stats.get("num_pages_used")
     summary["kv_pages_total"] = stats.get("num_pages_total")
     return summary
+
+
+@router.get("/cache/tree")
+async def cache_tree(raw: Request, depth: int = 3, children: int = 5) -> Response:
+    """The top of the radix tree as text (what `prefixkv cache-tree --url` prints); 400 for the hash cache."""
+    text = await server_state(raw).engine.call(lambda engine: engine.render_cache_tree(depth, children))
+    return PlainTextResponse(text)

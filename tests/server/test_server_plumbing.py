@@ -221,3 +221,26 @@ def test_engine_step_failure_fails_requests_not_server(server, engine, reference
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == want.text
     assert calls["n"] > 1  # the real runner served it
     _wait_no_pages_held(server)
+
+
+def test_cache_tree_endpoint_and_cli(server, llm_factory):
+    """The hash cache has no tree (a 400 naming the fix); a radix server renders its tree for the CLI."""
+    r = httpx.get(server + "/cache/tree", headers=AUTH)
+    assert r.status_code == 400 and "radix" in r.json()["error"]["message"]
+
+    import contextlib
+    import io
+
+    from prefixkv.cli import main
+
+    radix = Engine(EngineConfig(prefix_cache="radix"))
+    with running_server(radix) as (base, _, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        for q in ("one", "two"):
+            client.completions.create(model=radix.model_name, prompt=LONG_PROMPT + q, max_tokens=2, temperature=0)
+        text = httpx.get(base + "/cache/tree").text
+        assert text.startswith("radix cache:") and "lighthouse keeper" in text and "hits=1" in text
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["cache-tree", "--url", base]) == 0
+        assert "lighthouse keeper" in out.getvalue()
