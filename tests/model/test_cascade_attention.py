@@ -6,12 +6,9 @@ cascade forced on and off (cascade is off by default in fp32, on in bf16/fp16).
 """
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from prefixkv.engine.batch import BatchItem
 from prefixkv.model import attention
 from prefixkv.model.attention import AttentionMetadata, paged_attention
 from prefixkv.model.runner import ModelRunner
@@ -26,7 +23,7 @@ B_SHARED = 112  # family B: first 16 tokens of A, then its own 96
 def _step(page_size: int, seed: int = 0):
     """(token_counts, start_positions, page_tables, num_slots) of one step, ordered as the runner orders it."""
     pool = PagePool(4096 // page_size, shuffle_seed=seed)
-    pages = lambda tokens: -(-tokens // page_size)  # noqa: E731
+    pages = lambda tokens: -(-tokens // page_size)
     a = pool.take(SHARED // page_size)
     b = a[: pages(16)] + pool.take((B_SHARED - 16) // page_size)
 
@@ -87,7 +84,7 @@ def test_cascade_equals_plain(page_size, dtype, atol, kernel, monkeypatch):
 
 def test_cascade_grouping_edges():
     # too few members / too short a shared prefix / nothing shared: no cascade, plain path untouched
-    build = lambda starts, tables, cascade=True: AttentionMetadata.build(  # noqa: E731
+    build = lambda starts, tables, cascade=True: AttentionMetadata.build(
         [1] * len(starts), starts, tables, 16, "cpu", torch.float32, 8, cascade=cascade
     )
     shared = list(range(8))
@@ -163,7 +160,6 @@ def test_fp32_runner_cascade_on_equals_off(smol, smol_prompts, monkeypatch):
         results.append(_shared_prefix_batch(runner, prefix, suffixes, params))
         assert bool(calls) == on
     (off, off_samples), (on_, _) = results
-    print("cascade off:", off, "\ncascade on: ", on_)
     for k, (a, b) in enumerate(zip(off, on_)):
         if a != b:  # only a numerical near-tie may flip
             j = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
