@@ -25,7 +25,7 @@ class EngineConfig:
     lpm_fallback_threshold: int | None = 128  # waiting-queue length past which lpm orders FCFS (None: never)
     max_wait_steps: int = 64  # bounded-lpm: nobody goes ahead of a request that arrived this many steps before it
     num_threads: int | None = None  # torch CPU threads (None: all cores)
-    seed: int = 0
+    seed: int | None = 0  # the generator of unseeded sampling requests (None: a fresh random seed)
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_CACHES:

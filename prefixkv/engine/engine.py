@@ -75,7 +75,7 @@ class Engine:
         self.policy = create_policy(config)
         self.scheduler = Scheduler(config, self.kv, self.policy)
         self.runner = ModelRunner(loaded, num_pages=num_pages, page_size=page_size, device=config.device,
-                                  dtype=config.dtype)
+                                  dtype=config.dtype, seed=config.seed)
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Sequence] = {}  # by the scheduled request's id
         self._ids = itertools.count()

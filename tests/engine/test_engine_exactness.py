@@ -75,3 +75,16 @@ def test_every_page_is_free_after_all_requests_finish_or_abort(llm_factory):
     assert engine.get_stats().num_pages_used == 0
     assert engine.get_stats().num_running == 0 and engine.get_stats().num_waiting == 0
     engine.kv.check_invariants()
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch_and_n_fans_out(llm_factory, reference):
+    prompts, _ = reference
+    llm = llm_factory(prefix_cache="off")
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=8, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": prompts[1]}, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], seeded, use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    two = llm.generate({"prompt_token_ids": prompts[1]}, SamplingParams(
+        temperature=0.9, seed=1234, n=2, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in two.outputs] == [0, 1]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in two.outputs)
