@@ -23,7 +23,7 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "sha256"
     schedule_policy: str = "fcfs"
     lpm_fallback_threshold: int | None = 128  # waiting-queue length past which lpm orders FCFS (None: never)
-    max_wait_steps: int = 64  # bounded-lpm: nobody goes ahead of a request that arrived this many steps before it
+    max_wait_steps: int = 128  # bounded-lpm: nobody goes ahead of a request that arrived this many steps before it
     num_threads: int | None = None  # torch CPU threads (None: all cores)
     seed: int | None = 0  # the generator of unseeded sampling requests (None: a fresh random seed)
 

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> dict:
         for n in [int(x) for x in args.sizes.split(",") if x.strip()]:
             for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
                 kv, waiting = build(cache, n, args.num_prefixes, args.prefix_len, args.suffix_len, args.seed)
-                policy = make_policy(name, max_wait_steps=64)
+                policy = make_policy(name)
                 step = n // 8  # the oldest requests are past bounded-lpm's bound
                 cold = time_order(policy, waiting, kv, step)
                 warm = statistics.median(time_order(policy, waiting, kv, step) for _ in range(args.repeats))

@@ -73,7 +73,7 @@ def register(subparsers) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-wait-steps", type=int, default=64, help="bounded-lpm's bound")
+    p.add_argument("--max-wait-steps", type=int, default=128, help="bounded-lpm's bound")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--on-model", action="store_true",

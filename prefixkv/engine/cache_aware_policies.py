@@ -107,7 +107,7 @@ class BoundedLPMPolicy(LPMPolicy):
 
     name = "bounded-lpm"
 
-    def __init__(self, max_wait_steps: int = 64, fallback_threshold: int | None = None) -> None:
+    def __init__(self, max_wait_steps: int = 128, fallback_threshold: int | None = None) -> None:
         super().__init__(fallback_threshold)
         if max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {max_wait_steps}")

@@ -50,7 +50,7 @@ class SimResult:
     preemptions: int = 0
 
 
-def make_policy(name: str, max_wait_steps: int = 64) -> SchedulingPolicy:
+def make_policy(name: str, max_wait_steps: int = 128) -> SchedulingPolicy:
     return create_policy(EngineConfig(schedule_policy=name, lpm_fallback_threshold=None, max_wait_steps=max_wait_steps))
 
 
