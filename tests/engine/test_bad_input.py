@@ -50,3 +50,23 @@ def test_unknown_model_is_a_value_error():
         LLM(model="no-such-model-anywhere")
     with pytest.raises(ValueError, match="prefix_cache"):
         LLM(prefix_cache="lru")
+
+
+def test_stop_strings_and_stop_token_ids_end_generation(llm_factory):
+    llm = llm_factory(prefix_cache="off")
+    prompt = "List the planets of the solar system, separated by commas:"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    text, ids = free.outputs[0].text, free.outputs[0].token_ids
+    assert free.outputs[0].finish_reason == "length" and len(ids) == 24
+    stop = text[6:9]  # a piece that first occurs at or after position 6
+    cut = text.find(stop)
+    stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[0]
+    out = stopped.outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (text[:cut], "stop", stop)  # stop text not included
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[:cut + len(stop)]
+    by_id = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[4]]),
+                         use_tqdm=False)[0].outputs[0]
+    first = ids.index(ids[4])
+    assert by_id.token_ids == ids[:first + 1] and by_id.finish_reason == "stop" and by_id.stop_reason == ids[4]
