@@ -66,6 +66,13 @@ def cache_mode_on(args: argparse.Namespace) -> str:
     return args.prefix_cache if args.prefix_cache != "off" else "hash"
 
 
+def on_and_off_engines(args: argparse.Namespace, llm_factory: LLMFactory | None) -> tuple[str, dict]:
+    """The caching-on engine (the --prefix-cache kind, hash when that says off) and its caching-off twin."""
+    factory = factory_for(args, llm_factory)
+    on_mode = cache_mode_on(args)
+    return on_mode, {on_mode: factory(prefix_cache=on_mode), "off": factory(prefix_cache="off")}
+
+
 def warmup(llm, sampler, prompt_len: int = 32) -> None:
     """One short request, so the first measured one does not pay for lazy torch initialisation; then forget it."""
     from prefixkv.sampling_params import SamplingParams

@@ -23,9 +23,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) -> dict:
-    factory = common.factory_for(args, llm_factory)
-    on_mode = common.cache_mode_on(args)
-    llms = {on_mode: factory(prefix_cache=on_mode), "off": factory(prefix_cache="off")}
+    on_mode, llms = common.on_and_off_engines(args, llm_factory)
     sampler = sampler_for(llms[on_mode], seed=args.seed)
     system = sampler.tokens(args.system_tokens)
     repeats = max(1, args.repeats)

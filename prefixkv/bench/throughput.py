@@ -163,9 +163,7 @@ def run_shared_prefix(args: argparse.Namespace, llm_factory: common.LLMFactory |
     From an empty cache (the default), requests admitted in the first step all compute the prefix themselves;
     later ones hit it, so the hit count depends on max_num_batched_tokens. --warm-prefix measures the steady state.
     """
-    factory = common.factory_for(args, llm_factory)
-    on_mode = common.cache_mode_on(args)
-    llms = {"off": factory(prefix_cache="off"), on_mode: factory(prefix_cache=on_mode)}
+    on_mode, llms = common.on_and_off_engines(args, llm_factory)
     sampler = sampler_for(llms["off"], seed=args.seed)
     prompts = shared_prefix_prompts(sampler, args.num_prompts, args.prefix_len, args.suffix_len)
     prime = [prompts[0][:args.prefix_len] + sampler.tokens(args.suffix_len)] if args.warm_prefix else []
