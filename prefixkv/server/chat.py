@@ -11,14 +11,13 @@ from collections.abc import AsyncIterator
 
 import jinja2
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from prefixkv.outputs import RequestOutput
 from prefixkv.server.deltas import choice_deltas
 from prefixkv.server.errors import APIError
 from prefixkv.server.logprobs import chat_logprobs
 from prefixkv.server.protocol import ChatCompletionRequest
-from prefixkv.server.sse import ClientDisconnected, EventStreamResponse, guarded_events, sse, until_disconnected
+from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state, submit
 from prefixkv.server.usage import usage
 
@@ -43,16 +42,9 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = await submit(state, raw, request_id, [prompt], params, body)
     created = int(time.time())
-    if body.stream:
-        events = guarded_events(_stream(state, body, group, request_id, model, created), group)
-        return EventStreamResponse(events, on_close=group.close)
-    try:
-        finals = await until_disconnected(raw, group.collect())
-    except ClientDisconnected:
-        return JSONResponse({}, status_code=499)
-    finally:
-        group.close()
-    return _response(state, body, finals[0], request_id, model, created)
+    events = _stream(state, body, group, request_id, model, created) if body.stream else None
+    return await answer(raw, group, events,
+                        lambda finals: _response(state, body, finals[0], request_id, model, created))
 
 
 def _response(state: ServerState, body: ChatCompletionRequest, final: RequestOutput, request_id: str, model: str,

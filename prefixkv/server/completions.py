@@ -6,13 +6,12 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from prefixkv.outputs import RequestOutput
 from prefixkv.server.deltas import choice_deltas
 from prefixkv.server.logprobs import completion_logprobs
 from prefixkv.server.protocol import CompletionRequest
-from prefixkv.server.sse import ClientDisconnected, EventStreamResponse, guarded_events, sse, until_disconnected
+from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state, submit
 from prefixkv.server.usage import usage
 
@@ -28,16 +27,8 @@ async def create_completion(body: CompletionRequest, raw: Request):
     request_id = f"cmpl-{uuid.uuid4().hex}"
     group = await submit(state, raw, request_id, prompts, params, body)
     created = int(time.time())
-    if body.stream:
-        events = guarded_events(_stream(state, body, group, request_id, model, created, len(prompts)), group)
-        return EventStreamResponse(events, on_close=group.close)
-    try:
-        finals = await until_disconnected(raw, group.collect())
-    except ClientDisconnected:
-        return JSONResponse({}, status_code=499)
-    finally:
-        group.close()
-    return _response(state, body, finals, request_id, model, created)
+    events = _stream(state, body, group, request_id, model, created, len(prompts)) if body.stream else None
+    return await answer(raw, group, events, lambda finals: _response(state, body, finals, request_id, model, created))
 
 
 def _response(state: ServerState, body: CompletionRequest, finals: list[RequestOutput], request_id: str,

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixkv.server.errors import APIError
 
@@ -80,3 +80,17 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
         return task.result()
     task.cancel()
     raise ClientDisconnected()
+
+
+async def answer(raw: Request, group, events: AsyncIterator[str] | None, build: Callable[[list], dict]):
+    """Stream `events` as SSE, or (events None) wait for every final output and return build(finals) as JSON.
+    Either way the engine requests of `group` end with the HTTP request (499 when the client left first)."""
+    if events is not None:
+        return EventStreamResponse(guarded_events(events, group), on_close=group.close)
+    try:
+        finals = await until_disconnected(raw, group.collect())
+    except ClientDisconnected:
+        return JSONResponse({}, status_code=499)
+    finally:
+        group.close()
+    return build(finals)
