@@ -27,6 +27,7 @@ class HashPrefixCache(KVCacheManager):
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
         self._req_blocks: dict[str, list[Block]] = {}
+        self._req_page_ids: dict[str, list[int]] = {}  # the same blocks' ids: page_table() runs every step
         self._req_num_committed: dict[str, int] = {}  # leading blocks of the request already keyed
         self.num_evictions = 0  # keys only leave the map on eviction: a memoised match stays valid until then
         self._hashes_key = ("block_hashes", page_size, hash_algo)  # request.cache_state keys
@@ -61,7 +62,7 @@ class HashPrefixCache(KVCacheManager):
         return n * self.page_size
 
     def page_table(self, request: Request) -> list[int]:
-        return [b.block_id for b in self._req_blocks.get(request.request_id, ())]
+        return self._req_page_ids.get(request.request_id, [])
 
     def num_free_pages(self) -> int:
         return self.free_queue.num_free
@@ -93,8 +94,11 @@ class HashPrefixCache(KVCacheManager):
             self._evict(b)
             b.ref_cnt = 1
             blocks.append(b)
+        ids = [] if first_admission else self._req_page_ids[rid]
+        ids.extend(b.block_id for b in blocks[len(ids):])
         if first_admission:
             self._req_blocks[rid] = blocks
+            self._req_page_ids[rid] = ids
             self._req_num_committed[rid] = len(hit_blocks)
             self.stats.record(request.num_tokens, num_cached_tokens)
             if request.num_cached_tokens < 0:
@@ -121,6 +125,7 @@ class HashPrefixCache(KVCacheManager):
 
     def free(self, request: Request) -> None:
         blocks = self._req_blocks.pop(request.request_id, None)
+        self._req_page_ids.pop(request.request_id, None)
         self._req_num_committed.pop(request.request_id, None)
         if not blocks:
             return
@@ -168,6 +173,8 @@ class HashPrefixCache(KVCacheManager):
         assert all(b.ref_cnt >= 0 for b in self.blocks), "negative ref_cnt"
         for key, b in self.cached.items():
             assert b.block_hash == key, f"cached key maps to {b!r} whose key differs"
+        for rid, blocks in self._req_blocks.items():
+            assert self._req_page_ids[rid] == [b.block_id for b in blocks], "page ids drifted from blocks"
         holders: dict[int, int] = {}
         for blocks in self._req_blocks.values():
             for b in blocks:

@@ -51,7 +51,8 @@ class KVCacheManager(ABC):
 
     @abstractmethod
     def page_table(self, request: Request) -> list[int]:
-        """Page ids holding the request's KV, in position order."""
+        """Page ids holding the request's KV, in position order. The manager's own list (it runs every step):
+        read it, don't keep or change it."""
 
     @abstractmethod
     def num_free_pages(self) -> int:

@@ -114,7 +114,7 @@ class RadixPrefixCache(KVCacheManager):
 
     def page_table(self, request: Request) -> list[int]:
         state = self._requests.get(request.request_id)
-        return list(state.pages) if state else []
+        return state.pages if state else []
 
     def num_free_pages(self) -> int:
         return len(self._free) + self.tree.evictable_tokens // self.page_size

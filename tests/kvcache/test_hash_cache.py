@@ -41,7 +41,7 @@ def test_finished_request_frees_tail_first_and_eviction_drops_key():
     kv = HashPrefixCache(num_pages=8, page_size=4)
     req = make_request(range(17))  # 4 full blocks + 1 token
     run_to_completion(kv, req)
-    table = kv.page_table(req)
+    table = list(kv.page_table(req))
     assert len(table) == 5 and len(kv.cached) == 4
     kv.free(req)
     order = [b.block_id for b in kv.free_queue]

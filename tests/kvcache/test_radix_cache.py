@@ -43,7 +43,7 @@ def test_match_inside_a_node_splits_it_without_copying_kv():
     kv = RadixPrefixCache(32, 1)
     a = make_request([1, 2, 3, 4, 5, 6])
     run_to_completion(kv, a)
-    a_pages = kv.page_table(a)
+    a_pages = list(kv.page_table(a))
     assert kv.tree.num_nodes == 1
     b = make_request([1, 2, 3, 9, 9])
     assert kv.lookup(b) == 3 and admit(kv, b)
@@ -63,7 +63,7 @@ def test_eviction_takes_lru_leaf_first_then_the_parent_that_became_a_leaf():
     kv = RadixPrefixCache(64, 1)
     a = make_request([1, 2, 3, 4, 90])
     run_to_completion(kv, a)
-    a_pages = kv.page_table(a)
+    a_pages = list(kv.page_table(a))
     kv.free(a)
     cached_then_freed(kv, [1, 2, 5, 6, 91])  # freed later: more recently used
     assert kv.tree.num_nodes == 3 and kv.tree.evictable_tokens == 8
@@ -96,9 +96,9 @@ def test_locked_prefix_survives_pressure_and_failed_allocation_changes_nothing()
     cached_then_freed(kv, [1, 2, 3, 4])  # 4 evictable pages
     assert kv.num_free_pages() == 6
     big = make_request(range(100, 107))  # 7 pages: more than free + evictable
-    before = (kv.summary(), kv.page_table(running), list(kv._free))
+    before = (kv.summary(), list(kv.page_table(running)), list(kv._free))
     assert not admit(kv, big)
-    assert (kv.summary(), kv.page_table(running), list(kv._free)) == before
+    assert (kv.summary(), list(kv.page_table(running)), list(kv._free)) == before
     kv.check_invariants()
     fits = make_request(range(100, 106))  # 6 pages: evicts the unlocked prefix, never the running one
     assert admit(kv, fits)
