@@ -69,13 +69,22 @@ class CascadeGroup:
 
 @dataclass
 class PrefillChunk:
-    """Rows [row_start, row_end) of the step are positions [start_pos, start_pos + n) of one request."""
+    """Rows [row_start, row_end) of the step are positions [start_pos, start_pos + n) of one request.
+
+    Positions [0, context_len) are read from the pool: 0 when the chunk starts the request (its own K/V suffice),
+    start_pos in split mode (the chunk's own K/V come from the step, see `AttentionMetadata.build`), else
+    start_pos + n with the offset-causal `mask`.
+    """
 
     row_start: int
     row_end: int
     start_pos: int
-    context_slots: torch.Tensor | None  # slots of positions [0, start_pos + n); None when start_pos == 0
-    mask: torch.Tensor | None  # additive [n, start_pos + n] offset-causal mask; None when start_pos == 0
+    context_len: int
+    context_slots: torch.Tensor | None  # slots of the context positions, when they must be gathered
+    # when those slots are one ascending run (pages allocated back to back, as from a fresh pool or a cached
+    # prefix computed in one go), its first slot: attention reads a view of the pool instead of a gathered copy
+    context_first_slot: int | None
+    mask: torch.Tensor | None  # additive [n, context_len] offset-causal mask (single-call mode only)
 
 
 @dataclass
@@ -103,12 +112,17 @@ class AttentionMetadata:
         gather_width: int,
         workspace: torch.Tensor | None = None,
         cascade: bool = False,
+        split_context: bool = False,
     ) -> AttentionMetadata:
         """Items must already be ordered 1-token items first, by ascending start_pos (see ModelRunner).
 
         gather_width: elements per gathered slot (2 * kv_heads * head_dim). `workspace` is reused when it is
         large enough (the runner keeps one across steps); the returned metadata holds the one actually used.
         cascade: attend to leading pages shared by several decodes once per group (see the module docstring).
+        split_context: a prefill chunk after cached tokens attends to the cached context (no mask) and to its
+        own K/V (causal) in two calls merged by log-sum-exp, so it reads the cached slots as one view of the pool
+        when they are back to back, whereas the pages of the chunk itself usually lie elsewhere. Like cascade, it
+        changes the summation order, so the runner uses it only below float32.
         """
         num_decodes = 0
         while num_decodes < len(token_counts) and token_counts[num_decodes] == 1:
@@ -161,20 +175,26 @@ class AttentionMetadata:
             pos = np.arange(start + n, dtype=np.int64)
             slots = pt[pos // page_size] * page_size + pos % page_size
             slot_parts.append(slots[start:])
-            context_slots = mask = None
-            if start > 0:
-                context_slots = torch.from_numpy(slots).to(device)
+            context_len = 0 if start == 0 else (start if split_context else start + n)
+            context_slots = mask = first_slot = None
+            if context_len:
+                ctx = slots[:context_len]
+                if ctx[-1] - ctx[0] == context_len - 1 and (np.diff(ctx) == 1).all():
+                    first_slot = int(ctx[0])
+                else:
+                    context_slots = torch.from_numpy(ctx).to(device)
+            if context_len and not split_context:
                 q_pos = np.arange(start, start + n)[:, None]
                 m = np.where(pos[None, :] <= q_pos, 0.0, -np.inf).astype(np.float32)
                 mask = torch.from_numpy(m).to(device=device, dtype=dtype)
-            prefills.append(PrefillChunk(row, row + n, start, context_slots, mask))
+            prefills.append(PrefillChunk(row, row + n, start, context_len, context_slots, first_slot, mask))
             row += n
 
         slot_mapping = torch.from_numpy(np.concatenate(slot_parts)).to(device)
         most_slots = max(
             [0]
             + [(g.row_end - g.row_start) * g.max_len for g in decodes]
-            + [len(c.context_slots) for c in prefills if c.context_slots is not None]
+            + [c.context_len for c in prefills if c.context_slots is not None]
             + [max(c.prefix_len, (c.row_end - c.row_start) * c.suffix_len) for c in cascades]
         )
         need = most_slots * gather_width
@@ -307,14 +327,20 @@ def paged_attention(
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_end)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        if chunk.context_slots is None:
-            kp = kv[rows, 0].transpose(0, 1).unsqueeze(0)
-            vp = kv[rows, 1].transpose(0, 1).unsqueeze(0)
+        kp = kv[rows, 0].transpose(0, 1).unsqueeze(0)  # the chunk's own K/V [1, KVH, n, d]
+        vp = kv[rows, 1].transpose(0, 1).unsqueeze(0)
+        if chunk.context_len == 0:  # no cached context: causal attention over the chunk's own K/V
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            gathered = _gather(kv_layer, chunk.context_slots, meta.workspace)
-            kp, vp = gathered[0].unsqueeze(0), gathered[1].unsqueeze(0)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+            if chunk.context_first_slot is not None:
+                context = kv_layer.narrow(2, chunk.context_first_slot, chunk.context_len)
+            else:
+                context = _gather(kv_layer, chunk.context_slots, meta.workspace)
+            kc, vc = context[0].unsqueeze(0), context[1].unsqueeze(0)
+            if chunk.mask is not None:
+                op = _attend_with_context(qp, kc, vc, chunk.mask, scale)
+            else:
+                op = _attend_split(qp, kc, vc, kp, vp, scale)
         outputs.append(op[0].transpose(0, 1))
 
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
@@ -322,6 +348,55 @@ def paged_attention(
 
 # CPU flash kernel that also returns the logsumexp of each row (what SDPA runs on CPU); None where unavailable
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor, dtype) -> torch.Tensor:
+    """Exact softmax merge of two attention pieces over disjoint keys: sum_i o_i * exp(lse_i - lse) (float32)."""
+    lse = torch.logaddexp(lse1, lse2)
+    return o1.float().mul_((lse1 - lse).exp_()).add_(o2.float().mul_((lse2 - lse).exp_())).to(dtype)
+
+
+def _attend_split(q, k_ctx, v_ctx, k_own, v_own, scale):
+    """q [1, H, n, d] over cached k/v_ctx [1, KVH, C, d] (all visible) and its own k/v_own [1, KVH, n, d] (causal).
+
+    The cached part lays the query heads of each kv head out as rows ([1, KVH, g*n, d]: no GQA expansion of
+    the long context, and enough rows for the flash kernel's packed path); the own part is small and expanded.
+    """
+    if _flash_with_lse is None or q.device.type != "cpu":
+        k = torch.cat((k_ctx, k_own), dim=2)
+        v = torch.cat((v_ctx, v_own), dim=2)
+        n, total = q.shape[2], k.shape[2]
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    _, num_heads, n, head_dim = q.shape
+    kv_heads = k_ctx.shape[1]
+    group = num_heads // kv_heads
+    o1, lse1 = _flash_with_lse(q.reshape(1, kv_heads, group * n, head_dim), k_ctx, v_ctx, scale=scale)
+    o1, lse1 = o1.reshape(1, num_heads, n, head_dim), lse1.reshape(1, num_heads, n, 1)
+    k_own = k_own.repeat_interleave(group, dim=1)
+    v_own = v_own.repeat_interleave(group, dim=1)
+    o2, lse2 = _flash_with_lse(q, k_own, v_own, is_causal=True, scale=scale)
+    return _merge(o1, lse1, o2, lse2.unsqueeze(-1), q.dtype)
+
+
+# The CPU flash kernel packs K/V into the AMX layout only when a call has at least this many query rows
+# (bf16/fp16); below that every 32-row block runs separate small GEMMs over all of K and V. A warm prefill of
+# 33-63 new tokens behind a long cached prefix is therefore faster padded to 64 rows (1.45 -> 1.2 ms per layer
+# for 50 queries over 2098 keys on SmolLM2); up to 32 rows the single unpacked block is cheaper.
+_FLASH_PACK_ROWS = 64
+
+
+def _attend_with_context(q, k, v, mask, scale):
+    """q [1, H, n, d] over k/v [1, KVH, L, d] with the additive offset-causal mask [n, L]."""
+    n = q.shape[2]
+    if q.device.type == "cpu" and q.dtype != torch.float32 and _FLASH_PACK_ROWS // 2 < n < _FLASH_PACK_ROWS:
+        pad = _FLASH_PACK_ROWS - n  # padded rows see every key (a zero mask row), and are dropped
+        q = F.pad(q, (0, 0, 0, pad))
+        mask = F.pad(mask, (0, 0, 0, pad))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, :n]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
 
 
 def _cascade_attention(
@@ -352,9 +427,7 @@ def _cascade_attention(
     )
     lse2 = lse2.unsqueeze(-1)  # [B, KVH, g, 1]
 
-    lse = torch.logaddexp(lse1, lse2)
-    out = o1.float().mul_((lse1 - lse).exp_()).add_(o2.float().mul_((lse2 - lse).exp_()))
-    return out.to(q.dtype).reshape(b, num_heads, head_dim)
+    return _merge(o1, lse1, o2, lse2, q.dtype).reshape(b, num_heads, head_dim)
 
 
 def _cascade_attention_reference(

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixkv.model import packed_linear
 from prefixkv.model.attention import AttentionMetadata, paged_attention
 from prefixkv.model.config import ModelConfig
 from prefixkv.model.rope import RotaryEmbedding, apply_rotary
@@ -22,8 +23,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None  # oneDNN copy of weight (see packed_linear), set by LlamaModel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear.packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -37,7 +41,11 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Normalise in fp32 and scale after casting back, exactly as Hugging Face does."""
+    """Normalise in fp32 and scale after casting back, exactly as Hugging Face does.
+
+    F.rms_norm without a weight computes x * rsqrt(mean(x^2) + eps) with the same ops as Hugging Face's
+    Python code (bit-identical results), in one call that is 3.5x faster on 2048 rows.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -45,10 +53,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -65,13 +70,15 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # q and k heads are adjacent columns: rotate them in one pass
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv = torch.stack((k, v), dim=1)  # [T, 2, KVH, d]: one index_copy_ writes both
         out = paged_attention(q, kv, kv_layer, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -86,7 +93,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -98,8 +105,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, h, cos, sin, kv_layer, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """h is updated in place (the model owns it: it starts as a fresh embedding lookup)."""
+        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta))
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class LlamaModel(nn.Module):
@@ -117,6 +125,20 @@ class LlamaModel(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, kv_heads, slots, head_dim]
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def set_packed_weights(self, enabled: bool) -> None:
+        """Pack every matmul weight for oneDNN (bf16 CPU, see packed_linear), or drop the packed copies.
+
+        The runner calls this after any dtype/device change, so a packed copy never outlives its weight. The
+        plain weights stay (a LoadedModel may be shared by several runners): packing costs one more copy of the
+        matmul weights in memory.
+        """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = packed_linear.pack(module.weight) if enabled else None
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head_packed = packed_linear.pack(weight) if enabled else None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
@@ -133,6 +155,8 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]; call only on rows that sample."""
+        if self.lm_head_packed is not None:
+            return packed_linear.packed_linear(hidden, self.lm_head_packed, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

@@ -10,6 +10,7 @@ import torch
 from prefixkv.engine.batch import BatchItem, Sample
 from prefixkv.model.attention import AttentionMetadata
 from prefixkv.model.config import ModelConfig
+from prefixkv.model import packed_linear
 from prefixkv.model.loader import LoadedModel, parse_dtype
 from prefixkv.model.sampler import Sampler
 
@@ -27,7 +28,8 @@ class ModelRunner:
     ) -> None:
         """device/dtype default to the loaded model's; if given and different, the model is moved/cast.
 
-        cascade_attention: attend once per step group to leading pages shared by several decodes (see
+        cascade_attention: attend once per step group to leading pages shared by several decodes, and let a
+        prefill chunk after cached tokens attend to them and to itself in two merged calls (see
         prefixkv.model.attention). None = auto: on for bf16/fp16, off for float32, where the changed summation
         order could flip a near-tie and break token equality between prefix caching on and off.
         """
@@ -41,6 +43,7 @@ class ModelRunner:
         self.dtype = parse_dtype(dtype) if dtype is not None else first.dtype
         if first.device != self.device or first.dtype != self.dtype:
             self.model.to(device=self.device, dtype=self.dtype)
+        self.model.set_packed_weights(packed_linear.can_pack(self.device, self.dtype))
         self.num_pages, self.page_size = num_pages, page_size
         self.cascade_attention = (
             self.dtype in (torch.bfloat16, torch.float16) if cascade_attention is None else cascade_attention
@@ -77,7 +80,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             counts, [it.start_pos for it in ordered], [it.page_table for it in ordered],
             self.page_size, self.device, self.dtype, 2 * self.config.num_kv_heads * self.config.head_dim,
-            self._workspace, cascade=self.cascade_attention,
+            self._workspace, cascade=self.cascade_attention, split_context=self.cascade_attention,
         )
         self._workspace = meta.workspace
         input_ids = torch.tensor([t for it in ordered for t in it.token_ids], dtype=torch.long, device=self.device)

@@ -1,0 +1,89 @@
+"""The CPU fast paths give the same numbers as the plain ones.
+
+- Packed bf16 linear layers (oneDNN blocked weights) are bit-identical to F.linear.
+- A prefill chunk whose context pages are back to back reads a view of the pool; scattered pages are gathered.
+  Both give the same attention output, in one masked call and split into cached part + own part (merged).
+- A reduced-precision chunk of 33-63 rows is padded to 64 query rows for the CPU flash kernel; the real rows'
+  outputs equal the unpadded call.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefixkv.model import attention, packed_linear
+from prefixkv.model.attention import AttentionMetadata, paged_attention
+
+KVH, GROUP, D = 3, 3, 64
+
+
+@pytest.mark.skipif(not packed_linear.can_pack(torch.device("cpu"), torch.bfloat16),
+                    reason="oneDNN bf16 matmul not supported on this CPU")
+@pytest.mark.parametrize("rows", [1, 50, 300])
+def test_packed_linear_is_bit_identical(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(3072, 576, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(3072, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 2 * 576, generator=gen).to(torch.bfloat16)[:, :576]  # a strided view, as from a split
+    packed = packed_linear.pack(weight)
+    assert torch.equal(packed_linear.packed_linear(x, packed, None), F.linear(x, weight))
+    assert torch.equal(packed_linear.packed_linear(x, packed, bias), F.linear(x, weight, bias))
+
+
+def _attend(page_table, start, n, dtype, pool, q, kv, split):
+    meta = AttentionMetadata.build([n], [start], [page_table], 16, "cpu", dtype, 2 * KVH * D, split_context=split)
+    out = paged_attention(q.clone(), kv.clone(), pool, meta, D**-0.5)
+    return meta, out
+
+
+@pytest.mark.parametrize("split", [False, True, "without the flash kernel"])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_back_to_back_pages_read_a_view(dtype, atol, split, monkeypatch):
+    """A chunk of 40 tokens after 200 cached ones: contiguous pages (a view) == scattered pages (a gather), and
+    both equal plain attention over the whole context, in one masked call or split in two merged calls (with the
+    CPU flash kernel's log-sum-exp, or the one-call fallback used where that kernel is unavailable)."""
+    if split == "without the flash kernel":
+        monkeypatch.setattr(attention, "_flash_with_lse", None)
+        split = True
+    gen = torch.Generator().manual_seed(0)
+    start, n = 200, 40
+    pages = -(-(start + n) // 16)
+    base = torch.randn(2, KVH, 64 * 16, D, generator=gen).to(dtype)
+    q = torch.randn(n, KVH * GROUP, D, generator=gen).to(dtype)
+    kv = torch.randn(n, 2, KVH, D, generator=gen).to(dtype)
+    contiguous = list(range(3, 3 + pages))
+    scattered = torch.randperm(64, generator=gen)[:pages].tolist()
+    pool_a, pool_b = base.clone(), base.clone()  # the same context K/V in both layouts
+    for pa, pb in zip(contiguous, scattered):
+        pool_b[:, :, pb * 16 : (pb + 1) * 16] = pool_a[:, :, pa * 16 : (pa + 1) * 16]
+    meta_a, out_a = _attend(contiguous, start, n, dtype, pool_a, q, kv, split)
+    meta_b, out_b = _attend(scattered, start, n, dtype, pool_b, q, kv, split)
+    chunk_a, chunk_b = meta_a.prefills[0], meta_b.prefills[0]
+    assert chunk_a.context_len == chunk_b.context_len == (start if split else start + n)
+    assert chunk_a.context_first_slot == 3 * 16 and chunk_a.context_slots is None
+    assert chunk_b.context_first_slot is None and len(chunk_b.context_slots) == chunk_b.context_len
+    assert torch.equal(out_a, out_b)
+
+    # reference: plain attention of the chunk over positions [0, start + n) in float32
+    k_all = torch.cat((pool_a[0, :, 48 : 48 + start], kv[:, 0].transpose(0, 1)), dim=1).float()
+    v_all = torch.cat((pool_a[1, :, 48 : 48 + start], kv[:, 1].transpose(0, 1)), dim=1).float()
+    mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+    expected = F.scaled_dot_product_attention(q.float().transpose(0, 1), k_all, v_all, attn_mask=mask,
+                                              scale=D**-0.5, enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(out_a.float(), expected, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [20, 50, 63, 64, 100])
+def test_padded_flash_rows_equal_unpadded(rows):
+    gen = torch.Generator().manual_seed(rows)
+    context = 700
+    q = torch.randn(1, KVH * GROUP, rows, D, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, KVH, context + rows, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, KVH, context + rows, D, generator=gen).to(torch.bfloat16)
+    pos = torch.arange(context + rows)
+    mask = torch.where(pos[None, :] <= (context + torch.arange(rows))[:, None], 0.0, float("-inf")).to(torch.bfloat16)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+    got = attention._attend_with_context(q, k, v, mask, D**-0.5)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=0)
