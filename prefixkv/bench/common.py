@@ -92,18 +92,21 @@ def greedy(max_tokens: int):
 def timed_generate(llm, prompts: Sequence[list[int]], max_tokens: int,
                    prime: Sequence[list[int]] = ()) -> dict:
     """Run one batch to completion after emptying the prefix cache (then running the untimed `prime` prompts,
-    to start from a known cache state); wall time and token counts."""
+    to start from a known cache state); wall time (and the part of it spent outside the model runner: scheduling,
+    cache bookkeeping, detokenisation) and token counts."""
     llm.reset_prefix_cache()
     if prime:
         llm.generate([list(p) for p in prime], greedy(1), use_tqdm=False)
+    model_before = llm.llm_engine.get_stats().model_seconds_total
     start = time.perf_counter()
     outs = llm.generate([list(p) for p in prompts], greedy(max_tokens), use_tqdm=False)
     elapsed = time.perf_counter() - start
+    model_s = llm.llm_engine.get_stats().model_seconds_total - model_before
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in outs)
     ttfts = [o.metrics.ttft for o in outs if o.metrics is not None and o.metrics.ttft is not None]
-    return {"elapsed_s": elapsed, "num_requests": len(outs), "prompt_tokens": in_tokens, "output_tokens": out_tokens,
+    return {"elapsed_s": elapsed, "model_s": model_s, "outside_model_s": elapsed - model_s, "num_requests": len(outs), "prompt_tokens": in_tokens, "output_tokens": out_tokens,
             "cached_tokens": cached, "output_tok_s": ratio(out_tokens, elapsed),
             "total_tok_s": ratio(in_tokens + out_tokens, elapsed), "ttft_s": summarize(ttfts),
             "output_token_ids": [list(o.outputs[0].token_ids) for o in outs]}

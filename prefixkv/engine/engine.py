@@ -82,6 +82,7 @@ class Engine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._computed_tokens = 0
+        self._model_seconds = 0.0  # everything else an engine does is its overhead (what prefix caching adds to)
         self._aborted_outputs: list[RequestOutput] = []
 
     # -- requests in -----------------------------------------------------------------------------------------
@@ -197,7 +198,9 @@ class Engine:
             start = req.num_computed_tokens
             items.append(BatchItem(req.request_id, req.token_ids[start:start + n], start, kv.page_table(req),
                                    start + n == req.num_tokens, req.sampling_params, req.num_output_tokens))
+        started = time.perf_counter()
         samples = self.runner.execute(items)
+        self._model_seconds += time.perf_counter() - started
         self._computed_tokens += sched.num_batched_tokens
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
@@ -277,7 +280,8 @@ class Engine:
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
             prefix_cache_hit_rate=kv.stats.hit_rate, num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.scheduler.step_count, prompt_tokens_total=self._prompt_tokens,
-            generation_tokens_total=self._generation_tokens, computed_tokens_total=self._computed_tokens)
+            generation_tokens_total=self._generation_tokens, computed_tokens_total=self._computed_tokens,
+            model_seconds_total=self._model_seconds)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

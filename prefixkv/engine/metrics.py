@@ -19,3 +19,4 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     computed_tokens_total: int  # tokens that went through the model (prompt tokens minus hits, plus recompute)
+    model_seconds_total: float = 0.0  # wall time inside the model runner (forward pass and sampling)

@@ -9,7 +9,10 @@ Decodes are padded to a common length and share one SDPA call per layer: each qu
 rows of its kv head ([B, kv_heads, group, d]), so no GQA expansion is needed. When context lengths differ a
 lot, decodes are split into a few length groups so that padding never more than doubles the work.
 Prefill chunks run one SDPA each; a chunk with no cached context uses the fast causal kernel on its own K/V,
-a chunk after cached tokens gathers its context and uses an offset causal mask.
+a chunk after cached tokens gathers its context and uses an offset causal mask. Below float32 (split mode) such a
+chunk instead attends to the cached positions (no mask) and to its own K/V (causal) in two calls merged exactly
+by log-sum-exp: the cached slots are then read as a view of the pool whenever they are back to back (the chunk's
+own pages usually are not), and the cached part is one call with the query heads of each kv head as rows.
 Gathered K/V go into one workspace reused by every layer: fresh large allocations are slow on CPU.
 
 Cascade attention (opt-in per step, see `AttentionMetadata.build(cascade=...)`): decodes whose page tables start
@@ -338,7 +341,7 @@ def paged_attention(
                 context = _gather(kv_layer, chunk.context_slots, meta.workspace)
             kc, vc = context[0].unsqueeze(0), context[1].unsqueeze(0)
             if chunk.mask is not None:
-                op = _attend_with_context(qp, kc, vc, chunk.mask, scale)
+                op = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
             else:
                 op = _attend_split(qp, kc, vc, kp, vp, scale)
         outputs.append(op[0].transpose(0, 1))
@@ -377,26 +380,6 @@ def _attend_split(q, k_ctx, v_ctx, k_own, v_own, scale):
     v_own = v_own.repeat_interleave(group, dim=1)
     o2, lse2 = _flash_with_lse(q, k_own, v_own, is_causal=True, scale=scale)
     return _merge(o1, lse1, o2, lse2.unsqueeze(-1), q.dtype)
-
-
-# The CPU flash kernel packs K/V into the AMX layout only when a call has at least this many query rows
-# (bf16/fp16); below that every 32-row block runs separate small GEMMs over all of K and V. A warm prefill of
-# 33-63 new tokens behind a long cached prefix is therefore faster padded to 64 rows (1.45 -> 1.2 ms per layer
-# for 50 queries over 2098 keys on SmolLM2); up to 32 rows the single unpacked block is cheaper.
-_FLASH_PACK_ROWS = 64
-
-
-def _attend_with_context(q, k, v, mask, scale):
-    """q [1, H, n, d] over k/v [1, KVH, L, d] with the additive offset-causal mask [n, L]."""
-    n = q.shape[2]
-    if q.device.type == "cpu" and q.dtype != torch.float32 and _FLASH_PACK_ROWS // 2 < n < _FLASH_PACK_ROWS:
-        pad = _FLASH_PACK_ROWS - n  # padded rows see every key (a zero mask row), and are dropped
-        q = F.pad(q, (0, 0, 0, pad))
-        mask = F.pad(mask, (0, 0, 0, pad))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, :n]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-
-
 
 
 def _cascade_attention(

@@ -141,6 +141,8 @@ def test_zero_hit(factory):
     assert res["modes"]["off"]["cached_tokens"] == 0 and res["modes"]["hash"]["cached_tokens"] == 0
     assert len(res["modes"]["radix"]["output_tok_s_runs"]) == 2
     assert set(res["ratio_output_tok_s_on_over_off"]) == {"hash", "radix"}
+    assert set(res["engine_overhead_added_share"]) == {"hash", "radix"}
+    assert all(0 < m["outside_model_s"] < m["elapsed_s"] for m in res["modes"].values())
     assert set(res["hash_us_per_block"]) == {"sha256", "xxhash"}
     assert all(finite_positive(us) for c in res["hash_us_per_block"].values() for us in c.values())
 

@@ -3,8 +3,6 @@
 - Packed bf16 linear layers (oneDNN blocked weights) are bit-identical to F.linear.
 - A prefill chunk whose context pages are back to back reads a view of the pool; scattered pages are gathered.
   Both give the same attention output, in one masked call and split into cached part + own part (merged).
-- A reduced-precision chunk of 33-63 rows is padded to 64 query rows for the CPU flash kernel; the real rows'
-  outputs equal the unpadded call.
 """
 from __future__ import annotations
 
@@ -72,18 +70,3 @@ def test_back_to_back_pages_read_a_view(dtype, atol, split, monkeypatch):
     expected = F.scaled_dot_product_attention(q.float().transpose(0, 1), k_all, v_all, attn_mask=mask,
                                               scale=D**-0.5, enable_gqa=True).transpose(0, 1)
     torch.testing.assert_close(out_a.float(), expected, atol=atol, rtol=0)
-
-
-@pytest.mark.parametrize("rows", [20, 50, 63, 64, 100])
-def test_padded_flash_rows_equal_unpadded(rows):
-    gen = torch.Generator().manual_seed(rows)
-    context = 700
-    q = torch.randn(1, KVH * GROUP, rows, D, generator=gen).to(torch.bfloat16)
-    k = torch.randn(1, KVH, context + rows, D, generator=gen).to(torch.bfloat16)
-    v = torch.randn(1, KVH, context + rows, D, generator=gen).to(torch.bfloat16)
-    pos = torch.arange(context + rows)
-    mask = torch.where(pos[None, :] <= (context + torch.arange(rows))[:, None], 0.0, float("-inf")).to(torch.bfloat16)
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
-    got = attention._attend_with_context(q, k, v, mask, D**-0.5)
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, atol=2e-3, rtol=0)
