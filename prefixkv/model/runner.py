@@ -10,6 +10,7 @@ import torch
 from prefixkv.engine.batch import BatchItem, Sample
 from prefixkv.model.attention import AttentionMetadata
 from prefixkv.model.config import ModelConfig
+from prefixkv.model.huge_pages import zeros_on_huge_pages
 from prefixkv.model import packed_linear
 from prefixkv.model.loader import LoadedModel, parse_dtype
 from prefixkv.model.sampler import Sampler
@@ -50,8 +51,8 @@ class ModelRunner:
         )
         c = self.config
         # zeros, not empty: padded decode rows read slot 0 and masked garbage must still be finite
-        self.kv_cache = torch.zeros(
-            c.num_layers, 2, c.num_kv_heads, num_pages * page_size, c.head_dim, dtype=self.dtype, device=self.device
+        self.kv_cache = zeros_on_huge_pages(
+            (c.num_layers, 2, c.num_kv_heads, num_pages * page_size, c.head_dim), self.dtype, self.device
         )
         self.model.bind_kv_cache(self.kv_cache)
         self.sampler = Sampler(seed)
