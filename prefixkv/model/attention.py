@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from prefixkv.model import native
+
 # a decode group is closed when the next context is longer than _GROUP_GROWTH times the group's shortest and
 # than _MIN_SPLIT_LEN (below that, padding is cheaper than another SDPA call per layer)
 _GROUP_GROWTH = 2.0
@@ -52,6 +54,17 @@ class DecodeGroup:
     max_len: int
     slots: torch.Tensor  # [B * max_len] flattened padded context slots (padding reads slot 0)
     mask: torch.Tensor  # [B, 1, 1, max_len] additive mask hiding the padding
+
+
+@dataclass
+class InPlaceDecodes:
+    """Rows [row_start, row_end) are single-token decodes attended by the native kernel straight from the pool."""
+
+    row_start: int
+    row_end: int
+    page_table: torch.Tensor  # [B, max_pages] int64, rows padded with page 0
+    context_lens: torch.Tensor  # [B] int64: positions [0, start_pos + 1) are attended
+    page_size: int
 
 
 @dataclass
@@ -103,6 +116,7 @@ class AttentionMetadata:
     # permuted row r is step row decode_perm[r]; decode_order[i] = where step row i went
     decode_perm: torch.Tensor | None = None
     decode_order: torch.Tensor | None = None
+    in_place: InPlaceDecodes | None = None  # decodes left to the native kernel (then `decodes` is empty)
 
     @staticmethod
     def build(
@@ -116,6 +130,7 @@ class AttentionMetadata:
         workspace: torch.Tensor | None = None,
         cascade: bool = False,
         split_context: bool = False,
+        in_place_decodes: bool = False,
     ) -> AttentionMetadata:
         """Items must already be ordered 1-token items first, by ascending start_pos (see ModelRunner).
 
@@ -126,6 +141,9 @@ class AttentionMetadata:
         own K/V (causal) in two calls merged by log-sum-exp, so it reads the cached slots as one view of the pool
         when they are back to back, whereas the pages of the chunk itself usually lie elsewhere. Like cascade, it
         changes the summation order, so the runner uses it only below float32.
+        in_place_decodes: decodes outside cascade groups are attended by the native kernel (prefixkv.model.native)
+        reading their pages in place, instead of being gathered into padded length groups. Its result does not
+        depend on where the pages lie, so it is used at every precision.
         """
         num_decodes = 0
         while num_decodes < len(token_counts) and token_counts[num_decodes] == 1:
@@ -151,19 +169,12 @@ class AttentionMetadata:
                 taken = set(perm)
                 rest = [i for i in rest if i not in taken]
 
-        decodes: list[DecodeGroup] = []
-        group_start = 0
-        for k in range(len(rest) + 1):
-            length = start_positions[rest[k]] + 1 if k < len(rest) else 0
-            if k == len(rest) or (
-                length > _MIN_SPLIT_LEN and length > _GROUP_GROWTH * (start_positions[rest[group_start]] + 1)
-            ):
-                if k > group_start:
-                    decodes.append(
-                        _decode_group(len(perm) + group_start, rest[group_start:k], start_positions, page_tables,
-                                      page_size, device, dtype)
-                    )
-                group_start = k
+        if in_place_decodes and rest:
+            in_place = _in_place_decodes(len(perm), rest, start_positions, page_tables, page_size, device)
+            decodes: list[DecodeGroup] = []
+        else:
+            in_place = None
+            decodes = _length_groups(len(perm), rest, start_positions, page_tables, page_size, device, dtype)
         decode_perm = decode_order = None
         if cascades:
             perm += rest
@@ -203,7 +214,8 @@ class AttentionMetadata:
         need = most_slots * gather_width
         if workspace is None or workspace.numel() < need or workspace.dtype != dtype:
             workspace = torch.empty(max(need + need // 4, 1), dtype=dtype, device=device)  # headroom: fewer regrows
-        return AttentionMetadata(slot_mapping, decodes, prefills, workspace, cascades, decode_perm, decode_order)
+        return AttentionMetadata(slot_mapping, decodes, prefills, workspace, cascades, decode_perm, decode_order,
+                                 in_place)
 
 
 def _padded_slots(members, offset, start_positions, page_tables, page_size):
@@ -219,6 +231,33 @@ def _padded_slots(members, offset, start_positions, page_tables, page_size):
     slots = table[:, pos // page_size] * page_size + pos % page_size  # [B, width]
     valid = pos[None, :] < ends[:, None]
     return np.where(valid, slots, 0), valid  # padding reads slot 0 (finite: the pool is zero-initialised)
+
+
+def _length_groups(row_start, members, start_positions, page_tables, page_size, device, dtype):
+    """Padded decode groups over `members` (ascending start_pos): a group closes where padding would double work."""
+    groups: list[DecodeGroup] = []
+    group_start = 0
+    for k in range(len(members) + 1):
+        length = start_positions[members[k]] + 1 if k < len(members) else 0
+        if k == len(members) or (
+            length > _MIN_SPLIT_LEN and length > _GROUP_GROWTH * (start_positions[members[group_start]] + 1)
+        ):
+            if k > group_start:
+                groups.append(_decode_group(row_start + group_start, members[group_start:k], start_positions,
+                                            page_tables, page_size, device, dtype))
+            group_start = k
+    return groups
+
+
+def _in_place_decodes(row_start, members, start_positions, page_tables, page_size, device):
+    lens = np.asarray([start_positions[i] + 1 for i in members], dtype=np.int64)
+    max_pages = int(-(-lens.max() // page_size))
+    table = np.zeros((len(members), max_pages), dtype=np.int64)
+    for b, i in enumerate(members):
+        pages = page_tables[i][: -(-int(lens[b]) // page_size)]
+        table[b, : len(pages)] = pages
+    return InPlaceDecodes(row_start, row_start + len(members), torch.from_numpy(table).to(device),
+                          torch.from_numpy(lens).to(device), page_size)
 
 
 def _decode_group(row_start, members, start_positions, page_tables, page_size, device, dtype):
@@ -314,6 +353,12 @@ def paged_attention(
             outputs.append(_cascade_attention(q_dec[c.row_start : c.row_end], kv_layer, c, meta.workspace, scale))
     else:
         q_dec = q
+
+    if meta.in_place is not None:
+        d = meta.in_place
+        kernel = native.paged_decode_module()
+        outputs.append(kernel.paged_decode_attention(q_dec[d.row_start : d.row_end], kv_layer, d.page_table,
+                                                     d.context_lens, d.page_size, scale))
 
     for g in meta.decodes:
         b = g.row_end - g.row_start

@@ -11,7 +11,7 @@ from prefixkv.engine.batch import BatchItem, Sample
 from prefixkv.model.attention import AttentionMetadata
 from prefixkv.model.config import ModelConfig
 from prefixkv.model.huge_pages import zeros_on_huge_pages
-from prefixkv.model import packed_linear
+from prefixkv.model import native, packed_linear
 from prefixkv.model.loader import LoadedModel, parse_dtype
 from prefixkv.model.sampler import Sampler
 
@@ -49,6 +49,8 @@ class ModelRunner:
         self.cascade_attention = (
             self.dtype in (torch.bfloat16, torch.float16) if cascade_attention is None else cascade_attention
         )
+        # decodes read their pages in place with the native kernel where it builds (CPU), else gather + SDPA
+        self.in_place_decodes = self.device.type == "cpu" and native.paged_decode_module() is not None
         c = self.config
         # zeros, not empty: padded decode rows read slot 0 and masked garbage must still be finite
         self.kv_cache = zeros_on_huge_pages(
@@ -82,6 +84,7 @@ class ModelRunner:
             counts, [it.start_pos for it in ordered], [it.page_table for it in ordered],
             self.page_size, self.device, self.dtype, 2 * self.config.num_kv_heads * self.config.head_dim,
             self._workspace, cascade=self.cascade_attention, split_context=self.cascade_attention,
+            in_place_decodes=self.in_place_decodes,
         )
         self._workspace = meta.workspace
         input_ids = torch.tensor([t for it in ordered for t in it.token_ids], dtype=torch.long, device=self.device)

@@ -1,0 +1,232 @@
+// Decode attention read straight from the paged KV pool, for CPU: one query token per sequence.
+//
+// Why: without it every decode step first gathers each sequence's K/V slots into a padded batch (a copy of all of
+// them) and then runs a batched SDPA whose per-(sequence, head) work is tiny. Decode is memory-bound, so reading
+// the pool once in place is what matters. Work is split over (sequence, kv head); each item computes the scores
+// of the kv head's query rows against its slots, a softmax in float32, then the weighted sum of values.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
+}
+
+#if defined(__AVX512F__)
+// 16 elements -> 16 floats
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp for x <= 0 (scores minus their max): 2^(x log2 e) = 2^n * 2^f, |f| <= 1/2, 2^f by a degree-6 polynomial
+// (relative error ~2e-7, below float32's own rounding of the inputs)
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));  // f ln 2
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// scores[g * len + t] for one kv head of one sequence, head_dim = 64 (4 vectors), `group` query rows
+template <typename T>
+void scores_dim64(const float* qf, int64_t group, const T* k_base, int64_t slot_stride, const int64_t* pages,
+                  int64_t page_size, int64_t len, float* scores) {
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = pages[t / page_size] * page_size + t % page_size;
+    const T* k = k_base + slot * slot_stride;
+    const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = qf + g * 64;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), k0);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), k1, acc);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 32), k2, acc);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), k3, acc);
+      scores[g * len + t] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+template <typename T>
+void values_dim64(const float* probs, int64_t group, const T* v_base, int64_t slot_stride, const int64_t* pages,
+                  int64_t page_size, int64_t len, float* acc) {
+  __m512 a[64][4];
+  for (int64_t g = 0; g < group; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = pages[t / page_size] * page_size + t % page_size;
+    const T* v = v_base + slot * slot_stride;
+    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * len + t]);
+      a[g][0] = _mm512_fmadd_ps(p, v0, a[g][0]);
+      a[g][1] = _mm512_fmadd_ps(p, v1, a[g][1]);
+      a[g][2] = _mm512_fmadd_ps(p, v2, a[g][2]);
+      a[g][3] = _mm512_fmadd_ps(p, v3, a[g][3]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * 64 + 16 * j, a[g][j]);
+}
+#endif
+
+template <typename T>
+void decode(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& table, const torch::Tensor& lens,
+            int64_t page_size, float scale, torch::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = kv.size(1), group = heads / kv_heads, max_pages = table.size(1);
+  const int64_t kv_stride = kv.stride(0), head_stride = kv.stride(1), slot_stride = kv.stride(2);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* kv_ptr = kv.data_ptr<T>();
+  const int64_t* table_ptr = table.data_ptr<int64_t>();
+  const int64_t* len_ptr = lens.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), scores;
+    float row[kMaxHeadDim];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads, len = len_ptr[b];
+      const int64_t* pages = table_ptr + b * max_pages;
+      scores.resize(group * len);
+      for (int64_t g = 0; g < group; ++g) {
+        load_row(q_ptr + (b * heads + h * group + g) * dim, qf.data() + g * dim, dim);
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] *= scale;
+      }
+      const T* k_base = kv_ptr + h * head_stride;
+      const T* v_base = kv_ptr + kv_stride + h * head_stride;
+
+#if defined(__AVX512F__)
+      const bool vector_path = dim == 64;
+#else
+      const bool vector_path = false;
+#endif
+      if (vector_path) {
+#if defined(__AVX512F__)
+        scores_dim64(qf.data(), group, k_base, slot_stride, pages, page_size, len, scores.data());
+#endif
+      } else {
+        for (int64_t t = 0; t < len; ++t) {  // scores of every query row of this kv head
+          const int64_t slot = pages[t / page_size] * page_size + t % page_size;
+          load_row(k_base + slot * slot_stride, row, dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * dim;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < dim; ++d) s += qg[d] * row[d];
+            scores[g * len + t] = s;
+          }
+        }
+      }
+      float inv_sum[64];
+      for (int64_t g = 0; g < group; ++g) {  // softmax in float32
+        float* s = scores.data() + g * len;
+        const float m = *std::max_element(s, s + len);
+        float sum = 0.f;
+        int64_t t = 0;
+#if defined(__AVX512F__)
+        __m512 vsum = _mm512_setzero_ps();
+        const __m512 vm = _mm512_set1_ps(m);
+        for (; t + 16 <= len; t += 16) {
+          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+          _mm512_storeu_ps(s + t, e);
+          vsum = _mm512_add_ps(vsum, e);
+        }
+        sum = _mm512_reduce_add_ps(vsum);
+#endif
+        for (; t < len; ++t) {
+          s[t] = std::exp(s[t] - m);
+          sum += s[t];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      if (vector_path) {
+#if defined(__AVX512F__)
+        values_dim64(scores.data(), group, v_base, slot_stride, pages, page_size, len, acc.data());
+#endif
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t = 0; t < len; ++t) {  // weighted sum of values
+          const int64_t slot = pages[t / page_size] * page_size + t % page_size;
+          load_row(v_base + slot * slot_stride, row, dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * len + t];
+            float* a = acc.data() + g * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = out_ptr + (b * heads + h * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[g * dim + d] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, H, D] contiguous; kv [2, KVH, slots, D] (one layer of the pool, D contiguous); table [B, max_pages]
+// int64 page ids; lens [B] int64 context lengths (positions [0, len) are attended). Returns [B, H, D].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor table, torch::Tensor lens,
+                                     int64_t page_size, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && kv.size(0) == 2, "expected q [B, H, D] and kv [2, KVH, slots, D]");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv must have one dtype");
+  TORCH_CHECK(q.size(2) == kv.size(3) && q.size(2) <= kMaxHeadDim && kv.stride(3) == 1, "bad head_dim or layout");
+  TORCH_CHECK(q.size(1) % kv.size(1) == 0 && q.size(1) / kv.size(1) <= 64, "bad head grouping");
+  TORCH_CHECK(table.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "table/lens must be int64");
+  q = q.contiguous();
+  table = table.contiguous();
+  lens = lens.contiguous();
+  TORCH_CHECK(table.size(0) == q.size(0) && lens.size(0) == q.size(0), "one table row and length per sequence");
+  auto out = torch::empty_like(q);
+  const float s = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case torch::kFloat: decode<float>(q, kv, table, lens, page_size, s, out); break;
+    case torch::kBFloat16: decode<c10::BFloat16>(q, kv, table, lens, page_size, s, out); break;
+    case torch::kHalf: decode<c10::Half>(q, kv, table, lens, page_size, s, out); break;
+    default: TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool (CPU)");
+}
