@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
@@ -19,6 +20,9 @@ def paged_decode_module():
     """The compiled module, or None when it cannot be built here (PREFIXKV_NO_NATIVE=1 forces None)."""
     if os.environ.get("PREFIXKV_NO_NATIVE") == "1":
         return None
+    bin_dir = os.path.dirname(sys.executable)  # pip's ninja lives beside python in a venv that is not activated
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils import cpp_extension
 
