@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from prefixkv.engine.batch import BatchItem, Sample
+from prefixkv.model import native, packed_linear
 from prefixkv.model.attention import AttentionMetadata
 from prefixkv.model.config import ModelConfig
 from prefixkv.model.huge_pages import zeros_on_huge_pages
-from prefixkv.model import native, packed_linear
 from prefixkv.model.loader import LoadedModel, parse_dtype
 from prefixkv.model.sampler import Sampler
 
@@ -52,7 +52,8 @@ class ModelRunner:
         # decodes read their pages in place with the native kernel where it builds (CPU), else gather + SDPA
         self.in_place_decodes = self.device.type == "cpu" and native.paged_decode_module() is not None
         c = self.config
-        # zeros, not empty: padded decode rows read slot 0 and masked garbage must still be finite
+        # zeros, not empty: padded decode rows read slot 0 and masked garbage must still be finite; on huge pages
+        # because attention reads a request's pages scattered over the whole pool
         self.kv_cache = zeros_on_huge_pages(
             (c.num_layers, 2, c.num_kv_heads, num_pages * page_size, c.head_dim), self.dtype, self.device
         )
