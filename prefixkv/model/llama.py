@@ -52,7 +52,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
+    fused = None  # the native module when its one-pass bf16 kernels are in use (set by LlamaModel)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dim() == 2:
+            return self.fused.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
@@ -67,13 +71,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
+        self.fused = None  # the native module when its one-pass bf16 kernels are in use (set by LlamaModel)
 
     def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:  # q and k heads are adjacent columns: rotate them in one pass
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+            qk = apply_rotary(qk, cos, sin) if self.fused is None else self.fused.rotary(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
             q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
@@ -90,9 +96,13 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused = None  # the native module when its one-pass bf16 kernels are in use (set by LlamaModel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -139,6 +149,17 @@ class LlamaModel(nn.Module):
                 module.packed = packed_linear.pack(module.weight) if enabled else None
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.lm_head_packed = packed_linear.pack(weight) if enabled else None
+
+    def set_fused_ops(self, kernels) -> None:
+        """Use the native one-pass bf16 kernels (prefixkv.model.native.fused_ops()) for RMSNorm, rotary embedding
+        and SiLU-multiply, or torch's ops when `kernels` is None. The runner enables them for bf16 on CPU only;
+        shapes they do not cover (dims not multiples of 16/32) keep torch's ops."""
+        c = self.config
+        fits = c.hidden_size % 16 == 0 and c.intermediate_size % 16 == 0 and c.head_dim % 32 == 0
+        kernels = kernels if fits else None
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.fused = kernels
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache

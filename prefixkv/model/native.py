@@ -1,22 +1,23 @@
-"""The one compiled kernel prefixkv ships: decode attention read in place from the paged KV pool (CPU).
+"""prefixkv's compiled CPU kernels (prefixkv/model/csrc): in-place paged decode attention and one-pass bf16
+SiLU-multiply, RMSNorm and rotary embedding.
 
-It is built from prefixkv/model/csrc/paged_decode.cpp with torch's extension builder the first time it is asked
-for (about a minute; scripts/setup.sh does it once, and torch caches the build by source hash). Anything that
-goes wrong (no compiler, not Linux x86, ...) is reported once as a warning and the caller falls back to the
-gather + SDPA path, which computes the same attention.
+They are built with torch's extension builder the first time they are asked for (about a minute; scripts/setup.sh
+does it once, and torch caches the build by source hash). Anything that goes wrong (no compiler, headers, ...) is
+reported once as a warning and the callers keep their torch paths, which compute the same results.
 """
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import sys
 import warnings
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+_SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "csrc", "*.cpp")))
 
 
 @functools.lru_cache(maxsize=1)
-def paged_decode_module():
+def module():
     """The compiled module, or None when it cannot be built here (PREFIXKV_NO_NATIVE=1 forces None)."""
     if os.environ.get("PREFIXKV_NO_NATIVE") == "1":
         return None
@@ -27,13 +28,19 @@ def paged_decode_module():
         from torch.utils import cpp_extension
 
         return cpp_extension.load(
-            name="prefixkv_paged_decode",
-            sources=[_SOURCE],
+            name="prefixkv_native",
+            sources=_SOURCES,
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # a missing compiler or headers must not stop the engine
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        warnings.warn(f"prefixkv: native paged decode kernel unavailable, using gather + SDPA ({reason})")
+        warnings.warn(f"prefixkv: native CPU kernels unavailable, using torch ops ({reason})")
         return None
+
+
+def fused_ops():
+    """The module when its one-pass bf16 elementwise kernels are compiled in (AVX-512), else None."""
+    m = module()
+    return m if m is not None and m.has_fused_ops() else None

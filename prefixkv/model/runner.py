@@ -45,12 +45,14 @@ class ModelRunner:
         if first.device != self.device or first.dtype != self.dtype:
             self.model.to(device=self.device, dtype=self.dtype)
         self.model.set_packed_weights(packed_linear.can_pack(self.device, self.dtype))
+        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        self.model.set_fused_ops(native.fused_ops() if cpu_bf16 else None)
         self.num_pages, self.page_size = num_pages, page_size
         self.cascade_attention = (
             self.dtype in (torch.bfloat16, torch.float16) if cascade_attention is None else cascade_attention
         )
         # decodes read their pages in place with the native kernel where it builds (CPU), else gather + SDPA
-        self.in_place_decodes = self.device.type == "cpu" and native.paged_decode_module() is not None
+        self.in_place_decodes = self.device.type == "cpu" and native.module() is not None
         c = self.config
         # zeros, not empty: padded decode rows read slot 0 and masked garbage must still be finite; on huge pages
         # because attention reads a request's pages scattered over the whole pool

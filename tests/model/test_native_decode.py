@@ -17,7 +17,7 @@ from prefixkv.model import native
 from prefixkv.model.attention import AttentionMetadata, paged_attention
 from tests.model.test_cascade_attention import D, KVH, _step
 
-kernel = native.paged_decode_module()
+kernel = native.module()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="native kernel not built here")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 

@@ -4,7 +4,7 @@
 // them) and then runs a batched SDPA whose per-(sequence, head) work is tiny. Decode is memory-bound, so reading
 // the pool once in place is what matters. Work is split over (sequence, kv head); each item computes the scores
 // of the kv head's query rows against its slots, a softmax in float32, then the weighted sum of values.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -12,9 +12,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -36,32 +34,7 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// 16 elements -> 16 floats
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// exp for x <= 0 (scores minus their max): 2^(x log2 e) = 2^n * 2^f, |f| <= 1/2, 2^f by a degree-6 polynomial
-// (relative error ~2e-7, below float32's own rounding of the inputs)
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));  // f ln 2
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using prefixkv::load16;
 
 // scores[g * len + t] for one kv head of one sequence, head_dim = 64 (4 vectors), `group` query rows
 template <typename T>
@@ -106,8 +79,8 @@ void values_dim64(const float* probs, int64_t group, const T* v_base, int64_t sl
 #endif
 
 template <typename T>
-void decode(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& table, const torch::Tensor& lens,
-            int64_t page_size, float scale, torch::Tensor& out) {
+void decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table, const at::Tensor& lens,
+            int64_t page_size, float scale, at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = kv.size(1), group = heads / kv_heads, max_pages = table.size(1);
   const int64_t kv_stride = kv.stride(0), head_stride = kv.stride(1), slot_stride = kv.stride(2);
@@ -163,7 +136,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor
         __m512 vsum = _mm512_setzero_ps();
         const __m512 vm = _mm512_set1_ps(m);
         for (; t + 16 <= len; t += 16) {
-          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+          const __m512 e = prefixkv::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
           _mm512_storeu_ps(s + t, e);
           vsum = _mm512_add_ps(vsum, e);
         }
@@ -204,29 +177,25 @@ void decode(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor
 
 // q [B, H, D] contiguous; kv [2, KVH, slots, D] (one layer of the pool, D contiguous); table [B, max_pages]
 // int64 page ids; lens [B] int64 context lengths (positions [0, len) are attended). Returns [B, H, D].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor table, torch::Tensor lens,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
                                      int64_t page_size, double scale) {
   TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && kv.size(0) == 2, "expected q [B, H, D] and kv [2, KVH, slots, D]");
   TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv must have one dtype");
   TORCH_CHECK(q.size(2) == kv.size(3) && q.size(2) <= kMaxHeadDim && kv.stride(3) == 1, "bad head_dim or layout");
   TORCH_CHECK(q.size(1) % kv.size(1) == 0 && q.size(1) / kv.size(1) <= 64, "bad head grouping");
-  TORCH_CHECK(table.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "table/lens must be int64");
+  TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "table/lens must be int64");
   q = q.contiguous();
   table = table.contiguous();
   lens = lens.contiguous();
   TORCH_CHECK(table.size(0) == q.size(0) && lens.size(0) == q.size(0), "one table row and length per sequence");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float s = static_cast<float>(scale);
   switch (q.scalar_type()) {
-    case torch::kFloat: decode<float>(q, kv, table, lens, page_size, s, out); break;
-    case torch::kBFloat16: decode<c10::BFloat16>(q, kv, table, lens, page_size, s, out); break;
-    case torch::kHalf: decode<c10::Half>(q, kv, table, lens, page_size, s, out); break;
+    case at::kFloat: decode<float>(q, kv, table, lens, page_size, s, out); break;
+    case at::kBFloat16: decode<c10::BFloat16>(q, kv, table, lens, page_size, s, out); break;
+    case at::kHalf: decode<c10::Half>(q, kv, table, lens, page_size, s, out); break;
     default: TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16");
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool (CPU)");
 }

@@ -1,0 +1,67 @@
+"""The native one-pass bf16 kernels (prefixkv/model/csrc/fused_ops.cpp) equal torch's bf16 ops.
+
+They round to bf16 wherever torch's ops do, so outputs match bit for bit except where the float32 sums inside
+differ in order (RMSNorm's sum of squares, SiLU's exp): then by at most one bf16 step, on a tiny share of values.
+Model level: SmolLM2 in bf16 gives the same greedy tokens with the kernels and with torch's ops.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefixkv.model import native
+from prefixkv.model.rope import apply_rotary
+
+kernels = native.fused_ops()
+pytestmark = pytest.mark.skipif(kernels is None, reason="fused kernels need the native module and AVX-512")
+BF16 = torch.bfloat16
+
+
+def assert_nearly_identical(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    differ = got != expected
+    assert differ.float().mean().item() <= 1e-3
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=1e-6)  # one bf16 step
+
+
+@pytest.mark.parametrize("rows", [1, 50, 333])
+def test_silu_mul(rows):
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).to(BF16)
+    gate, up = gate_up.split(1536, dim=-1)
+    assert_nearly_identical(kernels.silu_mul(gate_up), F.silu(gate).mul_(up))
+
+
+@pytest.mark.parametrize("rows", [1, 50, 333])
+def test_rms_norm(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 2 * 576, generator=gen) * 3).to(BF16)[:, :576]  # strided rows
+    weight = (torch.randn(576, generator=gen) * 0.2 + 1).to(BF16)
+    expected = weight * F.rms_norm(x.float(), (576,), eps=1e-5).to(BF16)
+    assert_nearly_identical(kernels.rms_norm(x, weight, 1e-5), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 50, 333])
+def test_rotary(rows):
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, 960, generator=gen).to(BF16)
+    qk = qkv[:, :768].view(rows, 12, 64)  # q and k heads of a fused qkv row, as the model passes them
+    angles = torch.arange(rows).float()[:, None] * (10000.0 ** (-torch.arange(0, 64, 2).float() / 64))[None]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(BF16)[:, None, :], emb.sin().to(BF16)[:, None, :]
+    assert_nearly_identical(kernels.rotary(qk, cos, sin), apply_rotary(qk, cos, sin))
+
+
+def test_smollm2_bf16_same_tokens_with_and_without_kernels(smol_prompts):
+    from prefixkv.model.loader import load_model
+    from prefixkv.model.runner import ModelRunner
+    from tests.model.helpers import greedy_generate
+
+    loaded = load_model(None, dtype="bfloat16")
+    runner = ModelRunner(loaded, num_pages=64, page_size=16)
+    assert runner.model.layers[0].mlp.fused is kernels
+    prompt = smol_prompts[0]
+    with_kernels = greedy_generate(runner, prompt, 12)
+    runner.model.set_fused_ops(None)
+    assert greedy_generate(runner, prompt, 12) == with_kernels
