@@ -5,9 +5,11 @@ request = page_table[p // page_size] * page_size + p % page_size. Keeping slots 
 means that gathering a request's slots yields [kv_heads, L, head_dim] blocks that feed SDPA without a copy.
 
 Rows of a step are ordered decodes first (one token each, shortest context first), then prefill chunks.
-Decodes are padded to a common length and share one SDPA call per layer: each query head group is laid out as
-rows of its kv head ([B, kv_heads, group, d]), so no GQA expansion is needed. When context lengths differ a
-lot, decodes are split into a few length groups so that padding never more than doubles the work.
+Where the native kernel is built (prefixkv.model.native, CPU), decodes attend straight from their pages in one
+call per layer, nothing gathered. Otherwise they are gathered, padded to a common length and share one SDPA call
+per layer: each query head group is laid out as rows of its kv head ([B, kv_heads, group, d]), so no GQA expansion
+is needed, and when context lengths differ a lot, decodes are split into a few length groups so that padding never
+more than doubles the work.
 Prefill chunks run one SDPA each; a chunk with no cached context uses the fast causal kernel on its own K/V,
 a chunk after cached tokens gathers its context and uses an offset causal mask. Below float32 (split mode) such a
 chunk instead attends to the cached positions (no mask) and to its own K/V (causal) in two calls merged exactly
