@@ -41,3 +41,19 @@ def running_server(engine: Any, **app_kwargs) -> Iterator[tuple[str, Any, Any]]:
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def cache_summary(base: str, headers: dict) -> dict:
+    """GET /cache/summary of a running server."""
+    return httpx.get(base + "/cache/summary", headers=headers).json()
+
+
+def wait_no_pages_held(base: str, headers: dict, timeout: float = 20.0) -> dict:
+    """Poll /cache/summary until no request runs, waits or holds a KV page (aborts free pages asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = cache_summary(base, headers)
+        if s["kv_pages_used"] == 0 and s["engine"]["num_running"] == 0 and s["engine"]["num_waiting"] == 0:
+            return s
+        assert time.monotonic() < deadline, f"pages still held: {s}"
+        time.sleep(0.05)

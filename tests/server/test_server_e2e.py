@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from prefixkv.sampling_params import SamplingParams
+from tests.server.live_server import cache_summary, wait_no_pages_held
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -78,17 +79,11 @@ def model(client):
 
 
 def _summary(base: str) -> dict:
-    return httpx.get(base + "/cache/summary", headers=AUTH).json()
+    return cache_summary(base, AUTH)
 
 
 def _wait_no_pages_held(base: str, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = _summary(base)
-        if s["kv_pages_used"] == 0 and s["engine"]["num_running"] == 0 and s["engine"]["num_waiting"] == 0:
-            return s
-        assert time.monotonic() < deadline, f"pages still held: {s}"
-        time.sleep(0.1)
+    return wait_no_pages_held(base, AUTH, timeout)
 
 
 def test_greedy_http_matches_llm_generate(client, model, llm_factory):

@@ -11,7 +11,6 @@ One engine and one server for the module; every test leaves the engine idle with
 from __future__ import annotations
 
 import re
-import time
 
 import httpx
 import openai
@@ -20,7 +19,7 @@ import pytest
 from prefixkv.config import EngineConfig
 from prefixkv.engine.engine import Engine
 from prefixkv.sampling_params import SamplingParams
-from tests.server.live_server import running_server
+from tests.server.live_server import cache_summary, running_server, wait_no_pages_held
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -57,17 +56,11 @@ def _post(base: str, path: str, body, timeout: float = 60) -> httpx.Response:
 
 
 def _summary(base: str) -> dict:
-    return httpx.get(base + "/cache/summary", headers=AUTH).json()
+    return cache_summary(base, AUTH)
 
 
-def _wait_no_pages_held(base: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = _summary(base)
-        if s["kv_pages_used"] == 0 and s["engine"]["num_running"] == 0 and s["engine"]["num_waiting"] == 0:
-            return
-        assert time.monotonic() < deadline, f"pages still held: {s}"
-        time.sleep(0.05)
+def _wait_no_pages_held(base: str, timeout: float = 20.0) -> dict:
+    return wait_no_pages_held(base, AUTH, timeout)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
