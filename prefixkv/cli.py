@@ -70,8 +70,7 @@ def cmd_chat(args) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-        rid = engine.add_request(None, prompt, _sampling(args))
+        rid = engine.add_request(None, tok.encode_chat(messages), _sampling(args))
         shown, final = "", None
         while final is None:
             for out in engine.step():

@@ -31,9 +31,13 @@ class LLM:
         return self._run(prompts, params, use_tqdm, priority)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, cache_salt: str | None = None
-             ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of conversations, through the chat template."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True, cache_salt: str | None = None,
+             allow_special_tokens_in_content: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of conversations, through the chat template.
+
+        Special-token text inside message content stays plain text (it cannot forge a turn) unless
+        allow_special_tokens_in_content is True; see Tokenizer.encode_chat.
+        """
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -41,7 +45,9 @@ class LLM:
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
-            prompt = {"prompt": text, "prompt_token_ids": tok.encode(text)}
+            ids = tok.encode_chat(conv, add_generation_prompt=add_generation_prompt,
+                                  allow_special_tokens_in_content=allow_special_tokens_in_content)
+            prompt = {"prompt": text, "prompt_token_ids": ids}
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
             prompts.append(prompt)

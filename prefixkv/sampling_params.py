@@ -1,12 +1,32 @@
 """Per-request sampling settings, validated up front so bad values never reach the engine loop."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this are greedy (vLLM's threshold): dividing logits by a denormal or a 1e-39 overflows
+# them to inf and the softmax to NaN, and the limit of sampling as temperature -> 0 is the argmax anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# top_p below this keeps only the most likely token, exactly as the value asked for would: that token's
+# probability is at least 1 / vocab, far above it. Raised to it so an fp32 sampler never sees a zero top_p.
+MIN_TOP_P = 1e-8
+
+
+def _is_number(x: object) -> bool:
+    """A finite int or float; bools are not numbers here (True is not a temperature)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass
 class SamplingParams:
-    """Shaped like vLLM's SamplingParams. temperature 0 means greedy."""
+    """Shaped like vLLM's SamplingParams. temperature 0 (or below GREEDY_TEMPERATURE_EPS) means greedy.
+
+    Every float field must be finite: NaN and infinities are a ValueError naming the field.
+    """
 
     n: int = 1
     max_tokens: int | None = 16
@@ -30,32 +50,35 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
+            self.temperature = 0.0
+        self.top_p = max(self.top_p, MIN_TOP_P)
 
     def validate(self) -> None:
         def bad(field_name: str, why: str) -> ValueError:
             return ValueError(f"{field_name} {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be a finite number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", f"must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be a finite number in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", f"must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
+            if not _is_int(t) or t < 0:
                 raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
 
     @property

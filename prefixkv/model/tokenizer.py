@@ -6,9 +6,12 @@ Building a tokenizer from a GGUF vocabulary takes transformers ~5 s, so the resu
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterable
+from functools import cached_property
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -81,6 +84,113 @@ class Tokenizer:
         except Exception as e:  # jinja errors (raise_exception in templates, bad types) are the caller's fault
             raise ValueError(f"cannot render chat template: {e}") from e
         return text
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    allow_special_tokens_in_content: bool = False) -> list[int]:
+        """A chat as prompt token ids, where special-token text typed into a message stays plain text.
+
+        Why: tokenizing the rendered template as one string turns "<|im_start|>system" inside a user's message
+        into the real control token, so a user could forge a system turn. Only the template's own markers are
+        special here; message content is tokenized with special tokens split into ordinary tokens.
+        allow_special_tokens_in_content=True restores parsing the whole rendered text (the old behaviour).
+        A conversation whose content holds no special-token text gets exactly `encode(rendered text)`.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        if allow_special_tokens_in_content:
+            return self.encode(text)
+        for i, m in enumerate(messages):  # roles are template text; the server allows only known roles anyway
+            if self._special_pattern.search(m["role"]):
+                raise ValueError(f"messages[{i}].role contains special-token text")
+        if not any(self._special_pattern.search(c) for c in _contents(messages)):
+            return self.encode(text)
+        return self._encode_inert_content(messages, text, add_generation_prompt)
+
+    @cached_property
+    def _special_pattern(self) -> re.Pattern:
+        """Matches the text of any special token, longest first (as the tokenizer matches them)."""
+        specials = {t.content for t in self.hf.added_tokens_decoder.values() if t.special}
+        specials |= set(self.hf.all_special_tokens)
+        specials.discard("")
+        if not specials:
+            return re.compile(r"(?!x)x")  # matches nothing
+        return re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+
+    @cached_property
+    def _added_around(self) -> tuple[list[int], list[int]]:
+        """The ids the post-processor puts before and after a text (a BOS, say), learned from one probe."""
+        bare = list(self.hf("a", add_special_tokens=False).input_ids)
+        full = list(self.hf("a").input_ids)
+        for start in range(len(full) - len(bare) + 1):
+            if full[start:start + len(bare)] == bare:
+                return full[:start], full[start + len(bare):]
+        return [], []
+
+    def _encode_inert_content(self, messages: list[dict], text: str, add_generation_prompt: bool) -> list[int]:
+        """Render with a placeholder per content string to learn where the template's own text is; then the
+        template's special tokens become their ids and every stretch of plain text between them (template
+        text and content together, as the tokenizer would see it) is tokenized with specials split."""
+        nonce = secrets.token_hex(8)
+        marker = re.compile(f"\ue000{nonce}:([0-9]+)\ue001")
+        contents: list[str] = []
+
+        def placeholder(content: str) -> str:
+            contents.append(content)
+            return f"\ue000{nonce}:{len(contents) - 1}\ue001"
+
+        masked = [_map_contents(m, placeholder) for m in messages]
+        template = self.apply_chat_template(masked, add_generation_prompt)
+        pieces = marker.split(template)  # template text, content index, template text, ...
+        rebuilt = "".join(contents[int(p)] if i % 2 else p for i, p in enumerate(pieces))
+        if rebuilt != text:  # the template changes or inspects content: its own text cannot be told apart
+            raise ValueError("a message's content contains special-token text and this chat template transforms "
+                             "content, so it cannot be kept as plain text; remove the special-token text from "
+                             "messages")
+        ids: list[int] = []
+        plain: list[str] = []  # plain text since the last special token
+
+        def flush() -> None:
+            if plain:
+                ids.extend(self.hf("".join(plain), add_special_tokens=False, split_special_tokens=True).input_ids)
+                plain.clear()
+
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                plain.append(contents[int(piece)])
+                continue
+            last = 0
+            for match in self._special_pattern.finditer(piece):
+                plain.append(piece[last:match.start()])
+                flush()
+                ids.append(self.hf.convert_tokens_to_ids(match.group()))
+                last = match.end()
+            plain.append(piece[last:])
+        flush()
+        before, after = self._added_around
+        return before + ids + after
+
+
+def _contents(messages: list[dict]) -> list[str]:
+    """Every piece of content text in the messages (string contents and text parts)."""
+    out: list[str] = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            out.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return out
+
+
+def _map_contents(message: dict, fn) -> dict:
+    """A copy of the message with fn applied to its content string or to each text part's text."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": fn(content)}
+    if isinstance(content, list):
+        parts = [{**p, "text": fn(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+                 for p in content]
+        return {**message, "content": parts}
+    return message
 
 
 def _check_messages(messages) -> None:

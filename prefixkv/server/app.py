@@ -15,19 +15,28 @@ from prefixkv.server.async_engine import AsyncEngine
 from prefixkv.server.auth import TENANT_ISOLATION, require_api_key
 from prefixkv.server.errors import install_error_handlers
 from prefixkv.server.metrics import ServerMetrics
+from prefixkv.server.openapi import install_openapi
+from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from prefixkv.server.state import ServerState
 
 
 def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
-              tenant_isolation: str = "none") -> FastAPI:
+              tenant_isolation: str = "none", max_n: int = DEFAULT_MAX_N,
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+              allow_special_tokens_in_content: bool = False) -> FastAPI:
     if tenant_isolation not in TENANT_ISOLATION:
         raise ValueError(f"tenant_isolation must be one of {TENANT_ISOLATION}, got {tenant_isolation!r}")
+    for option, value in (("max_n", max_n), ("max_prompts_per_request", max_prompts_per_request)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{option} must be an integer >= 1, got {value!r}")
     name = served_model_name or engine.model_name
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished, on_aborted=metrics.observe_aborted)
     state = ServerState(engine=async_engine, tokenizer=engine.tokenizer, served_model_name=name,
                         max_model_len=engine.max_model_len, metrics=metrics, api_key=api_key,
-                        tenant_isolation=tenant_isolation)
+                        tenant_isolation=tenant_isolation, max_n=max_n,
+                        max_prompts_per_request=max_prompts_per_request,
+                        allow_special_tokens_in_content=allow_special_tokens_in_content)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -44,4 +53,5 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
     secured = [Depends(require_api_key)]
     for router in (admin.router, completions.router, chat.router):
         app.include_router(router, dependencies=secured)
+    install_openapi(app, state)
     return app

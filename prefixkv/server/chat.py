@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages go through the model's chat template, then generate like a completion.
 
-The templated prompt is a string, so a repeated system prompt tokenises to the same leading tokens every time
-and its KV is found in the prefix cache.
+The engine gets token ids (Tokenizer.encode_chat): a repeated system prompt tokenises to the same leading tokens
+every time, so its KV is found in the prefix cache; and special-token text a client types into a message stays
+plain text (it cannot forge a turn) unless the server runs with --allow-special-tokens-in-content.
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ from prefixkv.server.usage import usage
 router = APIRouter()
 
 
-def render_prompt(state: ServerState, body: ChatCompletionRequest) -> str:
+def render_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    """The conversation as the prompt's token ids."""
     messages = body.template_messages()
     try:
-        return state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return state.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                           allow_special_tokens_in_content=state.allow_special_tokens_in_content)
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
         raise APIError(f"messages could not be rendered by the chat template: {exc}", param="messages",
                        code="invalid_value") from None
@@ -37,7 +40,7 @@ def render_prompt(state: ServerState, body: ChatCompletionRequest) -> str:
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     state = server_state(raw)
     model = state.check_model(body.model)
-    params = body.sampling_params()
+    params = body.sampling_params(state.max_n)
     prompt = render_prompt(state, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = await submit(state, raw, request_id, [prompt], params, body)

@@ -5,6 +5,7 @@ import argparse
 import logging
 
 from prefixkv.server.auth import TENANT_ISOLATION
+from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,6 +19,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients must send (default: the model's)")
     p.add_argument("--tenant-isolation", choices=TENANT_ISOLATION, default="none",
                    help="derive the cache salt from the API key or the `user` field so tenants never share pages")
+    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="most completions per prompt (n) in a request")
+    p.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                   help="most prompts in one /v1/completions request (also the most completions, prompts x n)")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="parse special-token text in chat message content as control tokens (lets a client "
+                        "forge turns; off by default)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
@@ -37,7 +44,9 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(engine_config(args))
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                    tenant_isolation=args.tenant_isolation)
+                    tenant_isolation=args.tenant_isolation, max_n=args.max_n,
+                    max_prompts_per_request=args.max_prompts_per_request,
+                    allow_special_tokens_in_content=args.allow_special_tokens_in_content)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

@@ -22,7 +22,7 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, raw: Request):
     state = server_state(raw)
     model = state.check_model(body.model)
-    prompts = body.prompts()
+    prompts = body.prompts(state.max_prompts_per_request, state.max_n)
     params = body.sampling_params()
     request_id = f"cmpl-{uuid.uuid4().hex}"
     group = await submit(state, raw, request_id, prompts, params, body)

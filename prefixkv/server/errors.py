@@ -18,7 +18,7 @@ from prefixkv.server.async_engine import EngineDeadError
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 503: "server_error", 500: "server_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 500: "server_error"}
 
 
 class APIError(Exception):
@@ -41,8 +41,8 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-_PARAMS = {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
-           "stop_token_ids", "logprobs", "priority", "cache_salt"}
+_PARAMS = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+           "n", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "priority", "cache_salt"}
 
 
 def from_value_error(exc: ValueError) -> APIError:
@@ -53,6 +53,11 @@ def from_value_error(exc: ValueError) -> APIError:
     return APIError(message, status=400, param=param, code="invalid_value")
 
 
+# pydantic error types for a value of the right type outside its range (NaN and infinities included)
+_OUT_OF_RANGE = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number",
+                 "too_short", "too_long", "string_too_short", "string_too_long"}
+
+
 def from_validation_error(exc: RequestValidationError) -> APIError:
     """Turn pydantic's first complaint into one readable sentence that names the field."""
     errors = exc.errors()
@@ -60,7 +65,9 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
         return APIError("invalid request body")
     err = errors[0]
     kind = err.get("type", "")
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in err.get("loc", ())]
+    if loc and loc[0] in ("body", "query", "path", "header"):  # where it was, not what it was
+        loc = loc[1:]
     param = loc[0] if loc else None
     if kind == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
@@ -72,8 +79,8 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     if sum(1 for e in errors if tuple(e.get("loc", ()))[1:2] == (param,)) > 1:  # no member of a union fits
         return APIError(f"Invalid value for '{param}': it matches none of the accepted types", param=param,
                         code="invalid_type")
-    return APIError(f"Invalid value for '{'.'.join(loc)}': {err.get('msg', 'invalid')}", param=param,
-                    code="invalid_type")
+    code = "invalid_value" if kind in _OUT_OF_RANGE else "invalid_type"
+    return APIError(f"Invalid value for '{'.'.join(loc)}': {err.get('msg', 'invalid')}", param=param, code=code)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,43 +1,54 @@
 """Request bodies of the OpenAI API (the fields prefixkv honours), plus vLLM's extensions.
 
-Unknown fields are ignored, as OpenAI-compatible servers usually do; values are checked here for type and
-by SamplingParams for range, so each bad field gets a 400 that names it.
+Unknown fields are ignored, as OpenAI-compatible servers usually do. Types are strict where OpenAI's are
+("2" is not an integer, "yes" is not a boolean; an integer is a valid float), and floats must be finite
+(Python's JSON parser accepts NaN and Infinity). The ranges are declared on the fields, so /openapi.json tells
+a client what is accepted; SamplingParams checks them again for the Python API. Each bad field gets a 400 that
+names it.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
 
+# OpenAI's limits where it has them; the server's own caps (n, prompts per request) are options, so the
+# published schema gets them from the running server (see openapi.py).
+MAX_LOGPROBS = 20
+DEFAULT_MAX_N = 128  # OpenAI's cap on n; the server's --max-n
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024  # the server's --max-prompts-per-request
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's, also when a client sends max_tokens: null
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, description="0 (or below 1e-5) is greedy; no upper bound, as vLLM")
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, description="completions per prompt, at most the server's --max-n (default 128)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
@@ -46,6 +57,12 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_n(self, max_n: int) -> None:
+        """The server's cap on n: each completion is a sequence the engine schedules, so n is a work multiplier."""
+        if self.n > max_n:
+            raise APIError(f"n must be at most {max_n} on this server, got {self.n}", param="n",
+                           code="invalid_value")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
@@ -69,13 +86,18 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str | list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    prompt: str | list[int] | list[str | list[int]] = Field(
+        description="a string, a list of token ids, or a list of either; at most the server's "
+                    "--max-prompts-per-request prompts (default 1024)")
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1,
+                                   description="null means OpenAI's default for completions, 16")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt field as a list of prompts (a string, a token-id list, or a list of either)."""
+    def prompts(self, max_prompts: int, max_n: int) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (a string, a token-id list, or a list of either), within the
+        server's caps: at most max_prompts prompts, and at most max(max_prompts, max_n) completions in all."""
+        self.check_n(max_n)
         p = self.prompt
         if isinstance(p, str):
             prompts: list = [p]
@@ -85,6 +107,14 @@ class CompletionRequest(_GenerationRequest):
             prompts = list(p)
         if not prompts:
             raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
+        if len(prompts) > max_prompts:
+            raise APIError(f"prompt holds {len(prompts)} prompts; this server takes at most {max_prompts} per "
+                           "request", param="prompt", code="invalid_value")
+        max_completions = max(max_prompts, max_n)
+        if len(prompts) * self.n > max_completions:
+            raise APIError(f"{len(prompts)} prompts with n={self.n} ask for {len(prompts) * self.n} completions; "
+                           f"this server makes at most {max_completions} per request", param="n",
+                           code="invalid_value")
         for x in prompts:
             if len(x) == 0:
                 raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
@@ -93,17 +123,20 @@ class CompletionRequest(_GenerationRequest):
         return prompts
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        """max_tokens null is OpenAI's default (16), not "up to the context end" (that is chat's default)."""
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs)
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, max_n: int) -> SamplingParams:
         """max_completion_tokens wins over the deprecated max_tokens; neither means "up to the context end"."""
+        self.check_n(max_n)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value")
@@ -124,7 +157,8 @@ class ChatCompletionRequest(_GenerationRequest):
             elif isinstance(content, list):
                 parts = []
                 for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    is_text = isinstance(part, dict) and part.get("type") == "text"
+                    if not is_text or not isinstance(part.get("text"), str):
                         raise APIError(f"messages[{i}].content: only text parts are supported",
                                        param="messages", code="invalid_value")
                     parts.append(part["text"])

@@ -10,6 +10,7 @@ from prefixkv.server.async_engine import AsyncEngine, RequestGroup
 from prefixkv.server.auth import cache_salt_for
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.metrics import ServerMetrics
+from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 
 
 @dataclass
@@ -21,6 +22,9 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     tenant_isolation: str = "none"
+    max_n: int = DEFAULT_MAX_N  # completions per prompt
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # prompts in one /v1/completions request
+    allow_special_tokens_in_content: bool = False  # chat content may contain control tokens (unsafe)
 
     def check_model(self, model: str | None) -> str:
         """OpenAI answers an unknown model with 404; an omitted model means the one being served."""

@@ -1,0 +1,108 @@
+"""/openapi.json as the server really answers, so a client (or a schema fuzzer) is told every rule it can be.
+
+FastAPI's generated schema declares a 422 the server never sends (errors.py turns validation errors into
+OpenAI's 400), knows nothing of the API key's 401, the unknown model's 404 or the body limit's 413, and cannot
+see the caps that are server options (n, prompts per request). This fills those in from the running server.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+ERROR_SCHEMA = "ErrorResponse"
+_NULLABLE_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+_ERROR_BODY = {
+    "type": "object",
+    "description": "OpenAI's error body: every non-2xx answer of this server has this shape",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": _NULLABLE_STRING,
+                       "code": _NULLABLE_STRING},
+    }},
+}
+_WHY = {400: "Invalid request: the message names the field (`param`)",
+        401: "Missing or invalid API key",
+        404: "Unknown model",
+        413: "Request body too large"}
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def install_openapi(app: FastAPI, state: Any) -> None:
+    """Replace app.openapi with one that builds the schema once and declares what this server answers."""
+    from prefixkv.server.admin import public
+
+    public_paths = {route.path for route in public.routes}
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _declare_errors(schema, public_paths)
+            _declare_limits(schema, state)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _error_response(status: int) -> dict:
+    return {"description": _WHY[status],
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_SCHEMA}"}}}}
+
+
+def _declare_errors(schema: dict, public_paths: set[str]) -> None:
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.pop("HTTPValidationError", None)
+    components.pop("ValidationError", None)
+    components[ERROR_SCHEMA] = _ERROR_BODY
+    for path, operations in schema.get("paths", {}).items():
+        for method, op in operations.items():
+            responses = op.setdefault("responses", {})
+            if responses.pop("422", None) is not None or path in _GENERATION_PATHS:  # it reads input
+                responses["400"] = _error_response(400)
+            if method in ("post", "put", "patch"):
+                responses["413"] = _error_response(413)
+            if path not in public_paths:
+                responses["401"] = _error_response(401)
+            if path in _GENERATION_PATHS:
+                responses["404"] = _error_response(404)
+                ok = responses.setdefault("200", {"description": "Successful Response"})
+                ok.setdefault("content", {}).setdefault("text/event-stream", {
+                    "schema": {"type": "string", "description": "server-sent events when stream is true"}})
+
+
+def _declare_limits(schema: dict, state: Any) -> None:
+    """The caps that are server options, and the token-id range the engine enforces."""
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        n = components.get(name, {}).get("properties", {}).get("n")
+        if n is not None:
+            n["maximum"] = state.max_n
+    prompt = components.get("CompletionRequest", {}).get("properties", {}).get("prompt")
+    if prompt is None:
+        return
+    for variant in prompt.get("anyOf", []):
+        if variant.get("type") == "string":
+            variant["minLength"] = 1
+        elif variant.get("type") == "array":
+            _bound_prompt_list(variant, state)
+
+
+def _bound_prompt_list(variant: dict, state: Any) -> None:
+    items = variant.get("items", {})
+    variant["minItems"] = 1
+    if items.get("type") == "integer":  # one prompt as token ids: shorter than the context
+        items["minimum"] = 0
+        variant["maxItems"] = max(1, state.max_model_len - 1)
+        return
+    variant["maxItems"] = state.max_prompts_per_request  # a list of prompts
+    for inner in items.get("anyOf", []):
+        if inner.get("type") == "string":
+            inner["minLength"] = 1
+        elif inner.get("type") == "array":
+            inner["minItems"] = 1
+            inner["maxItems"] = max(1, state.max_model_len - 1)
+            inner.setdefault("items", {})["minimum"] = 0
