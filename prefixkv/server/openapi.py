@@ -29,6 +29,24 @@ _WHY = {400: "Invalid request: the message names the field (`param`)",
         404: "Unknown model",
         413: "Request body too large"}
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# what ChatCompletionRequest.template_messages accepts (the model keeps it a plain dict, so a bad message
+# gets that method's 400 naming messages[i])
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"anyOf": [
+            {"type": "string"}, {"type": "null"},
+            {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}},
+        ]},
+    },
+}
+# one server-sent event (stream: true): a JSON chunk, an error body, or [DONE], in `data`
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
+              "description": "one server-sent event of a streamed answer"}
+_TEXT_PATHS = {"/metrics": "text/plain", "/cache/tree": "text/plain"}
 
 
 def install_openapi(app: FastAPI, state: Any) -> None:
@@ -40,7 +58,7 @@ def install_openapi(app: FastAPI, state: Any) -> None:
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _declare_errors(schema, public_paths)
+            _declare_errors(schema, public_paths, bool(getattr(state, "api_key", None)))
             _declare_limits(schema, state)
             app.openapi_schema = schema
         return app.openapi_schema
@@ -53,7 +71,9 @@ def _error_response(status: int) -> dict:
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_SCHEMA}"}}}}
 
 
-def _declare_errors(schema: dict, public_paths: set[str]) -> None:
+def _declare_errors(schema: dict, public_paths: set[str], api_key: bool) -> None:
+    if api_key:
+        schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.pop("HTTPValidationError", None)
     components.pop("ValidationError", None)
@@ -67,20 +87,29 @@ def _declare_errors(schema: dict, public_paths: set[str]) -> None:
                 responses["413"] = _error_response(413)
             if path not in public_paths:
                 responses["401"] = _error_response(401)
+                if api_key:
+                    op["security"] = [{"bearer": []}]
+            if path in _TEXT_PATHS:  # answered as text, not JSON
+                responses["200"]["content"] = {_TEXT_PATHS[path]: {"schema": {"type": "string"}}}
             if path in _GENERATION_PATHS:
                 responses["404"] = _error_response(404)
                 ok = responses.setdefault("200", {"description": "Successful Response"})
-                ok.setdefault("content", {}).setdefault("text/event-stream", {
-                    "schema": {"type": "string", "description": "server-sent events when stream is true"}})
+                ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": _SSE_EVENT})
 
 
 def _declare_limits(schema: dict, state: Any) -> None:
     """The caps that are server options, and the token-id range the engine enforces."""
     components = schema.get("components", {}).get("schemas", {})
     for name in ("CompletionRequest", "ChatCompletionRequest"):
-        n = components.get(name, {}).get("properties", {}).get("n")
-        if n is not None:
-            n["maximum"] = state.max_n
+        props = components.get(name, {}).get("properties", {})
+        if "n" in props:
+            props["n"]["maximum"] = state.max_n
+        for variant in props.get("model", {}).get("anyOf", []):  # any other name is a 404
+            if variant.get("type") == "string":
+                variant["enum"] = [state.served_model_name]
+    messages = components.get("ChatCompletionRequest", {}).get("properties", {}).get("messages")
+    if messages is not None:
+        messages["items"] = _MESSAGE
     prompt = components.get("CompletionRequest", {}).get("properties", {}).get("prompt")
     if prompt is None:
         return
