@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterable
 from functools import cached_property
 
+from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
@@ -115,6 +116,26 @@ class Tokenizer:
             return re.compile(r"(?!x)x")  # matches nothing
         return re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
 
+    def _encode_specials_as_text(self, text: str) -> list[int]:
+        backend = self._specials_as_text
+        if backend is None:  # a pure-Python tokenizer: the option is per call there
+            return list(self.hf(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+        return backend.encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def _specials_as_text(self) -> BackendTokenizer | None:
+        """A copy of the backend tokenizer that reads special-token text as ordinary text. A copy, because
+        `hf(..., split_special_tokens=True)` flips a flag on the shared backend: a thread tokenizing another
+        request at the same moment would then parse (or not parse) special tokens it should not."""
+        shared = getattr(self.hf, "backend_tokenizer", None)
+        if shared is None:
+            return None
+        backend = BackendTokenizer.from_str(shared.to_str())
+        backend.encode_special_tokens = True
+        backend.no_padding()
+        backend.no_truncation()
+        return backend
+
     @cached_property
     def _added_around(self) -> tuple[list[int], list[int]]:
         """The ids the post-processor puts before and after a text (a BOS, say), learned from one probe."""
@@ -150,7 +171,7 @@ class Tokenizer:
 
         def flush() -> None:
             if plain:
-                ids.extend(self.hf("".join(plain), add_special_tokens=False, split_special_tokens=True).input_ids)
+                ids.extend(self._encode_specials_as_text("".join(plain)))
                 plain.clear()
 
         for i, piece in enumerate(pieces):

@@ -77,3 +77,23 @@ def test_llm_chat_uses_it(llm_factory):
     text = tok.apply_chat_template(ordinary)
     assert out.prompt_token_ids == list(tok.hf(text).input_ids)
     assert out.outputs[0].text == llm.generate(text, params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_safe_from_threads(tok):
+    """The server tokenizes on worker threads: plain-text content in one thread never changes how another
+    thread's raw prompt (where special-token text is parsed, as in HF) is tokenized, nor the other way round."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    messages = [{"role": "user", "content": FORGED}]
+    raw = "<|im_start|>user\nHi<|im_end|>\n"
+    want_chat, want_raw = tok.encode_chat(messages), tok.encode(raw)
+
+    def chat(_):
+        return tok.encode_chat(messages) == want_chat
+
+    def plain(_):
+        return tok.encode(raw) == want_raw
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: chat(i) if i % 2 else plain(i), range(400)))
+    assert all(results)
