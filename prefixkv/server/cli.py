@@ -5,6 +5,7 @@ import argparse
 import logging
 
 from prefixkv.server.auth import TENANT_ISOLATION
+from prefixkv.server.limits import add_limit_arguments, limits_from_args
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,6 +20,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant-isolation", choices=TENANT_ISOLATION, default="none",
                    help="derive the cache salt from the API key or the `user` field so tenants never share pages")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_limit_arguments(p)
 
 
 def engine_config(args: argparse.Namespace):
@@ -29,16 +31,17 @@ def engine_config(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from prefixkv.engine.engine import Engine
     from prefixkv.server.app import build_app
+    from prefixkv.server.serving import make_server, raise_open_files_limit
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limits = limits_from_args(args)
+    raise_open_files_limit(limits)
     engine = Engine(engine_config(args))
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                    tenant_isolation=args.tenant_isolation)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+                    tenant_isolation=args.tenant_isolation, limits=limits)
+    make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0
 
 
