@@ -8,6 +8,7 @@ against hangs.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -307,8 +308,6 @@ def test_unread_outputs_are_coalesced():
                 group.put(1, output("b", step, finished=step == 10))
         assert len(group._unread) == 2  # two outputs held, not 1,010
         return [item async for item in group]
-
-    import asyncio
 
     got = asyncio.run(scenario())
     assert [(i, len(o.outputs[0].text), o.finished) for i, o in got] == [(0, 1000, True), (1, 10, True)]
