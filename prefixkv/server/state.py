@@ -56,6 +56,13 @@ class ServerState:
                            f"can fit the model's context of {self.max_model_len} tokens", param=param,
                            code="context_length_exceeded")
 
+    def check_prompt_tokens(self, n: int, param: str) -> None:
+        """The engine's own first length check, made here so a long prompt's ids never reach its thread."""
+        if n >= self.max_model_len:
+            raise APIError(f"the prompt has {n} tokens but the model's context length (max_model_len) is "
+                           f"{self.max_model_len}; at least one token must be left to generate", param=param,
+                           code="context_length_exceeded")
+
     async def tokenize(self, prompts: list[str | list[int] | dict]) -> list[dict | list[int]]:
         """Engine prompts: text becomes {prompt, prompt_token_ids}; token ids and engine prompts pass as given."""
         for p in prompts:
@@ -65,6 +72,7 @@ class ServerState:
         for p in prompts:
             if isinstance(p, str):
                 ids = await self._in_worker(self.tokenizer.encode, p)
+                self.check_prompt_tokens(len(ids), "prompt")
                 out.append({"prompt": p, "prompt_token_ids": ids})
             else:
                 out.append(p)
@@ -73,7 +81,9 @@ class ServerState:
     async def tokenize_chat(self, messages: list[dict[str, str]]) -> dict:
         """The engine prompt for chat messages (already checked by ChatCompletionRequest.template_messages)."""
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        return await self._in_worker(_chat_prompt, self.tokenizer, messages)
+        prompt = await self._in_worker(_chat_prompt, self.tokenizer, messages)
+        self.check_prompt_tokens(len(prompt["prompt_token_ids"]), "messages")
+        return prompt
 
     async def _in_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)

@@ -137,7 +137,7 @@ def test_huge_body_gets_413_while_a_stream_runs(engine, recorded):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_overlong_text_refused_before_tokenizing(engine, recorded, path):
     """Text under the body limit but longer than any prompt that could fit the context: a 400 naming the
-    field, without tokenizing it."""
+    field, without tokenizing it. Text that tokenizes past the context: a 400 before the engine gets it."""
     prompts, encode_threads = recorded
     with running_server(engine) as (base, _, app):
         limit = app.state.server.max_prompt_chars
@@ -145,10 +145,20 @@ def test_overlong_text_refused_before_tokenizing(engine, recorded, path):
         body = ({"prompt": text} if path == "/v1/completions" else
                 {"messages": [{"role": "user", "content": text}]})
         r = httpx.post(base + path, json=body, timeout=HANG_GUARD)
-        err = _assert_openai_error(r, 400, "prompt" if "chat" not in path else "messages")
+        param = "prompt" if "chat" not in path else "messages"
+        err = _assert_openai_error(r, 400, param)
         assert err["code"] == "context_length_exceeded" and str(limit) in err["message"]
+        assert encode_threads == []
+
+        # short enough to tokenize (in the worker), too many tokens: refused before the engine thread sees them
+        text = "hello " * (engine.max_model_len + 10)
+        body = ({"prompt": text} if path == "/v1/completions" else
+                {"messages": [{"role": "user", "content": text}]})
+        err = _assert_openai_error(httpx.post(base + path, json=body, timeout=HANG_GUARD), 400, param)
+        assert err["code"] == "context_length_exceeded" and "max_model_len" in err["message"]
+        assert [name for _, name in encode_threads] == ["prefixkv-tokenizer_0"]
         wait_no_pages_held(base, NO_AUTH)
-    assert prompts == [] and encode_threads == []
+    assert prompts == []
 
 
 def test_prompts_are_tokenized_off_the_engine_thread(engine, recorded):
