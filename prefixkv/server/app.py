@@ -2,6 +2,7 @@
 
 The engine is built before the app (loading weights takes seconds), so uvicorn only starts accepting
 connections once /health can answer ok. The engine thread starts and stops with the app's lifespan.
+The app carries its ServerLimits (app.state.limits); serving.make_server reads the connection-level ones there.
 """
 from __future__ import annotations
 
@@ -14,16 +15,18 @@ from prefixkv.server import admin, chat, completions
 from prefixkv.server.async_engine import AsyncEngine
 from prefixkv.server.auth import TENANT_ISOLATION, require_api_key
 from prefixkv.server.errors import install_error_handlers
+from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.openapi import install_openapi
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from prefixkv.server.request_body import BoundedRequestBody
 from prefixkv.server.state import ServerState
 
 
 def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
               tenant_isolation: str = "none", max_n: int = DEFAULT_MAX_N,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-              allow_special_tokens_in_content: bool = False) -> FastAPI:
+              allow_special_tokens_in_content: bool = False, limits: ServerLimits | None = None) -> FastAPI:
     if tenant_isolation not in TENANT_ISOLATION:
         raise ValueError(f"tenant_isolation must be one of {TENANT_ISOLATION}, got {tenant_isolation!r}")
     for option, value in (("max_n", max_n), ("max_prompts_per_request", max_prompts_per_request)):
@@ -31,7 +34,9 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
             raise ValueError(f"{option} must be an integer >= 1, got {value!r}")
     name = served_model_name or engine.model_name
     metrics = ServerMetrics(name)
-    async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished, on_aborted=metrics.observe_aborted)
+    limits = limits or ServerLimits()
+    async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished, on_aborted=metrics.observe_aborted,
+                               max_backlog=limits.max_stream_queue)
     state = ServerState(engine=async_engine, tokenizer=engine.tokenizer, served_model_name=name,
                         max_model_len=engine.max_model_len, metrics=metrics, api_key=api_key,
                         tenant_isolation=tenant_isolation, max_n=max_n,
@@ -45,9 +50,12 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
             yield
         finally:
             async_engine.shutdown()
+            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="prefixkv", lifespan=lifespan)
     app.state.server = state
+    app.state.limits = limits
+    app.add_middleware(BoundedRequestBody, max_bytes=limits.max_request_body_bytes, timeout=limits.body_timeout)
     install_error_handlers(app)
     app.include_router(admin.public)
     secured = [Depends(require_api_key)]

@@ -5,7 +5,8 @@ every connection. Why a command queue rather than a lock: add_request / abort / 
 whole forward pass while holding the event loop; the engine thread runs them between two steps. Requests that
 arrive during a step are all admitted before the next one, so many connections share each batch.
 
-Outputs go back to the event loop with call_soon_threadsafe, one call per step per event loop.
+Outputs go back to the event loop with call_soon_threadsafe, one call per step per event loop. The engine
+thread never tokenizes a request's text: handlers submit token ids (state.py tokenizes in a worker thread).
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prefixkv.outputs import RequestOutput
@@ -33,43 +35,83 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Sink:
-    """Where the outputs of one engine request go: the queue of the HTTP request that owns it."""
+    """Where the outputs of one engine request go: the RequestGroup of the HTTP request that owns it."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    group: RequestGroup
     index: int  # position of this engine request inside its HTTP request (prompt number)
 
 
-@dataclass
+class StreamBacklogError(RuntimeError):
+    """The reader of a group fell more than max_backlog outputs behind: its requests were aborted."""
+
+
 class RequestGroup:
     """The engine requests of one HTTP request (one per prompt), read as one stream of (index, output).
 
     Iterating yields cumulative RequestOutputs until every request is finished. close() aborts whatever has
     not finished: handlers call it in `finally`, so a client that goes away frees its pages.
+
+    Memory stays bounded whatever the reader does: outputs are cumulative, so the group keeps only the newest
+    unread output per prompt (a new one replaces the old, see _coalesce) instead of queueing one per step.
+    A reader more than max_backlog outputs behind on any prompt (a client that stopped reading) gets its
+    requests aborted and `stopped` set, which sse.py uses to drop the connection.
     """
 
-    engine: "AsyncEngine"
-    request_ids: list[str]
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    unfinished: set[int] = field(default_factory=set)
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], max_backlog: int | None = None) -> None:
+        self.engine = engine
+        self.request_ids = request_ids
+        self.max_backlog = max_backlog
+        self.unfinished: set[int] = set(range(len(request_ids)))
+        self._unread: dict[int, RequestOutput] = {}  # newest unread output per prompt, oldest prompt first
+        self._behind: dict[int, int] = {}  # outputs folded into _unread[index] since the reader took it
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+        self.stopped = asyncio.Event()  # set when the group ends early: cut, backlog overflow, engine failure
 
-    def __post_init__(self) -> None:
-        self.unfinished = set(range(len(self.request_ids)))
+    # -- filled by the engine (through the event loop) ------------------------------------------------------
+    def put(self, index: int, output: RequestOutput) -> None:
+        if index not in self.unfinished or self._error is not None:  # closed or aborted: nobody listens
+            return
+        self._unread[index] = _coalesce(self._unread.get(index), output)
+        behind = self._behind[index] = self._behind.get(index, 0) + 1
+        self._ready.set()
+        if self.max_backlog is not None and behind > self.max_backlog and not output.finished:
+            logger.warning("aborting %s: its client is %d outputs behind (--max-stream-queue)",
+                           self.request_ids[index], behind)
+            self.fail(StreamBacklogError(f"the client fell {behind} outputs behind; request aborted"), abort=True)
 
-    def __aiter__(self) -> "RequestGroup":
+    def fail(self, exc: BaseException, *, abort: bool) -> None:
+        """End the group with exc (raised to the reader); abort=False when the engine already dropped it."""
+        if self._error is not None:
+            return
+        if abort:
+            self.close()
+        self.unfinished.clear()
+        self._unread.clear()
+        self._error = exc
+        self._ready.set()
+        self.stopped.set()
+
+    # -- read by the HTTP handler ----------------------------------------------------------------------------
+    def __aiter__(self) -> RequestGroup:
         return self
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
-        if not self.unfinished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.unfinished.clear()  # the engine already dropped these requests
-            raise item
-        index, output = item
-        if output.finished:
-            self.unfinished.discard(index)
-        return index, output
+        while True:
+            if self._unread:
+                index = next(iter(self._unread))
+                output = self._unread.pop(index)
+                self._behind[index] = 0
+                if output.finished:
+                    self.unfinished.discard(index)
+                return index, output
+            if self._error is not None:
+                raise self._error
+            if not self.unfinished:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
 
     async def collect(self) -> list[RequestOutput]:
         """Wait for the final output of every request, in prompt order."""
@@ -84,12 +126,21 @@ class RequestGroup:
             self.unfinished.clear()
 
 
+def _coalesce(unread: RequestOutput | None, newer: RequestOutput) -> RequestOutput:
+    """Fold a new output into the unread one. The engine's outputs are cumulative (each holds all text and
+    logprobs so far), so the newer simply replaces it. When the engine sends per-step deltas instead, this is
+    the one place that must concatenate them."""
+    return newer
+
+
 class AsyncEngine:
     """Wraps a (not thread-safe) Engine for asyncio callers. Start with start(), end with shutdown()."""
 
     def __init__(self, engine: Any, *, on_finished: Callable[[RequestOutput], None] | None = None,
-                 on_aborted: Callable[[int], None] | None = None) -> None:
+                 on_aborted: Callable[[int], None] | None = None, max_backlog: int | None = None) -> None:
         self.engine = engine
+        self.max_backlog = max_backlog  # see RequestGroup
+        self._groups: weakref.WeakSet[RequestGroup] = weakref.WeakSet()  # live groups, touched on the event loop
         self.on_finished = on_finished  # called on the engine thread with each finished output (metrics)
         self.on_aborted = on_aborted  # called with the number of requests aborted before they finished
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -118,11 +169,11 @@ class AsyncEngine:
         self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
 
-    async def submit(self, request_ids: list[str], prompts: list[str | list[int]], params: SamplingParams,
+    async def submit(self, request_ids: list[str], prompts: list[str | list[int] | dict], params: SamplingParams,
                      **kwargs: Any) -> RequestGroup:
         """Add one engine request per prompt, atomically: if any is rejected (ValueError), none stays."""
         loop = asyncio.get_running_loop()
-        group = RequestGroup(self, list(request_ids))
+        group = RequestGroup(self, list(request_ids), self.max_backlog)
 
         def add(engine: Any) -> None:
             added: list[str] = []
@@ -130,7 +181,7 @@ class AsyncEngine:
                 for index, (rid, prompt) in enumerate(zip(request_ids, prompts)):
                     engine.add_request(rid, prompt, params, **kwargs)
                     added.append(rid)
-                    self._sinks[rid] = _Sink(loop, group.queue, index)
+                    self._sinks[rid] = _Sink(loop, group, index)
             except BaseException:
                 for rid in added:
                     self._sinks.pop(rid, None)
@@ -138,7 +189,17 @@ class AsyncEngine:
                 raise
 
         await self.call(add)
+        self._groups.add(group)
         return group
+
+    def cut_all(self, exc: BaseException) -> int:
+        """End every group still running with exc and abort its engine requests (shutdown). Returns how many."""
+        cut = 0
+        for group in list(self._groups):
+            if group.unfinished:
+                group.fail(exc, abort=True)
+                cut += 1
+        return cut
 
     def abort_nowait(self, request_ids: list[str]) -> None:
         """Fire and forget (safe from `finally` blocks and cancelled tasks)."""
@@ -186,7 +247,7 @@ class AsyncEngine:
                     future.set_result(result)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple[int, RequestOutput]]]] = defaultdict(list)
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestGroup, int, RequestOutput]]] = defaultdict(list)
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:  # aborted by us earlier: the engine reports it once more, nobody listens
@@ -198,21 +259,21 @@ class AsyncEngine:
                         self.on_finished(output)
                     except Exception:
                         logger.exception("on_finished hook failed")
-            per_loop[sink.loop].append((sink.queue, (sink.index, output)))
+            per_loop[sink.loop].append((sink.group, sink.index, output))
         for loop, items in per_loop.items():
             loop.call_soon_threadsafe(_deliver, items)
 
     def _fail_all(self, exc: BaseException) -> None:
-        per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        queues_seen: set[int] = set()
+        per_loop: dict[asyncio.AbstractEventLoop, list[RequestGroup]] = defaultdict(list)
+        groups_seen: set[int] = set()
         for rid, sink in list(self._sinks.items()):
             self._safe_abort(rid)
-            if id(sink.queue) not in queues_seen:
-                queues_seen.add(id(sink.queue))
-                per_loop[sink.loop].append((sink.queue, exc))
+            if id(sink.group) not in groups_seen:
+                groups_seen.add(id(sink.group))
+                per_loop[sink.loop].append(sink.group)
         self._sinks.clear()
-        for loop, items in per_loop.items():
-            loop.call_soon_threadsafe(_deliver, items)
+        for loop, groups in per_loop.items():
+            loop.call_soon_threadsafe(_fail_groups, groups, exc)
 
     def _run(self) -> None:
         failures = 0
@@ -248,6 +309,11 @@ class AsyncEngine:
                     item[1].set_exception(EngineDeadError("engine stopped"))
 
 
-def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+def _deliver(items: list[tuple[RequestGroup, int, RequestOutput]]) -> None:
+    for group, index, output in items:
+        group.put(index, output)
+
+
+def _fail_groups(groups: list[RequestGroup], exc: BaseException) -> None:
+    for group in groups:
+        group.fail(exc, abort=False)  # the engine already dropped their requests

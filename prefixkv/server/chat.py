@@ -10,12 +10,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import APIRouter, Request
 
 from prefixkv.outputs import RequestOutput
 from prefixkv.server.deltas import choice_deltas
-from prefixkv.server.errors import APIError
 from prefixkv.server.logprobs import chat_logprobs
 from prefixkv.server.protocol import ChatCompletionRequest
 from prefixkv.server.sse import answer, sse
@@ -25,23 +23,12 @@ from prefixkv.server.usage import usage
 router = APIRouter()
 
 
-def render_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    """The conversation as the prompt's token ids."""
-    messages = body.template_messages()
-    try:
-        return state.tokenizer.encode_chat(messages, add_generation_prompt=True,
-                                           allow_special_tokens_in_content=state.allow_special_tokens_in_content)
-    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
-        raise APIError(f"messages could not be rendered by the chat template: {exc}", param="messages",
-                       code="invalid_value") from None
-
-
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     state = server_state(raw)
     model = state.check_model(body.model)
     params = body.sampling_params(state.max_n)
-    prompt = render_prompt(state, body)
+    prompt = await state.tokenize_chat(body.template_messages())  # templated and tokenized in a worker thread
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     group = await submit(state, raw, request_id, [prompt], params, body)
     created = int(time.time())

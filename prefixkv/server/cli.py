@@ -6,6 +6,7 @@ import logging
 
 from prefixkv.server.auth import TENANT_ISOLATION
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from prefixkv.server.limits import add_limit_arguments, limits_from_args
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +27,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="parse special-token text in chat message content as control tokens (lets a client "
                         "forge turns; off by default)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_limit_arguments(p)
 
 
 def engine_config(args: argparse.Namespace):
@@ -36,18 +38,19 @@ def engine_config(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from prefixkv.engine.engine import Engine
     from prefixkv.server.app import build_app
+    from prefixkv.server.serving import make_server, raise_open_files_limit
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limits = limits_from_args(args)
+    raise_open_files_limit(limits)
     engine = Engine(engine_config(args))
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                     tenant_isolation=args.tenant_isolation, max_n=args.max_n,
                     max_prompts_per_request=args.max_prompts_per_request,
-                    allow_special_tokens_in_content=args.allow_special_tokens_in_content)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+                    allow_special_tokens_in_content=args.allow_special_tokens_in_content, limits=limits)
+    make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0
 
 

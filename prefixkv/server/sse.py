@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from prefixkv.server.connection import EXTENSION
 from prefixkv.server.errors import APIError
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -39,19 +43,65 @@ async def guarded_events(events: AsyncIterator[str], group) -> AsyncIterator[str
     yield DONE
 
 
+class SlowClient(Exception):
+    """A write to the client did not complete in time, or its request group was stopped while it waited."""
+
+
 class EventStreamResponse(StreamingResponse):
     """An SSE response that runs on_close however it ends, even if the body never started (client gone
-    before the first byte), so the engine requests behind it are always aborted or already finished."""
+    before the first byte), so the engine requests behind it are always aborted or already finished.
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    A client that stops reading fills the socket buffers and then blocks our writes. A write that blocks for
+    more than write_timeout seconds, or while the group is stopped (its reader fell too far behind, see
+    RequestGroup), ends the stream: the engine requests are aborted and the connection is dropped at once,
+    since a graceful close would wait for that client to read what is still buffered.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], *, group=None,
+                 write_timeout: float | None = None) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
+        self._stopped: asyncio.Event | None = getattr(group, "stopped", None)
+        self._write_timeout = write_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, self._guarded(send))
+        except SlowClient as exc:
+            logger.warning("dropped a stream: %s", exc)
+            self._on_close()
+            connection = scope.get("extensions", {}).get(EXTENSION)
+            if connection is not None:
+                connection.abort_connection()
+                await asyncio.sleep(0)  # let the transport report the loss, so uvicorn sees a disconnect
         finally:
             self._on_close()
+
+    def _guarded(self, send):
+        if self._write_timeout is None and self._stopped is None:
+            return send
+
+        async def guarded_send(message) -> None:
+            sending = asyncio.ensure_future(send(message))
+            waiters = {sending}
+            stopped = None
+            if self._stopped is not None:
+                stopped = asyncio.ensure_future(self._stopped.wait())
+                waiters.add(stopped)
+            try:
+                done, _ = await asyncio.wait(waiters, timeout=self._write_timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if stopped is not None:
+                    stopped.cancel()
+            if sending in done:
+                return sending.result()
+            sending.cancel()
+            if stopped is not None and stopped in done:
+                raise SlowClient("the request was stopped while the client was not reading")
+            raise SlowClient(f"the client accepted no data for {self._write_timeout:g}s (--stream-write-timeout)")
+
+        return guarded_send
 
 
 class ClientDisconnected(Exception):
@@ -86,7 +136,9 @@ async def answer(raw: Request, group, events: AsyncIterator[str] | None, build: 
     """Stream `events` as SSE, or (events None) wait for every final output and return build(finals) as JSON.
     Either way the engine requests of `group` end with the HTTP request (499 when the client left first)."""
     if events is not None:
-        return EventStreamResponse(guarded_events(events, group), on_close=group.close)
+        write_timeout = raw.app.state.limits.stream_write_timeout
+        return EventStreamResponse(guarded_events(events, group), on_close=group.close, group=group,
+                                   write_timeout=write_timeout)
     try:
         finals = await until_disconnected(raw, group.collect())
     except ClientDisconnected:

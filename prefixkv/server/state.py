@@ -1,9 +1,19 @@
-"""What every handler needs, hung on app.state.server: the engine loop, names, metrics and policies."""
+"""What every handler needs, hung on app.state.server: the engine loop, names, metrics and policies; and
+the step between a handler and the engine: prompt text becomes token ids here, in a worker thread.
+
+Why a worker thread: tokenizing (and chat templating) a long text takes time proportional to its length.
+On the engine thread it stalls every running stream; on the event loop it stalls every connection. Text far
+longer than any prompt that could fit the context is refused before it is tokenized at all (max_prompt_chars).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import concurrent.futures
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
 from fastapi import Request
 
 from prefixkv.server.async_engine import AsyncEngine, RequestGroup
@@ -11,6 +21,17 @@ from prefixkv.server.auth import cache_salt_for
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
+
+logger = logging.getLogger(__name__)
+
+# A normalizer may turn one character of input into more than one (NFKC "ﬁ" -> "fi"): leave that much slack.
+_CHARS_SLACK = 2
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for: the longest vocabulary entry. Byte-level BPE
+    spells each byte as one character, so this bounds the decoded length of any token from above."""
+    return max((len(t) for t in tokenizer.hf.get_vocab()), default=1)
 
 
 @dataclass
@@ -25,6 +46,63 @@ class ServerState:
     max_n: int = DEFAULT_MAX_N  # completions per prompt
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # prompts in one /v1/completions request
     allow_special_tokens_in_content: bool = False  # chat content may contain control tokens (unsafe)
+    max_prompt_chars: int = 0  # longer prompt text cannot fit max_model_len tokens: refused untokenized
+    tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(default_factory=lambda: (
+        concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixkv-tokenizer")))
+
+    def __post_init__(self) -> None:
+        if not self.max_prompt_chars:
+            self.max_prompt_chars = self.max_model_len * longest_token_chars(self.tokenizer) * _CHARS_SLACK
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise APIError(f"{param} is {chars} characters long; no text over {self.max_prompt_chars} characters "
+                           f"can fit the model's context of {self.max_model_len} tokens", param=param,
+                           code="context_length_exceeded")
+
+    def check_prompt_tokens(self, n: int, param: str) -> None:
+        """The engine's own first length check, made here so a long prompt's ids never reach its thread."""
+        if n >= self.max_model_len:
+            raise APIError(f"the prompt has {n} tokens but the model's context length (max_model_len) is "
+                           f"{self.max_model_len}; at least one token must be left to generate", param=param,
+                           code="context_length_exceeded")
+
+    async def tokenize(self, prompts: list[str | list[int] | dict]) -> list[dict | list[int]]:
+        """Engine prompts: text becomes {prompt, prompt_token_ids}; token ids and engine prompts pass as given."""
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_prompt_chars(len(p), "prompt")
+        out: list[dict | list[int]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids = await self._in_worker(self.tokenizer.encode, p)
+                self.check_prompt_tokens(len(ids), "prompt")
+                out.append({"prompt": p, "prompt_token_ids": ids})
+            else:
+                out.append(p)
+        return out
+
+    async def tokenize_chat(self, messages: list[dict[str, str]]) -> dict:
+        """The engine prompt for chat messages (already checked by ChatCompletionRequest.template_messages)."""
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        prompt = await self._in_worker(_chat_prompt, self.tokenizer, messages, self.allow_special_tokens_in_content)
+        self.check_prompt_tokens(len(prompt["prompt_token_ids"]), "messages")
+        return prompt
+
+    async def _in_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """Called as the server stops accepting: requests still running after `timeout` seconds are cut."""
+        logger.info("shutting down: in-flight requests have %gs to finish (--shutdown-timeout)", timeout)
+        asyncio.get_running_loop().call_later(timeout, self._cut_in_flight, timeout)
+
+    def _cut_in_flight(self, timeout: float) -> None:
+        error = APIError(f"The server is shutting down; the request was cut after {timeout:g}s",
+                         status=503, code="server_shutdown")
+        cut = self.engine.cut_all(error)
+        if cut:
+            logger.warning("cut %d request(s) still running %gs after shutdown began", cut, timeout)
 
     def check_model(self, model: str | None) -> str:
         """OpenAI answers an unknown model with 404; an omitted model means the one being served."""
@@ -38,10 +116,24 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]], allow_special_tokens_in_content: bool) -> dict:
+    """Chat messages -> the engine prompt (token ids only: the engine needs no text). Runs in the tokenizer
+    worker thread; special-token text in message content stays text unless the server allows it."""
+    try:
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                    allow_special_tokens_in_content=allow_special_tokens_in_content)
+    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
+        raise APIError(f"messages could not be rendered by the chat template: {exc}", param="messages",
+                       code="invalid_value") from None
+    return {"prompt_token_ids": ids}
+
+
 async def submit(state: ServerState, raw: Request, request_id: str, prompts: list, params: Any,
                  body: Any) -> RequestGroup:
-    """Add one engine request per prompt; engine rejections (too long, bad ids, ...) become 400s."""
+    """Add one engine request per prompt; engine rejections (too long, bad ids, ...) become 400s.
+    Text prompts are tokenized here, off the engine thread; chat handlers pass state.tokenize_chat's result."""
     salt = cache_salt_for(state.tenant_isolation, raw, body.user, body.cache_salt)
+    prompts = await state.tokenize(prompts)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     try:
         return await state.engine.submit(ids, prompts, params, priority=body.priority, cache_salt=salt)

@@ -13,19 +13,27 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
-import uvicorn
 
 from prefixkv.server.app import build_app
+from prefixkv.server.serving import make_server
 
 
 @contextmanager
-def running_server(engine: Any, **app_kwargs) -> Iterator[tuple[str, Any, Any]]:
-    """Yield (base_url, engine, app) while uvicorn serves build_app(engine, **app_kwargs)."""
+def running_server(engine: Any, *, send_buffer_bytes: int | None = None,
+                   **app_kwargs) -> Iterator[tuple[str, Any, Any]]:
+    """Yield (base_url, engine, app) while uvicorn serves build_app(engine, **app_kwargs); pass
+    limits=ServerLimits(...) to change a limit (shutdown at exit waits up to limits.shutdown_timeout).
+
+    send_buffer_bytes: the kernel send buffer of every accepted connection (inherited from the listening
+    socket). On loopback it autotunes to ~4 MB, which a client that never reads would take minutes of
+    generation to fill; a small one makes the server's writes block after a few KB, as over a real network."""
     app = build_app(engine, **app_kwargs)
     sock = socket.socket()
+    if send_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    server = make_server(app, log_level="warning")  # the uvicorn setup `prefixkv serve` runs, limits included
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
