@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import Request
 
 from prefixkv.server.async_engine import AsyncEngine, RequestGroup
-from prefixkv.server.auth import cache_salt_for
+from prefixkv.server.auth import KeyRing, cache_salt_for
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.metrics import ServerMetrics
 
@@ -19,7 +19,7 @@ class ServerState:
     served_model_name: str
     max_model_len: int
     metrics: ServerMetrics
-    api_key: str | None = None
+    keys: KeyRing | None = None  # None: no key configured, every caller is an admin
     tenant_isolation: str = "none"
 
     def check_model(self, model: str | None) -> str:
