@@ -98,7 +98,7 @@ def test_serve_rejects_malformed_key_file_before_loading(tmp_path):
     bad.write_text("alice-key alice\nbob-key\n")
     env = {**os.environ, "PREFIXKV_NO_NATIVE": "1"}
     proc = subprocess.run([sys.executable, "-m", "prefixkv.server", "--api-key-file", str(bad), "--port", "0"],
-                          capture_output=True, text=True, timeout=120, env=env)
+                          check=False, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"API key file {bad}, line 2: expected 'KEY TENANT [ROLE]'" in proc.stderr
 
