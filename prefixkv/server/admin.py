@@ -15,7 +15,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from prefixkv.server.auth import bearer_token, named_owner, principal_of, salt_filter, salt_prefix, tenant_owner
+from prefixkv.server.auth import (
+    TAG_LEN,
+    bearer_token,
+    named_owner,
+    principal_of,
+    salt_filter,
+    salt_prefix,
+    tenant_owner,
+)
 from prefixkv.server.errors import APIError
 from prefixkv.server.state import ServerState, server_state
 
@@ -127,7 +135,7 @@ def _name_tenants(summary: dict, tenant_by_prefix: dict[str, str]) -> None:
     """Label each namespace row of the admin view with the key-file tenant its salt belongs to."""
     for row in _rows(summary):
         salt = _salt(row)
-        row["tenant"] = tenant_by_prefix.get(salt[:16]) if isinstance(salt, str) else None
+        row["tenant"] = tenant_by_prefix.get(salt[:TAG_LEN]) if isinstance(salt, str) else None
 
 
 def tenant_view(state: ServerState, owner: str | None, tenant: str | None, summary: dict) -> dict:

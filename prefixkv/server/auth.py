@@ -154,8 +154,11 @@ def principal_of(request: Request) -> Principal:
 
 # -- tenants and salts --------------------------------------------------------------------------------------
 
+TAG_LEN = 16  # hex digits of each half of a salt
+
+
 def _tag(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(text.encode()).hexdigest()[:TAG_LEN]
 
 
 def tenant_owner(mode: str, principal: Principal, token: str | None, user: str | None) -> str | None:
