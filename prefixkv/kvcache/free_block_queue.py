@@ -11,12 +11,13 @@ from collections.abc import Iterator
 class Block:
     """One page of the pool, created once at start. ref_cnt > 0 means some request uses it."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "cache_salt", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        self.cache_salt: str | None = None  # the namespace (tenant) of the cached KV, for a per-tenant reset
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 

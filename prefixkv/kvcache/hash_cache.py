@@ -7,6 +7,8 @@ and sit in the free queue, least recently used at the head; allocation takes the
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prefixkv.engine.request import Request
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
 from prefixkv.kvcache.hashing import HASH_FUNCTIONS, ROOT_KEY, block_extra_keys, hash_block
@@ -120,6 +122,7 @@ class HashPrefixCache(KVCacheManager):
             key = keys[i]
             if key not in self.cached:  # else another request computed the same block first; ours stays private
                 blocks[i].block_hash = key
+                blocks[i].cache_salt = request.cache_salt
                 self.cached[key] = blocks[i]
         self._req_num_committed[rid] = num_full
 
@@ -145,11 +148,15 @@ class HashPrefixCache(KVCacheManager):
                 self.num_evictions += 1
             block.block_hash = None
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached block no request holds; True when nothing cached is left."""
+    def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
+        """Drop every cached block no request holds (only those whose cache_salt passes salt_filter, when
+        given); True when nothing of that is left cached."""
         for b in self.free_queue:
-            self._evict(b)
-        return not self.cached
+            if salt_filter is None or (b.block_hash is not None and salt_filter(b.cache_salt)):
+                self._evict(b)
+        if salt_filter is None:
+            return not self.cached
+        return not any(salt_filter(b.cache_salt) for b in self.cached.values())
 
     # -- introspection -------------------------------------------------------------------------------------
     def summary(self) -> dict:
@@ -161,8 +168,17 @@ class HashPrefixCache(KVCacheManager):
             cached_tokens=len(self.cached) * self.page_size,
             evictable_blocks=sum(1 for b in self.free_queue if b.block_hash is not None) if self.caching else 0,
             running_requests=len(self._req_blocks),
+            by_namespace=self._by_namespace(),
         )
         return out
+
+    def _by_namespace(self) -> list[dict]:
+        """Cached tokens per cache_salt (tenant), largest first; the hash chain keeps no per-block hit count."""
+        tokens: dict[str | None, int] = {}
+        for b in self.cached.values():
+            tokens[b.cache_salt] = tokens.get(b.cache_salt, 0) + self.page_size
+        return [{"cache_salt": salt, "cached_tokens": n}
+                for salt, n in sorted(tokens.items(), key=lambda kv: (-kv[1], str(kv[0])))]
 
     def check_invariants(self) -> None:
         free = list(self.free_queue)

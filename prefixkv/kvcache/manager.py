@@ -11,6 +11,7 @@ Protocol per request (all called by the scheduler/engine, never by the model run
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefixkv.engine.request import Request
@@ -81,8 +82,9 @@ class KVCacheManager(ABC):
     def free(self, request: Request) -> None:
         """Release the request's pages; computed KV stays in the cache where the cache keeps it."""
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop cached KV no running request holds. False when some request still holds pages."""
+    def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
+        """Drop cached KV no running request holds (with salt_filter: only the namespaces whose cache_salt it
+        accepts, i.e. one tenant's). False when some request still holds pages of what was to go."""
         return True
 
     def summary(self) -> dict:

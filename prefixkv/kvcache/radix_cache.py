@@ -16,6 +16,7 @@ Keys: (lora_id, cache_salt) select separate roots; prompt positions covered by a
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefixkv.engine.request import Request
@@ -196,11 +197,17 @@ class RadixPrefixCache(KVCacheManager):
             root = root.parent
         self.tree.drop_root_if_unused(root)
 
-    def reset_prefix_cache(self) -> bool:
-        """Evict every unlocked node. Unlike vLLM (which refuses and keeps everything while blocks are in
-        use) what running requests hold stays and the rest goes; False tells the caller something stayed."""
-        self._free.extend(self.tree.evict(self.tree.evictable_tokens // self.page_size))
-        return not self._requests
+    def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
+        """Evict every unlocked node (with salt_filter: in the namespaces whose cache_salt it accepts). Unlike
+        vLLM (which refuses and keeps everything while blocks are in use) what running requests hold stays
+        and the rest goes; False tells the caller something stayed."""
+        if salt_filter is None:
+            self._free.extend(self.tree.evict(self.tree.evictable_tokens // self.page_size))
+            return not self._requests
+        chosen = [ns for ns in self.tree.roots if isinstance(ns, tuple) and salt_filter(ns[1])]
+        for namespace in chosen:
+            self._free.extend(self.tree.evict_namespace(namespace))
+        return not any(ns in self.tree.roots for ns in chosen)
 
     # -- views ---------------------------------------------------------------------------------------------
     def summary(self, top_k: int = 5) -> dict:
@@ -214,8 +221,24 @@ class RadixPrefixCache(KVCacheManager):
             protected_tokens=tree.protected_tokens,
             running_requests=len(self._requests),
             top_prefixes=self.top_prefixes(top_k),
+            by_namespace=self._by_namespace(),
         )
         return out
+
+    def _by_namespace(self) -> list[dict]:
+        """Per root: its adapter, cache_salt (tenant), cached tokens and admissions that hit it; largest first."""
+        rows = []
+        for namespace, root in self.tree.roots.items():
+            lora, salt = namespace if isinstance(namespace, tuple) else (None, namespace)
+            tokens, stack = 0, list(root.children.values())
+            while stack:
+                node = stack.pop()
+                tokens += len(node.tokens)
+                stack.extend(node.children.values())
+            hits = sum(child.hits for child in root.children.values())
+            rows.append({"lora_id": lora, "cache_salt": salt, "cached_tokens": tokens, "hits": hits})
+        rows.sort(key=lambda r: (-r["cached_tokens"], str(r["cache_salt"])))
+        return rows
 
     def top_prefixes(self, k: int = 5) -> list[dict]:
         """The most hit prefixes, each reported once: a node whose hits all went on to one listed child is

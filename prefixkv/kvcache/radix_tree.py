@@ -258,6 +258,30 @@ class RadixTree:
         self._maybe_compact_heap()
         return freed
 
+    def evict_namespace(self, namespace: Namespace) -> list[int]:
+        """Free every unlocked node under one root (leaves first, so a parent goes once its children have);
+        returns their page ids. Locked paths stay."""
+        root = self.roots.get(namespace)
+        if root is None:
+            return []
+        below: list[RadixNode] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            below.extend(node.children.values())
+            stack.extend(node.children.values())
+        freed: list[int] = []
+        for node in reversed(below):  # every child after its parent in `below`, so before it here
+            if node.lock_ref == 0 and not node.children:
+                freed.extend(node.pages)
+                self.evictable_tokens -= len(node.tokens)
+                self._remove(node)
+        if freed:
+            self.version += 1
+            self.evict_version += 1
+        self._maybe_compact_heap()
+        return freed
+
     def _remove(self, node: RadixNode) -> None:
         parent = node.parent
         del parent.children[self.key(node.tokens, 0)]

@@ -1,19 +1,56 @@
 """prefixkv's compiled CPU kernels (prefixkv/model/csrc): in-place paged decode attention and one-pass bf16
 SiLU-multiply, RMSNorm and rotary embedding.
 
-They are built with torch's extension builder the first time they are asked for (about a minute; scripts/setup.sh
-does it once, and torch caches the build by source hash). Anything that goes wrong (no compiler, headers, ...) is
-reported once as a warning and the callers keep their torch paths, which compute the same results.
+Built with torch's extension builder the first time they are asked for (about a minute; scripts/setup.sh does it
+at install time). Anything that goes wrong (no compiler, headers, a build that does not finish) is reported once
+as a warning and the callers keep their torch paths, which compute the same results.
+
+Where: one directory per build, named by a hash of everything the binary depends on (the csrc files, the torch
+version, the Python executable, so the installation, the compile flags and the CPU, since it is built with
+-march=native), under ~/.cache/prefixkv/native (or $PREFIXKV_NATIVE_DIR), with a module name of its own. Two
+checkouts, venvs or torch versions therefore never rebuild or load each other's build, which torch's one shared
+per-user directory and fixed name did.
+
+Locks: torch marks a build in progress with a `lock` file and waits, with no deadline, for it to disappear, so a
+killed build used to hang every later start. Here every builder first takes an fcntl lock on the directory (the
+kernel drops it when its holder dies, and the build subprocess holds it too); whoever holds it knows that a
+leftover torch `lock` is stale and removes it. Waiting for another builder and the build itself have deadlines
+($PREFIXKV_NATIVE_LOCK_TIMEOUT, $PREFIXKV_NATIVE_BUILD_TIMEOUT, seconds); past them, the torch paths are used.
+A finished build leaves a BUILT marker, after which a start only imports the library.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import glob
+import hashlib
+import importlib.util
+import json
+import logging
 import os
+import platform
+import signal
+import subprocess
 import sys
+import time
 import warnings
+from collections.abc import Iterator
 
-_SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "csrc", "*.cpp")))
+logger = logging.getLogger(__name__)
+
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCES = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")))
+_FLAGS = {"extra_cflags": ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], "extra_ldflags": ["-fopenmp"]}
+_BUILT = "BUILT"  # written once the library is complete
+_OUR_LOCK = "prefixkv-build.lock"  # fcntl-locked while a prefixkv process builds here
+_TORCH_LOCK = "lock"  # torch's FileBaton: exists while torch builds here, or forever after a killed build
+_BUILD_SCRIPT = "import json, sys\nfrom torch.utils import cpp_extension\ncpp_extension.load(**json.loads(sys.argv[1]))"
+DEFAULT_TIMEOUT_S = 900.0
+
+
+class NativeBuildError(RuntimeError):
+    """The kernels could not be built here in time; the message says why and where."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -21,22 +58,11 @@ def module():
     """The compiled module, or None when it cannot be built here (PREFIXKV_NO_NATIVE=1 forces None)."""
     if os.environ.get("PREFIXKV_NO_NATIVE") == "1":
         return None
-    bin_dir = os.path.dirname(sys.executable)  # pip's ninja lives beside python in a venv that is not activated
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
-        from torch.utils import cpp_extension
-
-        return cpp_extension.load(
-            name="prefixkv_native",
-            sources=_SOURCES,
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # a missing compiler or headers must not stop the engine
+        return load()
+    except Exception as exc:  # noqa: BLE001 - a missing compiler, a hung or failed build must not stop the engine
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        warnings.warn(f"prefixkv: native CPU kernels unavailable, using torch ops ({reason})")
+        warnings.warn(f"prefixkv: native CPU kernels unavailable, using torch ops ({reason})", stacklevel=2)
         return None
 
 
@@ -44,3 +70,154 @@ def fused_ops():
     """The module when its one-pass bf16 elementwise kernels are compiled in (AVX-512), else None."""
     m = module()
     return m if m is not None and m.has_fused_ops() else None
+
+
+# -- where -------------------------------------------------------------------------------------------------
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's feature flags (Linux), else the machine name."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[-1].strip()
+    return platform.machine()
+
+
+def build_key(csrc_files: list[str], torch_version: str, installation: str, flags: dict, cpu: str) -> str:
+    """16 hex digits naming one build: equal exactly when the inputs that shape the binary are equal."""
+    h = hashlib.sha256()
+    for path in sorted(csrc_files):
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + b"\0" + f.read() + b"\0")
+    for part in (torch_version, installation, json.dumps(flags, sort_keys=True), cpu):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def build_directory() -> str:
+    """This installation's build directory for the current sources, torch, flags and CPU."""
+    import torch
+
+    base = os.environ.get("PREFIXKV_NATIVE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "prefixkv", "native")
+    csrc_files = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")) + glob.glob(os.path.join(_CSRC, "*.h")))
+    installation = f"{sys.prefix}\0{sys.executable}"  # a venv's python is often a symlink to a shared one
+    key = build_key(csrc_files, torch.__version__, installation, _FLAGS, _cpu_identity())
+    return os.path.join(base, key)
+
+
+def module_name(directory: str) -> str:
+    """The Python module name of the build in `directory` (unique per build, so two can be loaded at once)."""
+    return "prefixkv_native_" + os.path.basename(os.path.normpath(directory))
+
+
+def _library(directory: str) -> str:
+    return os.path.join(directory, module_name(directory) + ".so")
+
+
+def is_built(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, _BUILT)) and os.path.exists(_library(directory))
+
+
+# -- build and load ------------------------------------------------------------------------------------------
+
+def _seconds(variable: str) -> float:
+    value = os.environ.get(variable)
+    return float(value) if value else DEFAULT_TIMEOUT_S
+
+
+def load(directory: str | None = None):
+    """Import the build in `directory` (default: build_directory()), building it first if needed; raises
+    NativeBuildError when that cannot finish in time."""
+    import torch  # noqa: F401 - the library links against libtorch, which must be loaded first
+
+    directory = directory or build_directory()
+    if not is_built(directory):
+        os.makedirs(directory, exist_ok=True)
+        with _build_lock(directory, _seconds("PREFIXKV_NATIVE_LOCK_TIMEOUT")) as lock_fd:
+            if not is_built(directory):  # else another process finished it while we waited
+                _build(directory, lock_fd, _seconds("PREFIXKV_NATIVE_BUILD_TIMEOUT"))
+    name = module_name(directory)
+    spec = importlib.util.spec_from_file_location(name, _library(directory))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextlib.contextmanager
+def _build_lock(directory: str, timeout: float) -> Iterator[int]:
+    """Hold the directory's fcntl lock (waiting at most `timeout` s for another builder); yields its fd."""
+    fd = os.open(os.path.join(directory, _OUR_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise NativeBuildError(f"another process has been building the native kernels in {directory} "
+                                           f"for over {timeout:.0f} s") from None
+                if not told:
+                    logger.warning("waiting up to %.0f s for another process building native kernels in %s",
+                                   timeout, directory)
+                    told = True
+                time.sleep(0.1)
+        yield fd
+    finally:
+        os.close(fd)  # releases the lock, unless the build subprocess still holds it
+
+
+def _build(directory: str, lock_fd: int, timeout: float) -> None:
+    """Build in a subprocess (so a deadline can stop it, compiler included) that shares our fcntl lock."""
+    stale = os.path.join(directory, _TORCH_LOCK)
+    if os.path.exists(stale):  # we hold the lock every builder takes first: whoever made this is gone
+        logger.warning("removing %s, left by a native build that was killed before it finished", stale)
+        os.remove(stale)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(directory, _BUILT))
+    logger.warning("building native kernels in %s (first start, ~1 min)", directory)
+    args = {"name": module_name(directory), "sources": _SOURCES, "build_directory": directory, "verbose": False,
+            **_FLAGS}
+    env = dict(os.environ)
+    bin_dir = os.path.dirname(sys.executable)  # pip's ninja lives beside python in a venv that is not activated
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    log_path = os.path.join(directory, "build.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(args)], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, pass_fds=(lock_fd,), start_new_session=True)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            raise NativeBuildError(f"the native build in {directory} did not finish within {timeout:.0f} s "
+                                   f"(log: {log_path})") from None
+        except BaseException:  # interrupted: stop the compiler too
+            _kill(proc)
+            raise
+    if code != 0 or not os.path.exists(_library(directory)):
+        raise NativeBuildError(f"the native build in {directory} failed: {_first_error(log_path)} (log: {log_path})")
+    with open(os.path.join(directory, _BUILT), "w") as f:
+        f.write(module_name(directory) + "\n")
+    logger.warning("native kernels built in %s", directory)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """The build and everything it started (ninja, the compilers): it runs in a session of its own."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _first_error(log_path: str) -> str:
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or ["no output"])[0][:300]
+
+
+if __name__ == "__main__":  # scripts/setup.sh: build now rather than at the first engine start
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    state = "ready" if module() is not None else "unavailable, the torch paths will be used"
+    print(f"prefixkv native kernels: {state} ({build_directory()})")

@@ -1,4 +1,10 @@
-"""Health, model list, Prometheus metrics and the prefix-cache admin endpoints."""
+"""Health, model list, Prometheus metrics and the prefix-cache admin endpoints.
+
+Who sees what, once keys are configured: any key may list models, scrape /metrics (server-wide counters, as
+vLLM exposes them, no prompt text and nothing per tenant) and read /cache/summary, which an admin key gets
+whole and a tenant key gets cut down to its own namespaces. Resetting the cache and the radix tree (it shows
+prompt text) need an admin key. Without keys every caller is an admin, as before keys existed.
+"""
 from __future__ import annotations
 
 import time
@@ -9,10 +15,21 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from prefixkv.server.state import server_state
+from prefixkv.server.auth import (
+    TAG_LEN,
+    bearer_token,
+    named_owner,
+    principal_of,
+    salt_filter,
+    salt_prefix,
+    tenant_owner,
+)
+from prefixkv.server.errors import APIError
+from prefixkv.server.state import ServerState, server_state
 
 public = APIRouter()  # no API key needed
-router = APIRouter()
+router = APIRouter()  # any valid key
+admin_only = APIRouter()  # an admin key
 
 _STARTED = int(time.time())
 
@@ -46,34 +63,99 @@ async def metrics(raw: Request) -> Response:
     return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/reset_prefix_cache")
-async def reset_prefix_cache(raw: Request) -> Response:
-    """Drops every cached page no running request holds; 409 when running requests still hold some."""
-    ok = await server_state(raw).engine.call(lambda engine: engine.reset_prefix_cache())
+@admin_only.post("/reset_prefix_cache")
+async def reset_prefix_cache(raw: Request, tenant: str | None = None) -> Response:
+    """Drops every cached page no running request holds, or (?tenant=NAME) only that tenant's namespaces;
+    409 when running requests still hold some."""
+    state = server_state(raw)
+    only = None
+    if tenant is not None:
+        only = salt_filter(_owner_named(state, tenant))
+    ok = await state.engine.call(lambda engine: engine.reset_prefix_cache(only))
+    scope = {} if tenant is None else {"tenant": tenant}
     if not ok:
-        return JSONResponse({"reset": False, "reason": "running requests still hold cached pages"}, status_code=409)
-    return JSONResponse({"reset": True})
+        return JSONResponse({"reset": False, **scope, "reason": "running requests still hold cached pages"},
+                            status_code=409)
+    return JSONResponse({"reset": True, **scope})
+
+
+def _owner_named(state: ServerState, tenant: str) -> str:
+    """The owner string behind ?tenant=NAME, or a 400 saying why the name means nothing on this server."""
+    owner = named_owner(state.tenant_isolation, state.keys, tenant)
+    if owner is None:
+        why = ("tenants do not have separate caches here (--tenant-isolation none)"
+               if state.tenant_isolation == "none" else
+               "without --api-key-file, api-key isolation has no tenant names")
+        raise APIError(f"Cannot reset one tenant: {why}; reset the whole cache instead", param="tenant",
+                       code="invalid_value")
+    if state.keys is not None and tenant not in state.keys.tenants():
+        raise APIError(f"Unknown tenant {tenant!r}: no API key belongs to it", param="tenant", code="invalid_value")
+    return owner
 
 
 @router.get("/cache/summary")
 async def cache_summary(raw: Request) -> dict:
-    """The engine's cache_summary() plus the counters a person checks first (hit rate, pages held)."""
+    """The engine's cache_summary() plus the counters a person checks first (hit rate, pages held); for a
+    tenant key only the namespaces of its own tenant (see tenant_view)."""
 
     def read(engine: Any) -> dict:
         summary = dict(engine.cache_summary())
         summary["engine"] = stats_dict(engine.get_stats())
         return summary
 
-    summary = await server_state(raw).engine.call(read)
+    state = server_state(raw)
+    summary = await state.engine.call(read)
+    principal = principal_of(raw)
+    if not principal.is_admin:
+        return tenant_view(state, tenant_owner(state.tenant_isolation, principal, bearer_token(raw), None),
+                           principal.tenant, summary)
     stats = summary["engine"]
     summary.setdefault("hit_rate", stats.get("prefix_cache_hit_rate", 0.0))
     summary["kv_pages_used"] = stats.get("num_pages_used")
     summary["kv_pages_total"] = stats.get("num_pages_total")
+    summary["tenant_isolation"] = state.tenant_isolation
+    if state.keys is not None and state.tenant_isolation != "none":
+        _name_tenants(summary, {salt_prefix("tenant:" + t): t for t in state.keys.tenants()})
     return summary
 
 
-@router.get("/cache/tree")
+def _rows(summary: dict) -> list[dict]:
+    """The rows of a summary that name a namespace: per-namespace usage and the top prefixes."""
+    return list(summary.get("by_namespace", [])) + list(summary.get("top_prefixes", []))
+
+
+def _salt(row: dict) -> str | None:
+    if "cache_salt" in row:
+        return row["cache_salt"]
+    namespace = row.get("namespace")
+    return namespace[1] if isinstance(namespace, list) and len(namespace) == 2 else None
+
+
+def _name_tenants(summary: dict, tenant_by_prefix: dict[str, str]) -> None:
+    """Label each namespace row of the admin view with the key-file tenant its salt belongs to."""
+    for row in _rows(summary):
+        salt = _salt(row)
+        row["tenant"] = tenant_by_prefix.get(salt[:TAG_LEN]) if isinstance(salt, str) else None
+
+
+def tenant_view(state: ServerState, owner: str | None, tenant: str | None, summary: dict) -> dict:
+    """What a tenant key may see: the cache's shape and its own namespaces (cached tokens, hits, top prefix
+    lengths), never another tenant's namespaces or hit counts, nor the server-wide counters that sum them.
+    With isolation off no namespace is the tenant's own, so none is shown."""
+    mine = salt_filter(owner) if owner is not None else (lambda salt: False)
+    return {
+        "tenant": tenant,
+        "tenant_isolation": state.tenant_isolation,
+        "type": summary.get("type"),
+        "page_size": summary.get("page_size"),
+        "by_namespace": [row for row in summary.get("by_namespace", []) if mine(_salt(row))],
+        "top_prefixes": [row for row in summary.get("top_prefixes", []) if mine(_salt(row))],
+    }
+
+
+@admin_only.get("/cache/tree")
 async def cache_tree(raw: Request, depth: int = 3, children: int = 5) -> Response:
-    """The top of the radix tree as text (what `prefixkv cache-tree --url` prints); 400 for the hash cache."""
+    """The top of the radix tree as text (what `prefixkv cache-tree --url` prints); 400 for the hash cache.
+    Admin only: the text is every tenant's prompts."""
     text = await server_state(raw).engine.call(lambda engine: engine.render_cache_tree(depth, children))
     return PlainTextResponse(text)

@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI
 
 from prefixkv.server import admin, chat, completions
 from prefixkv.server.async_engine import AsyncEngine
-from prefixkv.server.auth import TENANT_ISOLATION, require_api_key
+from prefixkv.server.auth import TENANT_ISOLATION, KeyRing, authenticate, require_admin
 from prefixkv.server.errors import install_error_handlers
 from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
@@ -24,9 +24,13 @@ from prefixkv.server.state import ServerState
 
 
 def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
-              tenant_isolation: str = "none", max_n: int = DEFAULT_MAX_N,
-              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+              api_key_file: str | None = None, tenant_isolation: str | None = None,
+              max_n: int = DEFAULT_MAX_N, max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               allow_special_tokens_in_content: bool = False, limits: ServerLimits | None = None) -> FastAPI:
+    """tenant_isolation None means `api-key` when a key file gives tenants, else `none` (as before key files)."""
+    keys = KeyRing.build(api_key, api_key_file)
+    if tenant_isolation is None:
+        tenant_isolation = "api-key" if api_key_file is not None else "none"
     if tenant_isolation not in TENANT_ISOLATION:
         raise ValueError(f"tenant_isolation must be one of {TENANT_ISOLATION}, got {tenant_isolation!r}")
     for option, value in (("max_n", max_n), ("max_prompts_per_request", max_prompts_per_request)):
@@ -38,7 +42,7 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
     async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished, on_aborted=metrics.observe_aborted,
                                max_backlog=limits.max_stream_queue)
     state = ServerState(engine=async_engine, tokenizer=engine.tokenizer, served_model_name=name,
-                        max_model_len=engine.max_model_len, metrics=metrics, api_key=api_key,
+                        max_model_len=engine.max_model_len, metrics=metrics, keys=keys,
                         tenant_isolation=tenant_isolation, max_n=max_n,
                         max_prompts_per_request=max_prompts_per_request,
                         allow_special_tokens_in_content=allow_special_tokens_in_content)
@@ -58,8 +62,8 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
     app.add_middleware(BoundedRequestBody, max_bytes=limits.max_request_body_bytes, timeout=limits.body_timeout)
     install_error_handlers(app)
     app.include_router(admin.public)
-    secured = [Depends(require_api_key)]
     for router in (admin.router, completions.router, chat.router):
-        app.include_router(router, dependencies=secured)
+        app.include_router(router, dependencies=[Depends(authenticate)])
+    app.include_router(admin.admin_only, dependencies=[Depends(require_admin)])
     install_openapi(app, state)
     return app

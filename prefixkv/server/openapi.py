@@ -26,6 +26,7 @@ _ERROR_BODY = {
 }
 _WHY = {400: "Invalid request: the message names the field (`param`)",
         401: "Missing or invalid API key",
+        403: "The endpoint needs an admin API key",
         404: "Unknown model",
         413: "Request body too large"}
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -51,14 +52,15 @@ _TEXT_PATHS = {"/metrics": "text/plain", "/cache/tree": "text/plain"}
 
 def install_openapi(app: FastAPI, state: Any) -> None:
     """Replace app.openapi with one that builds the schema once and declares what this server answers."""
-    from prefixkv.server.admin import public
+    from prefixkv.server.admin import admin_only, public
 
     public_paths = {route.path for route in public.routes}
+    admin_paths = {route.path for route in admin_only.routes}
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _declare_errors(schema, public_paths, bool(getattr(state, "api_key", None)))
+            _declare_errors(schema, public_paths, admin_paths, state.keys is not None)
             _declare_limits(schema, state)
             app.openapi_schema = schema
         return app.openapi_schema
@@ -71,7 +73,7 @@ def _error_response(status: int) -> dict:
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_SCHEMA}"}}}}
 
 
-def _declare_errors(schema: dict, public_paths: set[str], api_key: bool) -> None:
+def _declare_errors(schema: dict, public_paths: set[str], admin_paths: set[str], api_key: bool) -> None:
     if api_key:
         schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -89,6 +91,8 @@ def _declare_errors(schema: dict, public_paths: set[str], api_key: bool) -> None
                 responses["401"] = _error_response(401)
                 if api_key:
                     op["security"] = [{"bearer": []}]
+            if path in admin_paths:
+                responses["403"] = _error_response(403)
             if path in _TEXT_PATHS:  # answered as text, not JSON
                 responses["200"]["content"] = {_TEXT_PATHS[path]: {"schema": {"type": "string"}}}
             if path in _GENERATION_PATHS:

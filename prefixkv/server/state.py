@@ -17,7 +17,7 @@ import jinja2
 from fastapi import Request
 
 from prefixkv.server.async_engine import AsyncEngine, RequestGroup
-from prefixkv.server.auth import cache_salt_for
+from prefixkv.server.auth import KeyRing, cache_salt_for
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
@@ -41,7 +41,7 @@ class ServerState:
     served_model_name: str
     max_model_len: int
     metrics: ServerMetrics
-    api_key: str | None = None
+    keys: KeyRing | None = None  # None: no key configured, every caller is an admin
     tenant_isolation: str = "none"
     max_n: int = DEFAULT_MAX_N  # completions per prompt
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # prompts in one /v1/completions request
