@@ -82,11 +82,11 @@ class ServerState:
                 out.append(p)
         return out
 
-    async def tokenize_chat(self, messages: list[dict[str, str]]) -> dict:
+    async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The engine prompt for chat messages (already checked by ChatCompletionRequest.template_messages)."""
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         prompt = await self._in_worker(_chat_prompt, self.tokenizer, messages, self.allow_special_tokens_in_content)
-        self.check_prompt_tokens(len(prompt["prompt_token_ids"]), "messages")
+        self.check_prompt_tokens(len(prompt), "messages")
         return prompt
 
     async def _in_worker(self, fn, *args):
@@ -116,8 +116,8 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]], allow_special_tokens_in_content: bool) -> dict:
-    """Chat messages -> the engine prompt (token ids only: the engine needs no text). Runs in the tokenizer
+def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]], allow_special_tokens_in_content: bool) -> list[int]:
+    """Chat messages -> the engine prompt's token ids (the engine needs no text). Runs in the tokenizer
     worker thread; special-token text in message content stays text unless the server allows it."""
     try:
         ids = tokenizer.encode_chat(messages, add_generation_prompt=True,
@@ -125,7 +125,7 @@ def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]], allow_special_t
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
         raise APIError(f"messages could not be rendered by the chat template: {exc}", param="messages",
                        code="invalid_value") from None
-    return {"prompt_token_ids": ids}
+    return ids
 
 
 async def submit(state: ServerState, raw: Request, request_id: str, prompts: list, params: Any,

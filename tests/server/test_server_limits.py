@@ -173,7 +173,9 @@ def test_prompts_are_tokenized_off_the_engine_thread(engine, recorded):
                                               messages=[{"role": "user", "content": "Hi!"}])
     threads = {name for _, name in encode_threads}
     assert len(encode_threads) == 2 and threads == {"prefixkv-tokenizer_0"}, encode_threads
-    assert all(isinstance(p, dict) and p["prompt_token_ids"] for p in prompts), prompts
+    completion_prompt, chat_prompt = prompts  # text keeps its ids and text; chat needs only ids
+    assert isinstance(completion_prompt, dict) and completion_prompt["prompt_token_ids"], prompts
+    assert isinstance(chat_prompt, list) and all(isinstance(t, int) for t in chat_prompt), prompts
     assert prompts[0]["prompt_token_ids"] == engine.tokenizer.encode("The capital of France is")
     assert out.choices[0].text and out.usage.completion_tokens == 4
     assert chat.choices[0].message.content and chat.usage.completion_tokens == 4
