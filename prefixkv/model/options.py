@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ from prefixkv.model.config import ModelConfig
 
 # torch's CPU flash-attention kernel that also returns each row's log-sum-exp (what SDPA runs on CPU); the
 # attention groups call it where `flash_lse` is set
-FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_WITH_LSE: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,9 +58,10 @@ class PoolRange:
 
     def read(self, kv_layer: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
         """[2, KVH, length, d]"""
-        if self.first_slot is not None:
-            return kv_layer.narrow(2, self.first_slot, self.length)
-        return gather(kv_layer, self.slots, workspace)
+        if self.slots is not None:
+            return gather(kv_layer, self.slots, workspace)
+        assert self.first_slot is not None
+        return kv_layer.narrow(2, self.first_slot, self.length)
 
 
 @dataclass(slots=True)
