@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixkv.model import packed_linear
-from prefixkv.model.attention import AttentionMetadata, paged_attention
+from prefixkv.model import native, packed_linear
+from prefixkv.model.attention import StepPlan, paged_attention
 from prefixkv.model.config import ModelConfig
+from prefixkv.model.options import KernelOptions
 from prefixkv.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -23,7 +24,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN copy of weight (see packed_linear), set by LlamaModel
+        self.packed: torch.Tensor | None = None  # oneDNN copy of weight (see packed_linear), set by use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -52,7 +53,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
-    fused = None  # the native module when its one-pass bf16 kernels are in use (set by LlamaModel)
+    fused = None  # the native module when its one-pass bf16 kernels are in use (set by LlamaModel.use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and x.dim() == 2:
@@ -71,9 +72,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
-        self.fused = None  # the native module when its one-pass bf16 kernels are in use (set by LlamaModel)
+        self.fused = None  # the native module when its one-pass bf16 kernels are in use (set by use_kernels)
 
-    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_layer, plan: StepPlan) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
@@ -86,7 +87,7 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv = torch.stack((k, v), dim=1)  # [T, 2, KVH, d]: one index_copy_ writes both
-        out = paged_attention(q, kv, kv_layer, meta, self.scale)
+        out = paged_attention(q, kv, kv_layer, plan, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -96,7 +97,7 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.fused = None  # the native module when its one-pass bf16 kernels are in use (set by LlamaModel)
+        self.fused = None  # the native module when its one-pass bf16 kernels are in use (set by use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -114,9 +115,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, cos, sin, kv_layer, meta):
+    def forward(self, h, cos, sin, kv_layer, plan):
         """h is updated in place (the model owns it: it starts as a fresh embedding lookup)."""
-        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, meta))
+        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, plan))
         return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
@@ -136,42 +137,41 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, kv_heads, slots, head_dim]
         self.lm_head_packed: torch.Tensor | None = None
+        self.kernel_options: KernelOptions | None = None  # what use_kernels last set up
 
-    def set_packed_weights(self, enabled: bool) -> None:
-        """Pack every matmul weight for oneDNN (bf16 CPU, see packed_linear), or drop the packed copies.
+    def use_kernels(self, options: KernelOptions) -> None:
+        """Set the fused-ops and packed-weights switches of every module from the runner's options, in one place.
 
-        The runner calls this after any dtype/device change, so a packed copy never outlives its weight. The
-        plain weights stay (a LoadedModel may be shared by several runners): packing costs one more copy of the
-        matmul weights in memory.
+        Packed weights: every matmul weight gets a copy in oneDNN's blocked layout (bf16 CPU, see packed_linear).
+        The plain weights stay (a LoadedModel may be shared by several runners): packing costs one more copy of
+        the matmul weights in memory. The runner calls this after any dtype/device change, so a packed copy never
+        outlives its weight. Fused ops: RMSNorm, rotary embedding and SiLU-multiply run the native one-pass bf16
+        kernels (prefixkv.model.native) instead of torch's ops; options.check has made sure they fit the shapes.
         """
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.packed = packed_linear.pack(module.weight) if enabled else None
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head_packed = packed_linear.pack(weight) if enabled else None
-
-    def set_fused_ops(self, kernels) -> None:
-        """Use the native one-pass bf16 kernels (prefixkv.model.native.fused_ops()) for RMSNorm, rotary embedding
-        and SiLU-multiply, or torch's ops when `kernels` is None. The runner enables them for bf16 on CPU only;
-        shapes they do not cover (dims not multiples of 16/32) keep torch's ops."""
-        c = self.config
-        fits = c.hidden_size % 16 == 0 and c.intermediate_size % 16 == 0 and c.head_dim % 32 == 0
-        kernels = kernels if fits else None
+        packed_before = self.kernel_options is not None and self.kernel_options.packed_weights
+        if options.packed_weights or packed_before:  # (re)pack: the weights may have been cast since
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.packed = packed_linear.pack(module.weight) if options.packed_weights else None
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.lm_head_packed = packed_linear.pack(weight) if options.packed_weights else None
+        kernels = native.fused_ops() if options.fused_ops else None
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.fused = kernels
+        self.kernel_options = options
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """input_ids, positions: [T] (all batch items flattened) -> final-normed hidden states [T, hidden]."""
         if self.kv_cache is None:
             raise RuntimeError("bind_kv_cache() must be called before forward()")
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, self.kv_cache[i], attn)
+            h = layer(h, cos, sin, self.kv_cache[i], plan)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

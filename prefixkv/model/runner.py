@@ -1,6 +1,8 @@
 """ModelRunner: owns the KV pool, turns a list of BatchItems into one forward pass and samples.
 
-It sees only page tables: which prefix cache (if any) produced them is invisible here.
+It sees only page tables: which prefix cache (if any) produced them is invisible here. It is also where the
+forward pass's kernel choices are made, once: the KernelOptions it starts with configure the model (fused ops,
+packed weights) and the step planner (which attention path each row takes).
 """
 from __future__ import annotations
 
@@ -8,11 +10,11 @@ import numpy as np
 import torch
 
 from prefixkv.engine.batch import BatchItem, Sample
-from prefixkv.model import native, packed_linear
-from prefixkv.model.attention import AttentionMetadata
+from prefixkv.model.attention import StepPlanner
 from prefixkv.model.config import ModelConfig
 from prefixkv.model.huge_pages import zeros_on_huge_pages
 from prefixkv.model.loader import LoadedModel, parse_dtype
+from prefixkv.model.options import KernelOptions
 from prefixkv.model.sampler import Sampler
 
 
@@ -25,14 +27,14 @@ class ModelRunner:
         device: str | None = None,
         dtype: str | None = None,
         seed: int | None = None,
-        cascade_attention: bool | None = None,
+        options: KernelOptions | None = None,
     ) -> None:
         """device/dtype default to the loaded model's; if given and different, the model is moved/cast.
 
-        cascade_attention: attend once per step group to leading pages shared by several decodes, and let a
-        prefill chunk after cached tokens attend to them and to itself in two merged calls (see
-        prefixkv.model.attention). None = auto: on for bf16/fp16, off for float32, where the changed summation
-        order could flip a near-tie and break token equality between prefix caching on and off.
+        options: how the forward pass computes (prefixkv.model.options); None = `KernelOptions.choose` for this
+        device, dtype and model: every bit-exact fast path that runs here, and the paths that reorder the
+        attention sum (cascade decodes, split prefill) only below float32. A LoadedModel serves one runner at a
+        time: the runner built last sets its device, dtype and kernels.
         """
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
@@ -44,15 +46,13 @@ class ModelRunner:
         self.dtype = parse_dtype(dtype) if dtype is not None else first.dtype
         if first.device != self.device or first.dtype != self.dtype:
             self.model.to(device=self.device, dtype=self.dtype)
-        self.model.set_packed_weights(packed_linear.can_pack(self.device, self.dtype))
-        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        self.model.set_fused_ops(native.fused_ops() if cpu_bf16 else None)
+        if options is None:
+            options = KernelOptions.choose(self.device, self.dtype, self.config)
+        else:
+            options.check(self.device, self.dtype, self.config)
+        self.options = options
+        self.model.use_kernels(options)
         self.num_pages, self.page_size = num_pages, page_size
-        self.cascade_attention = (
-            self.dtype in (torch.bfloat16, torch.float16) if cascade_attention is None else cascade_attention
-        )
-        # decodes read their pages in place with the native kernel where it builds (CPU), else gather + SDPA
-        self.in_place_decodes = self.device.type == "cpu" and native.module() is not None
         c = self.config
         # zeros, not empty: padded decode rows read slot 0 and masked garbage must still be finite; on huge pages
         # because attention reads a request's pages scattered over the whole pool
@@ -61,7 +61,7 @@ class ModelRunner:
         )
         self.model.bind_kv_cache(self.kv_cache)
         self.sampler = Sampler(seed)
-        self._workspace: torch.Tensor | None = None  # gather scratch kept across steps (fresh pages are slow)
+        self.planner = StepPlanner(options, page_size, self.dtype, 2 * c.num_kv_heads * c.head_dim, self.device)
 
     @staticmethod
     def kv_bytes_per_token(config: ModelConfig, dtype: str = "float32") -> int:
@@ -83,16 +83,10 @@ class ModelRunner:
         )
         ordered = [items[i] for i in order]
         counts = [len(it.token_ids) for it in ordered]
-        meta = AttentionMetadata.build(
-            counts, [it.start_pos for it in ordered], [it.page_table for it in ordered],
-            self.page_size, self.device, self.dtype, 2 * self.config.num_kv_heads * self.config.head_dim,
-            self._workspace, cascade=self.cascade_attention, split_context=self.cascade_attention,
-            in_place_decodes=self.in_place_decodes,
-        )
-        self._workspace = meta.workspace
+        plan = self.planner.plan(counts, [it.start_pos for it in ordered], [it.page_table for it in ordered])
         input_ids = torch.tensor([t for it in ordered for t in it.token_ids], dtype=torch.long, device=self.device)
         positions = np.concatenate([np.arange(it.start_pos, it.start_pos + n) for it, n in zip(ordered, counts)])
-        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), meta)
+        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), plan)
 
         # rows whose logits are needed: the last token of each sampling item
         sample_rows, sample_at, row = [], [], 0

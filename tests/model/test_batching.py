@@ -2,12 +2,15 @@
 gets when run alone (on a tiny checkpoint, so the test is fast)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from prefixkv.engine.batch import BatchItem
-from prefixkv.model import attention
+from prefixkv.model.attention import StepPlanner
 from prefixkv.model.loader import load_model
+from prefixkv.model.options import KernelOptions
 from prefixkv.model.runner import ModelRunner
 from prefixkv.sampling_params import SamplingParams
 from tests.model.helpers import PagePool, Sequence, greedy_generate, run_batch
@@ -28,11 +31,13 @@ def tiny(tiny_checkpoint):
     return load_model(path)
 
 
-@pytest.mark.parametrize("page_size, split_decodes", [(1, False), (16, True)])
-def test_mixed_batch_equals_alone(tiny, page_size, split_decodes, monkeypatch):
-    if split_decodes:  # decodes of different context lengths go to separate padded groups
-        monkeypatch.setattr(attention, "_MIN_SPLIT_LEN", 0)
-    runner = ModelRunner(tiny, num_pages=200 // page_size + 20, page_size=page_size)
+# the default options, and padded decode groups where decodes of different context lengths go to separate groups
+@pytest.mark.parametrize("page_size, padded_groups", [(1, False), (16, False), (16, True)])
+def test_mixed_batch_equals_alone(tiny, page_size, padded_groups):
+    options = KernelOptions.choose("cpu", torch.float32, tiny.config)
+    if padded_groups:
+        options = replace(options, in_place_decodes=False, min_split_len=0)
+    runner = ModelRunner(tiny, num_pages=200 // page_size + 20, page_size=page_size, options=options)
     alone = [greedy_generate(runner, p, NEW) for p in PROMPTS]
     pool = PagePool(runner.num_pages, shuffle_seed=7)
     seqs = [Sequence(f"r{i}", p, pool, page_size, chunk=[None, 1, 9, None, 4][i]) for i, p in enumerate(PROMPTS)]
@@ -42,12 +47,12 @@ def test_mixed_batch_equals_alone(tiny, page_size, split_decodes, monkeypatch):
     assert [s.output for s in seqs] == alone
 
 
-def test_decode_groups_bound_padding(monkeypatch):
+def test_decode_groups_bound_padding():
     lens = [3, 5, 300, 310, 700, 2000]
-    meta = attention.AttentionMetadata.build(
-        [1] * len(lens), [n - 1 for n in lens], [list(range(n)) for n in lens], 1, "cpu", torch.float32, 8
+    meta = StepPlanner(KernelOptions(), 1, torch.float32, 8).plan(
+        [1] * len(lens), [n - 1 for n in lens], [list(range(n)) for n in lens]
     )
-    groups = [(g.row_start, g.row_end, g.max_len) for g in meta.decodes]
+    groups = [(g.rows.start, g.rows.stop, g.max_len) for g in meta.groups]
     assert groups == [(0, 2, 5), (2, 4, 310), (4, 5, 700), (5, 6, 2000)]
     assert meta.slot_mapping.tolist() == [n - 1 for n in lens]
 

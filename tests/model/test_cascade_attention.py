@@ -1,16 +1,24 @@
 """Cascade attention (decodes sharing leading pages attend to the shared prefix once) equals the plain paged path.
 
 Attention level: a random pool, decodes sharing many / one / no leading pages (16-token and 1-token pages), mixed
-with prefill chunks in the same step. Runner level: the fp32 default model gives the same greedy tokens with
-cascade forced on and off (cascade is off by default in fp32, on in bf16/fp16).
+with prefill chunks in the same step, with the CPU flash kernel and with the float32 reference ops. Runner level:
+the fp32 default model gives the same greedy tokens with cascade forced on and off (cascade is off by default in
+fp32, on in bf16/fp16).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from prefixkv.model import attention
-from prefixkv.model.attention import AttentionMetadata, paged_attention
+from prefixkv.model.attention import (
+    CascadeDecodes,
+    PaddedDecodes,
+    StepPlanner,
+    paged_attention,
+)
+from prefixkv.model.options import KernelOptions
 from prefixkv.model.runner import ModelRunner
 from prefixkv.sampling_params import SamplingParams
 from tests.model.helpers import PagePool, Sequence, run_batch
@@ -53,12 +61,22 @@ def _step(page_size: int, seed: int = 0):
     return counts, starts, tables, 4096
 
 
+def rows_of(group) -> list[int]:
+    """The step rows a group answers for, in its order."""
+    rows = group.rows
+    return list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows.tolist()
+
+
+def plan_step(counts, starts, tables, page_size, dtype, gather_width, options: KernelOptions):
+    return StepPlanner(options, page_size, dtype, gather_width).plan(counts, starts, tables)
+
+
 @pytest.mark.parametrize("page_size", [16, 1])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 @pytest.mark.parametrize("kernel", ["flash", "reference"])
-def test_cascade_equals_plain(page_size, dtype, atol, kernel, monkeypatch):
-    if kernel == "reference":  # the plain float32 ops used where the CPU flash kernel is unavailable
-        monkeypatch.setattr(attention, "_flash_with_lse", None)
+def test_cascade_equals_plain(page_size, dtype, atol, kernel):
+    # reference: the plain float32 ops used where the CPU flash kernel is unavailable
+    options = KernelOptions(flash_lse=kernel == "flash")
     counts, starts, tables, num_slots = _step(page_size)
     gen = torch.Generator().manual_seed(0)
     pool = torch.randn(2, KVH, num_slots, D, generator=gen).to(dtype)
@@ -67,38 +85,40 @@ def test_cascade_equals_plain(page_size, dtype, atol, kernel, monkeypatch):
     kv = torch.randn(t, 2, KVH, D, generator=gen).to(dtype)
     outs, metas = [], []
     for cascade in (False, True):
-        meta = AttentionMetadata.build(counts, starts, tables, page_size, "cpu", dtype, 2 * KVH * D, cascade=cascade)
+        meta = plan_step(counts, starts, tables, page_size, dtype, 2 * KVH * D,
+                         replace(options, cascade_decodes=cascade))
         layer = pool.clone()
         outs.append(paged_attention(q, kv, layer, meta, D**-0.5))
         metas.append((meta, layer))
-    assert not metas[0][0].cascades
+    assert not metas[0][0].groups_of(CascadeDecodes)
     assert torch.equal(metas[0][1], metas[1][1])  # both wrote the new K/V to the same slots
 
     meta = metas[1][0]
-    got = [(meta.decode_perm[c.row_start : c.row_end].tolist(), c.prefix_len, c.suffix_len) for c in meta.cascades]
+    got = [(rows_of(c), c.prefix_len, c.suffix_len) for c in meta.groups_of(CascadeDecodes)]
     assert sorted(got) == [([3, 4], B_SHARED, 150 + 1 - B_SHARED), ([5, 6, 7, 8], SHARED, 230 + 1 - SHARED)]
-    assert sorted(meta.decode_perm.tolist()) == list(range(10))
+    assert sorted(r for g in meta.groups for r in rows_of(g)) == list(range(t))  # every row answered once
     assert outs[1].dtype == dtype and outs[1].shape == outs[0].shape
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=0)
 
 
 def test_cascade_grouping_edges():
     # too few members / too short a shared prefix / nothing shared: no cascade, plain path untouched
-    build = lambda starts, tables, cascade=True: AttentionMetadata.build(
-        [1] * len(starts), starts, tables, 16, "cpu", torch.float32, 8, cascade=cascade
+    build = lambda starts, tables, cascade=True: plan_step(
+        [1] * len(starts), starts, tables, 16, torch.float32, 8, KernelOptions(cascade_decodes=cascade)
     )
     shared = list(range(8))
-    assert not build([100], [shared]).cascades
-    assert not build([40, 100], [shared[:3], shared]).cascades  # shares only 32 tokens before the 1st position
-    assert not build([100, 100], [shared, list(range(8, 16))]).cascades
-    assert not build([64, 100], [shared[:5], shared]).cascades  # 64 + 2 * 37 slots: not worth it
+    cascades = lambda meta: meta.groups_of(CascadeDecodes)
+    assert not cascades(build([100], [shared]))
+    assert not cascades(build([40, 100], [shared[:3], shared]))  # shares only 32 tokens before the 1st position
+    assert not cascades(build([100, 100], [shared, list(range(8, 16))]))
+    assert not cascades(build([64, 100], [shared[:5], shared]))  # 64 + 2 * 37 slots: not worth it
     meta = build([64, 70], [shared[:5], shared])  # exactly 64 shared tokens before position 64
-    assert [(c.prefix_len, c.suffix_len) for c in meta.cascades] == [(64, 7)]
-    assert meta.decode_perm is not None and meta.decodes == []
-    assert not build([64, 70], [shared[:5], shared], cascade=False).cascades
-    # the new tokens' slots follow the step's rows whatever the permutation
+    assert [(c.prefix_len, c.suffix_len) for c in cascades(meta)] == [(64, 7)]
+    assert rows_of(meta.groups[0]) == [0, 1] and meta.groups_of(PaddedDecodes) == []
+    assert not cascades(build([64, 70], [shared[:5], shared], cascade=False))
+    # members of a group need not be adjacent rows; the new tokens' slots follow the step's rows all the same
     meta = build([20, 64, 70, 80], [[9, 10], shared[:5], [11] * 6, shared])
-    assert meta.decode_perm.tolist() == [1, 3, 0, 2] and meta.decode_order.tolist() == [2, 0, 3, 1]
+    assert [(type(g), rows_of(g)) for g in meta.groups] == [(CascadeDecodes, [1, 3]), (PaddedDecodes, [0, 2])]
     assert meta.slot_mapping.tolist() == [10 * 16 + 4, 64, 11 * 16 + 6, 80]
 
 
@@ -107,10 +127,12 @@ def test_runner_default_switch(tiny_checkpoint):
 
     path, _ = tiny_checkpoint("qwen2")
     loaded = load_model(path)
-    assert ModelRunner(loaded, num_pages=4, page_size=16).cascade_attention is False
-    assert ModelRunner(loaded, num_pages=4, page_size=16, dtype="bfloat16").cascade_attention is True
-    assert ModelRunner(loaded, num_pages=4, page_size=16, dtype="bfloat16", cascade_attention=False).cascade_attention \
-        is False
+    merged = lambda runner: (runner.options.cascade_decodes, runner.options.split_prefill)
+    assert merged(ModelRunner(loaded, num_pages=4, page_size=16)) == (False, False)
+    bf16 = ModelRunner(loaded, num_pages=4, page_size=16, dtype="bfloat16")
+    assert merged(bf16) == (True, True)
+    off = replace(bf16.options, cascade_decodes=False, split_prefill=False)
+    assert merged(ModelRunner(loaded, num_pages=4, page_size=16, dtype="bfloat16", options=off)) == (False, False)
 
 
 NEW = 12
@@ -145,18 +167,24 @@ def _shared_prefix_batch(runner: ModelRunner, prefix: list[int], suffixes: list[
     return [s.output for s in seqs], samples
 
 
-def test_fp32_runner_cascade_on_equals_off(smol, smol_prompts, monkeypatch):
+def test_fp32_runner_cascade_on_equals_off(smol, smol_prompts):
     tok = smol.tokenizer
     prefix = ((smol_prompts[1] + smol_prompts[2]) * 2)[:96]  # 6 shared 16-token pages
     assert len(prefix) == 96
     suffixes = [tok.encode(s) for s in (" The end.", " Then the fox", " In Paris, the capital of France,", " 1 2 3")]
     params = SamplingParams(temperature=0, max_tokens=None, logprobs=2)
     calls = []
-    cascade_attention = attention._cascade_attention
-    monkeypatch.setattr(attention, "_cascade_attention", lambda *a: calls.append(1) or cascade_attention(*a))
     results = []
     for on in (False, True):
-        runner = ModelRunner(smol, num_pages=64, page_size=16, cascade_attention=on)
+        options = KernelOptions.choose("cpu", torch.float32, smol.config, cascade_decodes=on, split_prefill=on)
+        runner = ModelRunner(smol, num_pages=64, page_size=16, options=options)
+
+        def recording_plan(*batch, plan=runner.planner.plan):  # record the cascade groups the steps planned
+            step = plan(*batch)
+            calls.extend(step.groups_of(CascadeDecodes))
+            return step
+
+        runner.planner.plan = recording_plan
         results.append(_shared_prefix_batch(runner, prefix, suffixes, params))
         assert bool(calls) == on
     (off, off_samples), (on_, _) = results

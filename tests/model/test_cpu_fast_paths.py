@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixkv.model import attention, packed_linear
-from prefixkv.model.attention import AttentionMetadata, paged_attention
+from prefixkv.model import packed_linear
+from prefixkv.model.attention import StepPlanner, paged_attention
+from prefixkv.model.options import KernelOptions
 
 KVH, GROUP, D = 3, 3, 64
 
@@ -29,21 +30,20 @@ def test_packed_linear_is_bit_identical(rows):
     assert torch.equal(packed_linear.packed_linear(x, packed, bias), F.linear(x, weight, bias))
 
 
-def _attend(page_table, start, n, dtype, pool, q, kv, split):
-    meta = AttentionMetadata.build([n], [start], [page_table], 16, "cpu", dtype, 2 * KVH * D, split_context=split)
+def _attend(page_table, start, n, dtype, pool, q, kv, options):
+    meta = StepPlanner(options, 16, dtype, 2 * KVH * D).plan([n], [start], [page_table])
     out = paged_attention(q.clone(), kv.clone(), pool, meta, D**-0.5)
     return meta, out
 
 
 @pytest.mark.parametrize("split", [False, True, "without the flash kernel"])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_back_to_back_pages_read_a_view(dtype, atol, split, monkeypatch):
+def test_back_to_back_pages_read_a_view(dtype, atol, split):
     """A chunk of 40 tokens after 200 cached ones: contiguous pages (a view) == scattered pages (a gather), and
     both equal plain attention over the whole context, in one masked call or split in two merged calls (with the
     CPU flash kernel's log-sum-exp, or the one-call fallback used where that kernel is unavailable)."""
-    if split == "without the flash kernel":
-        monkeypatch.setattr(attention, "_flash_with_lse", None)
-        split = True
+    options = KernelOptions(split_prefill=bool(split), flash_lse=split != "without the flash kernel")
+    split = options.split_prefill
     gen = torch.Generator().manual_seed(0)
     start, n = 200, 40
     pages = -(-(start + n) // 16)
@@ -55,12 +55,13 @@ def test_back_to_back_pages_read_a_view(dtype, atol, split, monkeypatch):
     pool_a, pool_b = base.clone(), base.clone()  # the same context K/V in both layouts
     for pa, pb in zip(contiguous, scattered):
         pool_b[:, :, pb * 16 : (pb + 1) * 16] = pool_a[:, :, pa * 16 : (pa + 1) * 16]
-    meta_a, out_a = _attend(contiguous, start, n, dtype, pool_a, q, kv, split)
-    meta_b, out_b = _attend(scattered, start, n, dtype, pool_b, q, kv, split)
-    chunk_a, chunk_b = meta_a.prefills[0], meta_b.prefills[0]
-    assert chunk_a.context_len == chunk_b.context_len == (start if split else start + n)
-    assert chunk_a.context_first_slot == 3 * 16 and chunk_a.context_slots is None
-    assert chunk_b.context_first_slot is None and len(chunk_b.context_slots) == chunk_b.context_len
+    meta_a, out_a = _attend(contiguous, start, n, dtype, pool_a, q, kv, options)
+    meta_b, out_b = _attend(scattered, start, n, dtype, pool_b, q, kv, options)
+    (chunk_a,), (chunk_b,) = meta_a.groups, meta_b.groups
+    context_a, context_b = chunk_a.context, chunk_b.context
+    assert context_a.length == context_b.length == (start if split else start + n)
+    assert context_a.first_slot == 3 * 16 and context_a.slots is None
+    assert context_b.first_slot is None and len(context_b.slots) == context_b.length
     assert torch.equal(out_a, out_b)
 
     # reference: plain attention of the chunk over positions [0, start + n) in float32

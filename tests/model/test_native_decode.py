@@ -14,8 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from prefixkv.model import native
-from prefixkv.model.attention import AttentionMetadata, paged_attention
-from tests.model.test_cascade_attention import D, KVH, _step
+from prefixkv.model.attention import (
+    InPlaceDecodes,
+    PaddedDecodes,
+    StepPlanner,
+    paged_attention,
+)
+from prefixkv.model.options import KernelOptions
+from tests.model.test_cascade_attention import KVH, D, _step
 
 kernel = native.module()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="native kernel not built here")
@@ -64,8 +70,9 @@ def test_in_place_decodes_equal_gathered(page_size, cascade, dtype):
     kv = torch.randn(sum(counts), 2, KVH, D, generator=gen).to(dtype)
     outs = []
     for in_place in (False, True):
-        meta = AttentionMetadata.build(counts, starts, tables, page_size, "cpu", dtype, 2 * KVH * D,
-                                       cascade=cascade, in_place_decodes=in_place)
-        assert (meta.in_place is not None) == in_place and (not in_place or not meta.decodes)
+        options = KernelOptions.choose("cpu", dtype, cascade_decodes=cascade, split_prefill=False,
+                                       in_place_decodes=in_place)
+        meta = StepPlanner(options, page_size, dtype, 2 * KVH * D).plan(counts, starts, tables)
+        assert bool(meta.groups_of(InPlaceDecodes)) == in_place and (not in_place or not meta.groups_of(PaddedDecodes))
         outs.append(paged_attention(q.clone(), kv.clone(), pool.clone(), meta, D**-0.5))
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=TOL[dtype], rtol=0)

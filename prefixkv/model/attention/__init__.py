@@ -1,0 +1,39 @@
+"""Paged attention over the KV pool: one plan per step (plan.py), one `attend` per row group (groups.py).
+
+KV pool layout: one tensor [num_layers, 2 (k, v), num_kv_heads, num_slots, head_dim]. Slot of position p of a
+request = page_table[p // page_size] * page_size + p % page_size. Keeping slots as the second-to-last axis
+means that gathering a request's slots yields [kv_heads, L, head_dim] blocks that feed SDPA without a copy.
+
+Which path runs is decided in two places only, and never per layer:
+- once per runner, in KernelOptions (prefixkv/model/options.py): what this device, dtype and build can run;
+- once per step, by StepPlanner.plan (plan.py): the step's rows split into row groups (in-place decodes, padded
+  decodes, cascade decodes, prefill chunks, split chunks), with every index-shaped tensor they need.
+`paged_attention` then writes each layer's new K/V into the pool and lets every group attend (groups.py). Groups
+that attend to two disjoint key sets and merge (cascade decodes, split chunks) share merge.py; that reordering of
+the softmax sum is why the options enable them only below float32, where token equality between prefix caching
+on and off is not promised. A new way to attend (e.g. several prefill chunks over one shared prefix) is one more
+group class and one more rule in the planner.
+"""
+from prefixkv.model.attention.groups import (
+    CascadeDecodes,
+    InPlaceDecodes,
+    PaddedDecodes,
+    PoolRange,
+    PrefillChunk,
+    RowGroup,
+    SplitChunk,
+)
+from prefixkv.model.attention.plan import StepPlan, StepPlanner, paged_attention
+
+__all__ = [
+    "CascadeDecodes",
+    "InPlaceDecodes",
+    "PaddedDecodes",
+    "PoolRange",
+    "PrefillChunk",
+    "RowGroup",
+    "SplitChunk",
+    "StepPlan",
+    "StepPlanner",
+    "paged_attention",
+]

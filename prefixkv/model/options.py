@@ -1,0 +1,105 @@
+"""KernelOptions: which kernel runs each piece of the forward pass, chosen once when the runner starts.
+
+Every choice the model and the attention planner make about *how* to compute (never *what*) lives here, in one
+frozen object built from the device, the dtype, what the native module compiled and explicit overrides. Nothing
+below the runner checks the device or reads a module global to pick a path: the planner turns the options into
+row groups once per step, and the model's fused / packed switches are set from them once (`LlamaModel.use_kernels`).
+
+Two kinds of paths, and why the defaults differ by dtype:
+- bit-exact ones (packed weights, in-place native decodes, fused elementwise ops): they compute what the plain
+  ops compute, so they are on wherever they can run;
+- reordering ones (cascade decodes, split prefill): they merge softmax pieces by log-sum-exp, which changes the
+  floating-point summation order. float32 must give token-identical output with prefix caching on and off, so
+  they are on only below float32.
+
+Tests parametrize these options (`dataclasses.replace(options, in_place_decodes=False)`) instead of patching.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prefixkv.model import native, packed_linear
+from prefixkv.model.config import ModelConfig
+
+# torch's CPU flash-attention kernel that also returns each row's log-sum-exp (what SDPA runs on CPU); the
+# attention groups call it where `flash_lse` is set
+FLASH_WITH_LSE: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOptions:
+    """How the forward pass computes; see the module docstring. Build with `KernelOptions.choose`."""
+
+    # decodes outside cascade groups are attended by the native kernel straight from their pages (else they are
+    # gathered into padded length groups for SDPA)
+    in_place_decodes: bool = False
+    # decodes whose page tables start with the same pages attend to that shared prefix once per group
+    cascade_decodes: bool = False
+    # a prefill chunk after cached tokens attends to the cached part and to its own K/V in two merged calls
+    split_prefill: bool = False
+    # merged pieces come from torch's CPU flash kernel with log-sum-exp (else: float32 reference ops for cascade
+    # groups, one masked call for split chunks)
+    flash_lse: bool = False
+    # RMSNorm, rotary embedding and SiLU-multiply use the native one-pass bf16 kernels
+    fused_ops: bool = False
+    # matmul weights are packed once into oneDNN's blocked layout (bf16 CPU)
+    packed_weights: bool = False
+    # padded decode groups: a group closes where the next context is longer than group_growth times the group's
+    # shortest and than min_split_len (below that, padding is cheaper than another SDPA call per layer)
+    group_growth: float = 2.0
+    min_split_len: int = 256
+    # a cascade group needs >= 2 members sharing >= cascade_min_prefix leading tokens (whole pages), and must
+    # gather at most cascade_max_gather of the slots its members would gather alone (suffixes are padded)
+    cascade_min_prefix: int = 64
+    cascade_max_gather: float = 0.75
+
+    @staticmethod
+    def choose(device: torch.device | str, dtype: torch.dtype, config: ModelConfig | None = None,
+               **overrides) -> KernelOptions:
+        """The defaults for this device, dtype and model shape, with `overrides` (field=value) applied.
+
+        An override asking for a path that cannot run here (e.g. fused_ops on float32) is a ValueError.
+        """
+        device = torch.device(device)
+        cpu = device.type == "cpu"
+        below_fp32 = dtype in (torch.bfloat16, torch.float16)
+        options = KernelOptions(
+            in_place_decodes=cpu and native.module() is not None,
+            cascade_decodes=below_fp32,
+            split_prefill=below_fp32,
+            flash_lse=cpu and FLASH_WITH_LSE is not None,
+            fused_ops=cpu and dtype == torch.bfloat16 and native.fused_ops() is not None
+            and (config is None or fused_ops_fit(config)),
+            packed_weights=packed_linear.can_pack(device, dtype),
+        )
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(KernelOptions)}
+        if unknown:
+            raise ValueError(f"unknown kernel options {sorted(unknown)}")
+        options = dataclasses.replace(options, **overrides)
+        options.check(device, dtype, config)
+        return options
+
+    def check(self, device: torch.device | str, dtype: torch.dtype, config: ModelConfig | None = None) -> None:
+        """Raise ValueError naming the first option that cannot run on this device / dtype / model shape."""
+        device = torch.device(device)
+        cpu = device.type == "cpu"
+        if self.in_place_decodes and not (cpu and native.module() is not None):
+            raise ValueError("in_place_decodes needs the native CPU kernels (prefixkv.model.native)")
+        if self.flash_lse and not (cpu and FLASH_WITH_LSE is not None):
+            raise ValueError("flash_lse needs torch's CPU flash-attention kernel")
+        if self.fused_ops and not (cpu and dtype == torch.bfloat16 and native.fused_ops() is not None):
+            raise ValueError("fused_ops needs bfloat16 on a CPU where the native fused kernels are built")
+        if self.fused_ops and config is not None and not fused_ops_fit(config):
+            raise ValueError("fused_ops needs hidden and intermediate sizes divisible by 16 and head_dim by 32")
+        if self.packed_weights and not packed_linear.can_pack(device, dtype):
+            raise ValueError("packed_weights needs bfloat16 on a CPU where oneDNN supports it")
+
+
+def fused_ops_fit(config: ModelConfig) -> bool:
+    """The native elementwise kernels cover these widths only."""
+    return config.hidden_size % 16 == 0 and config.intermediate_size % 16 == 0 and config.head_dim % 32 == 0
+

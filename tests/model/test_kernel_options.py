@@ -1,0 +1,63 @@
+"""KernelOptions: the defaults follow device / dtype / build, impossible choices are refused up front, and the
+model's fused-ops and packed-weights switches follow the runner's options."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from prefixkv.model import native, packed_linear
+from prefixkv.model.options import KernelOptions
+
+CPU = torch.device("cpu")
+
+
+def test_defaults_follow_dtype_and_build(smol):
+    fp32 = KernelOptions.choose(CPU, torch.float32, smol.config)
+    # float32: only bit-exact fast paths; the sum-reordering ones (cascade, split) stay off
+    assert (fp32.cascade_decodes, fp32.split_prefill, fp32.fused_ops, fp32.packed_weights) == (False,) * 4
+    assert fp32.in_place_decodes == (native.module() is not None)
+    bf16 = KernelOptions.choose(CPU, torch.bfloat16, smol.config)
+    assert bf16.cascade_decodes and bf16.split_prefill
+    assert bf16.fused_ops == (native.fused_ops() is not None)
+    assert bf16.packed_weights == packed_linear.can_pack(CPU, torch.bfloat16)
+    assert KernelOptions.choose(CPU, torch.float16).cascade_decodes
+    assert KernelOptions.choose(CPU, torch.bfloat16, smol.config, cascade_decodes=False).cascade_decodes is False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bf16.cascade_decodes = False  # type: ignore[misc]
+
+
+def test_impossible_options_are_refused(tiny_checkpoint):
+    from prefixkv.model.loader import load_model
+    from prefixkv.model.runner import ModelRunner
+
+    with pytest.raises(ValueError, match="unknown kernel options"):
+        KernelOptions.choose(CPU, torch.float32, cascade=True)
+    with pytest.raises(ValueError, match="fused_ops"):
+        KernelOptions.choose(CPU, torch.float32, fused_ops=True)
+    with pytest.raises(ValueError, match="packed_weights"):
+        KernelOptions.choose(CPU, torch.float32, packed_weights=True)
+    loaded = load_model(tiny_checkpoint("qwen2")[0])  # head_dim 16: the fused kernels do not cover it
+    assert not KernelOptions.choose(CPU, torch.bfloat16, loaded.config).fused_ops
+    if native.fused_ops() is not None:
+        with pytest.raises(ValueError, match="fused_ops"):
+            KernelOptions.choose(CPU, torch.bfloat16, loaded.config, fused_ops=True)
+    with pytest.raises(ValueError, match="fused_ops"):  # the runner checks options it is handed
+        ModelRunner(loaded, num_pages=4, page_size=16, options=KernelOptions(fused_ops=True))
+
+
+@pytest.mark.skipif(not packed_linear.can_pack(CPU, torch.bfloat16), reason="oneDNN bf16 matmul not supported")
+def test_model_switches_follow_the_runner_options(tiny_checkpoint):
+    from prefixkv.model.loader import load_model
+    from prefixkv.model.runner import ModelRunner
+
+    loaded = load_model(tiny_checkpoint("llama")[0])
+    runner = ModelRunner(loaded, num_pages=4, page_size=16, dtype="bfloat16")
+    mlp = runner.model.layers[0].mlp
+    assert runner.model.kernel_options is runner.options and runner.options.packed_weights
+    assert mlp.gate_up_proj.packed is not None and runner.model.lm_head_packed is not None
+    plain = dataclasses.replace(runner.options, packed_weights=False)
+    runner = ModelRunner(loaded, num_pages=4, page_size=16, options=plain)
+    assert mlp.gate_up_proj.packed is None and runner.model.lm_head_packed is None
+    assert runner.model.kernel_options is plain
