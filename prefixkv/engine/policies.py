@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from prefixkv.config import EngineConfig
-from prefixkv.engine.request import Request
+from prefixkv.request import Request
 from prefixkv.kvcache.manager import KVCacheManager
 
 
@@ -40,12 +39,3 @@ class PriorityPolicy(SchedulingPolicy):
     def preemption_victim(self, running):
         return max(running, key=lambda r: (r.priority, r.arrival_time))
 
-
-def create_policy(config: EngineConfig) -> SchedulingPolicy:
-    if config.schedule_policy == "fcfs":
-        return FCFSPolicy()
-    if config.schedule_policy == "priority":
-        return PriorityPolicy()
-    from prefixkv.engine import cache_aware_policies
-
-    return cache_aware_policies.create(config)

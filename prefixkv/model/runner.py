@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from prefixkv.engine.batch import BatchItem, Sample
+from prefixkv.batch import BatchItem, Sample
 from prefixkv.model import native, packed_linear
 from prefixkv.model.attention import AttentionMetadata
 from prefixkv.model.config import ModelConfig

@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 import logging
 
+from prefixkv.engine_args import add_engine_args, engine_config
 from prefixkv.server.auth import TENANT_ISOLATION
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine options shared with `prefixkv generate` (one definition, in prefixkv.cli), plus HTTP ones."""
-    from prefixkv.cli import add_engine_args
-
+    """The engine options shared with `prefixkv generate` (one definition, in prefixkv.engine_args), plus HTTP
+    ones."""
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -21,21 +21,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
-def engine_config(args: argparse.Namespace):
-    from prefixkv.cli import engine_kwargs
-    from prefixkv.config import EngineConfig
-
-    return EngineConfig.from_kwargs(**engine_kwargs(args))
-
-
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from prefixkv.engine.engine import Engine
+    from prefixkv.llm import build_engine
     from prefixkv.server.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine(engine_config(args))
+    engine = build_engine(engine_config(args))
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                     tenant_isolation=args.tenant_isolation)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -4,7 +4,7 @@ from prefixkv.bench.thrash import pool_pages
 from prefixkv.sim.simulator import SimRequest, make_policy, simulate
 from prefixkv.config import EngineConfig
 from prefixkv.engine.cache_aware_policies import BoundedLPMPolicy, DFSWeightPolicy, LPMPolicy, create
-from prefixkv.engine.policies import create_policy
+from prefixkv.engine.policy_factory import create_policy
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 

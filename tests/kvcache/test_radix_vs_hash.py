@@ -4,6 +4,7 @@ preemptions and frees, and must agree on every lookup and every admission's cach
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from prefixkv.engine.scheduler import admit_request
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 
@@ -33,7 +34,7 @@ class SameHits(RuleBasedStateMachine):
         pair = self.waiting.pop(i % len(self.waiting))
         for kv, req in zip((self.hash, self.radix), pair):
             cached = kv.lookup(req)
-            assert kv.allocate(req, min(chunk, req.num_tokens - cached), cached)
+            assert admit_request(kv, req, min(chunk, req.num_tokens - cached), cached)
         assert pair[0].num_cached_tokens == pair[1].num_cached_tokens
         assert pair[0].num_computed_tokens == pair[1].num_computed_tokens
         self.running.append(pair)
@@ -108,7 +109,7 @@ def test_same_hits_on_a_seeded_chat_workload():
         pair = (make_request(tokens), make_request(tokens))
         for kv, req in zip(caches, pair):
             cached = kv.lookup(req)
-            assert kv.allocate(req, req.num_tokens - cached, cached)
+            assert admit_request(kv, req, req.num_tokens - cached, cached)
         assert pair[0].num_cached_tokens == pair[1].num_cached_tokens
         in_flight.append(pair)
         if rng.random() < 0.7:  # finish a random in-flight request: prefill, decode a few tokens, free

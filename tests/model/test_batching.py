@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixkv.engine.batch import BatchItem
+from prefixkv.batch import BatchItem
 from prefixkv.model import attention
 from prefixkv.model.loader import load_model
 from prefixkv.model.runner import ModelRunner
