@@ -56,7 +56,7 @@ class LLM:
         """One conversation (a list of {"role", "content"}) or a list of conversations, through the chat template."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts or a list of such lists")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        conversations: list = [messages] if isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
         prompts = []
         for conv in conversations:

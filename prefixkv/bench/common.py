@@ -103,7 +103,8 @@ def timed_generate(llm, prompts: Sequence[list[int]], max_tokens: int,
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in outs)
     ttfts = [o.metrics.ttft for o in outs if o.metrics is not None and o.metrics.ttft is not None]
-    return {"elapsed_s": elapsed, "model_s": model_s, "outside_model_s": elapsed - model_s, "num_requests": len(outs), "prompt_tokens": in_tokens, "output_tokens": out_tokens,
+    return {"elapsed_s": elapsed, "model_s": model_s, "outside_model_s": elapsed - model_s, "num_requests": len(outs),
+            "prompt_tokens": in_tokens, "output_tokens": out_tokens,
             "cached_tokens": cached, "output_tok_s": ratio(out_tokens, elapsed),
             "total_tok_s": ratio(in_tokens + out_tokens, elapsed), "ttft_s": summarize(ttfts),
             "output_token_ids": [list(o.outputs[0].token_ids) for o in outs]}

@@ -44,6 +44,8 @@ class EngineTokenizer(Protocol):
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
 
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
 
 class ModelShape(Protocol):
     """The two facts about the model the engine checks requests against."""
@@ -136,8 +138,8 @@ class Engine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, list(token_ids), child_params, arrival_time=arrival, prompt=text, priority=priority,
                           cache_salt=cache_salt, lora_id=lora_id, mm_hashes=mm, max_tokens=max_tokens)
-            detok = IncrementalDetokenizer(self.tokenizer, child_params.stop, child_params.include_stop_str_in_output,
-                                           child_params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, child_params.stop or (),
+                                           child_params.include_stop_str_in_output, child_params.skip_special_tokens)
             seq = _Sequence(req, request_id, i, detok, logprobs=[] if params.logprobs is not None else None)
             sequences.append(seq)
         parent = _Parent(request_id, text, list(token_ids), sequences, arrival, kind)
@@ -265,7 +267,7 @@ class Engine:
         elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             seq.stop_reason = None
             self._finish(seq, RequestStatus.FINISHED_STOPPED)
-        elif token in params.stop_token_ids:
+        elif token in (params.stop_token_ids or ()):
             seq.stop_reason = token
             self._finish(seq, RequestStatus.FINISHED_STOPPED)
         elif req.num_output_tokens >= req.max_tokens:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from prefixkv.request import Request
 from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.request import Request
 
 
 class SchedulingPolicy(ABC):
@@ -14,7 +14,8 @@ class SchedulingPolicy(ABC):
     def order(self, waiting: list[Request], kv: KVCacheManager, step: int) -> list[Request]:
         """Waiting requests in the order the scheduler should try to admit them this step."""
 
-    def should_defer(self, request: Request, num_cached_tokens: int, admitted: list[Request], kv: KVCacheManager) -> bool:
+    def should_defer(self, request: Request, num_cached_tokens: int, admitted: list[Request],
+                     kv: KVCacheManager) -> bool:
         """True to skip `request` this step (e.g. its new prefix is being computed by an admitted one)."""
         return False
 

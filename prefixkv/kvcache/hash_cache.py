@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixkv.request import Request
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
 from prefixkv.kvcache.hashing import HASH_FUNCTIONS, ROOT_KEY, block_extra_keys, hash_block
 from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.request import Request
 
 
 @dataclass(slots=True)

@@ -307,7 +307,7 @@ class RadixPrefixCache(KVCacheManager):
         evictable = protected = count = 0
         expected_locks: dict[int, int] = {}
         for state in self._requests.values():
-            node = state.node
+            node: RadixNode | None = state.node
             while node is not None:
                 expected_locks[id(node)] = expected_locks.get(id(node), 0) + 1
                 node = node.parent

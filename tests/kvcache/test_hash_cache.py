@@ -2,16 +2,16 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from prefixkv.engine.scheduler import admit_request
-from prefixkv.request import MultiModalHash
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.hashing import hash_prompt_blocks
 from prefixkv.kvcache.no_cache import NoPrefixCache
-
+from prefixkv.request import MultiModalHash
 from tests.kvcache.helpers import admit, compute, make_request, run_to_completion
 
 

@@ -1,12 +1,12 @@
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixkv.engine.scheduler import admit_request
-from prefixkv.request import MultiModalHash
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 from prefixkv.kvcache.radix_tree import RadixTree, common_prefix_len
-
+from prefixkv.request import MultiModalHash
 from tests.kvcache.helpers import admit, compute, make_request, run_to_completion
 
 

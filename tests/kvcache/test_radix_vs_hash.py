@@ -1,13 +1,13 @@
 """With no eviction pressure, a radix tree with 16-token pages and a hash chain with 16-token blocks are the same
 index: every request of any workload sees the same hit. Both managers get the same admissions, chunks, decodes,
 preemptions and frees, and must agree on every lookup and every admission's cached-token count."""
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixkv.engine.scheduler import admit_request
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
-
 from tests.kvcache.helpers import make_request
 
 BASES = [list(range(100, 150)), list(range(100, 120)) + list(range(200, 230)), [7] * 40]
