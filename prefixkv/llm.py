@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.engine import Engine
-from prefixkv.model.loader import LoadedModel, load_model
+from prefixkv.model import loader
+from prefixkv.model.loader import LoadedModel
 from prefixkv.model.runner import ModelRunner
 from prefixkv.outputs import RequestOutput
 from prefixkv.sampling_params import SamplingParams
@@ -20,7 +21,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
 
         torch.set_num_threads(config.num_threads)
     if loaded is None:
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        loaded = loader.load_model(config.model, dtype=config.dtype, device=config.device)
     num_pages = config.kv_cache_pages(ModelRunner.kv_bytes_per_token(loaded.config, config.dtype))
     runner = ModelRunner(loaded, num_pages=num_pages, page_size=config.tokens_per_page, device=config.device,
                          dtype=config.dtype, seed=config.seed)
