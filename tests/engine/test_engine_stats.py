@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.server.metrics import ServerMetrics
 
 
 def test_readmissions_are_counted_apart(llm_factory):
@@ -25,3 +26,8 @@ def test_readmissions_are_counted_apart(llm_factory):
     assert summary["queries"] == after.prefix_cache_queries
     assert summary["readmission_queries"] == after.prefix_cache_readmission_queries
     assert engine.kv.num_used_pages() == 0
+    # and so on the server's /metrics (the page is rendered from these stats)
+    page = ServerMetrics("m").render(after).decode()
+    assert f'prefixkv:prefix_cache_readmission_queries_total{{model_name="m"}} ' \
+           f'{float(after.prefix_cache_readmission_queries)}' in page
+    assert f'prefixkv:prefix_cache_hits_total{{model_name="m"}} {float(after.prefix_cache_hits)}' in page
