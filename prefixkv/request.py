@@ -79,10 +79,6 @@ class Request:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
-    def is_finished(self) -> bool:
-        return self.status.finished
-
-    @property
     def extra_keys(self) -> tuple:
         """What besides token ids decides whether KV can be shared: adapter and tenant salt."""
         return (self.lora_id, self.cache_salt)

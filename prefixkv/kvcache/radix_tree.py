@@ -34,10 +34,6 @@ class RadixNode:
         self.hits = 0  # admissions whose cache hit passed through here
         self.namespace = namespace
 
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
     def __repr__(self) -> str:
         head = self.tokens[:4]
         return f"RadixNode({len(self.tokens)} tok {head}{'...' if len(self.tokens) > 4 else ''}, lock={self.lock_ref})"
