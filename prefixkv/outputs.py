@@ -1,7 +1,25 @@
 """What generate() and Engine.step() return; shaped like vLLM's RequestOutput."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = "cumulative"  # everything generated so far (each output copies the last one and adds to it)
+    DELTA = "delta"  # only the token ids, text and logprobs new since the request's previous output
+    FINAL_ONLY = "final_only"  # one output, when the request finishes
+
+    @classmethod
+    def parse(cls, value: RequestOutputKind | str) -> RequestOutputKind:
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"output_kind must be one of {[k.value for k in cls]}, got {value!r}") from None
 
 
 @dataclass

@@ -14,7 +14,8 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 
-from prefixkv.bench.workloads import ratio, summarize
+from prefixkv import engine_args
+from prefixkv.stats import ratio, summarize
 
 # Measured by the project with vLLM on CPU, same model, bf16, 2 threads, on this machine type. Printed beside our
 # numbers for orientation only: they were not measured by this run.
@@ -31,19 +32,15 @@ LLMFactory = Callable[..., object]  # (prefix_cache=..., **engine overrides) -> 
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The same engine options as `prefixkv generate`, plus a seed for the synthetic prompts."""
-    from prefixkv.cli import add_engine_args as cli_engine_args
-
-    cli_engine_args(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    """The same engine options as `prefixkv generate`; --seed also seeds the synthetic prompts."""
+    engine_args.add_engine_args(p)
 
 
 def make_llm(args: argparse.Namespace, prefix_cache: str | None = None, **overrides):
     """An LLM from the command-line options, with prefix_cache and any other option overridden."""
-    from prefixkv.cli import engine_kwargs
     from prefixkv.llm import LLM
 
-    kwargs = engine_kwargs(args)
+    kwargs = engine_args.engine_kwargs(args)
     if prefix_cache is not None:
         kwargs["prefix_cache"] = prefix_cache  # page_size stays None unless given: each kind takes its default
     kwargs.update(overrides)
@@ -106,7 +103,8 @@ def timed_generate(llm, prompts: Sequence[list[int]], max_tokens: int,
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in outs)
     ttfts = [o.metrics.ttft for o in outs if o.metrics is not None and o.metrics.ttft is not None]
-    return {"elapsed_s": elapsed, "model_s": model_s, "outside_model_s": elapsed - model_s, "num_requests": len(outs), "prompt_tokens": in_tokens, "output_tokens": out_tokens,
+    return {"elapsed_s": elapsed, "model_s": model_s, "outside_model_s": elapsed - model_s, "num_requests": len(outs),
+            "prompt_tokens": in_tokens, "output_tokens": out_tokens,
             "cached_tokens": cached, "output_tok_s": ratio(out_tokens, elapsed),
             "total_tok_s": ratio(in_tokens + out_tokens, elapsed), "ttft_s": summarize(ttfts),
             "output_token_ids": [list(o.outputs[0].token_ids) for o in outs]}

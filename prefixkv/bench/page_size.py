@@ -14,8 +14,8 @@ import random
 import time
 
 from prefixkv.bench.thrash import SIMULATED
-from prefixkv.sim.simulator import SimRequest, make_policy, simulate, summarize_run
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
+from prefixkv.sim.simulator import SimRequest, make_policy, simulate, summarize_run
 
 
 def chat_workload(num_conversations: int = 16, turns: int = 4, system_len: int = 1000, question_len: int = 37,

@@ -15,10 +15,10 @@ import random
 import statistics
 import time
 
-from prefixkv.sim.simulator import make_policy
-from prefixkv.engine.request import Request
-from prefixkv.kvcache.manager import create_kv_cache_manager
+from prefixkv.kvcache.factory import create_kv_cache_manager
+from prefixkv.request import Request
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.sim.simulator import make_policy
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "bounded-lpm")
 

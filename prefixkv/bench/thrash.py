@@ -22,7 +22,7 @@ import argparse
 import random
 import time
 
-from prefixkv.kvcache.manager import create_kv_cache_manager
+from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.sim.simulator import SimRequest, make_policy, simulate, summarize_run
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "bounded-lpm")

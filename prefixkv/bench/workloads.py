@@ -1,4 +1,4 @@
-"""Synthetic prompts and summary statistics shared by the benchmarks.
+"""Synthetic prompts shared by the benchmarks (their summary statistics come from prefixkv.stats).
 
 Prompts are random token ids rather than text so their lengths are exact (no tokenizer rounding) and a seed
 reproduces them bit for bit. Special ids (BOS/EOS/chat markers) are left out: they could end a request early or
@@ -6,10 +6,13 @@ make the model behave unlike on ordinary text.
 """
 from __future__ import annotations
 
-import math
 import random
-import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+
+from prefixkv.stats import median, percentile, ratio, summarize
+
+__all__ = ["TokenSampler", "sampler_for", "random_prompts", "shared_prefix_prompts", "median", "percentile", "ratio",
+           "summarize"]  # the statistics live in prefixkv.stats (the simulator uses them too)
 
 
 class TokenSampler:
@@ -47,33 +50,3 @@ def shared_prefix_prompts(sampler: TokenSampler, num: int, prefix_len: int, suff
     """num prompts = one common prefix + a unique suffix each (the system-prompt / few-shot pattern)."""
     prefix = sampler.tokens(prefix_len)
     return [prefix + sampler.tokens(suffix_len) for _ in range(num)]
-
-
-# -- statistics -------------------------------------------------------------------------------------------
-def percentile(values: Sequence[float], p: float) -> float:
-    """Linear-interpolated percentile (numpy's default method), p in [0, 100]; nan for no values."""
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    if not 0 <= p <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {p}")
-    k = (len(xs) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else math.nan
-
-
-def summarize(values: Sequence[float]) -> dict:
-    """The usual latency summary: what a reader wants to compare two runs by."""
-    values = list(values)
-    return {"n": len(values), "mean": statistics.fmean(values) if values else math.nan,
-            "median": median(values), "p90": percentile(values, 90), "p99": percentile(values, 99),
-            "min": min(values, default=math.nan), "max": max(values, default=math.nan)}
-
-
-def ratio(a: float, b: float) -> float:
-    """a / b, nan instead of an exception when b is zero (a broken run should still print its table)."""
-    return a / b if b else math.nan

@@ -1,7 +1,8 @@
 """Scheduling policies that look at the prefix cache: lpm, dfs-weight (both from SGLang) and bounded-lpm (ours).
 
 All three work with any KV manager through `kv.lookup`; dfs-weight also needs the identity of the cached prefix
-(`kv.prefix_path` on the radix cache, block hashes on the hash cache) and degrades to FCFS without a cache.
+(`kv.prefix_path`: tree nodes on the radix cache, block keys on the hash cache) and degrades to FCFS without a
+cache.
 
 Why order at all: with a pool that holds one hot prefix, FCFS alternates between groups and evicts each prefix
 just before it is needed again (thrashing). Serving the requests that hit first keeps the hot prefix resident.
@@ -14,8 +15,8 @@ import heapq
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.policies import SchedulingPolicy
-from prefixkv.engine.request import Request
 from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.request import Request
 
 
 def lpm_order(waiting: list[Request], kv: KVCacheManager) -> list[Request]:
@@ -26,7 +27,7 @@ def lpm_order(waiting: list[Request], kv: KVCacheManager) -> list[Request]:
 
 class LPMPolicy(SchedulingPolicy):
     """Longest prefix match. Past `fallback_threshold` waiting requests it orders FCFS like SGLang (None: never;
-    lookups are memoised on the request per cache version, so 4096 waiting requests cost milliseconds)."""
+    the caches memoise lookups per request, so 4096 waiting requests cost milliseconds)."""
 
     name = "lpm"
 
@@ -38,16 +39,6 @@ class LPMPolicy(SchedulingPolicy):
 
     def order(self, waiting, kv, step):
         return list(waiting) if self._fallback(waiting) else lpm_order(waiting, kv)
-
-
-def _cached_path(kv: KVCacheManager, request: Request) -> list:
-    """Hashable ids of the request's cached prefix, root side first; equal ids mean an equal cached prefix."""
-    if hasattr(kv, "prefix_path"):
-        return kv.prefix_path(request)
-    num_blocks = kv.lookup(request) // kv.page_size
-    if num_blocks and hasattr(kv, "block_hashes"):
-        return kv.block_hashes(request, num_blocks)[:num_blocks]
-    return []
 
 
 class DFSWeightPolicy(SchedulingPolicy):
@@ -64,7 +55,7 @@ class DFSWeightPolicy(SchedulingPolicy):
         own: dict = {}
         for request in waiting:
             parent = root
-            for node in _cached_path(kv, request):
+            for node in kv.prefix_path(request):
                 if node not in weight:
                     weight[node] = 0
                     children[node] = []

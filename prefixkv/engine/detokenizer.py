@@ -7,11 +7,14 @@ ever grows (streaming clients send text[len(previous):]).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str], include_stop: bool, skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Any, stop: Iterable[str], include_stop: bool, skip_special_tokens: bool) -> None:
         self._decode = tokenizer.decode
-        self.stop = stop
+        self.stop = list(stop)
         self.include_stop = include_stop
         self.skip_special = skip_special_tokens
         self._max_stop = max((len(s) for s in stop), default=0)

@@ -3,29 +3,58 @@
 Synchronous and single-threaded on purpose: LLM.generate drives it in a loop, the HTTP server from its own
 thread. n > 1 is fanned out into n sibling requests (they share the prompt's pages through the prefix cache) and
 merged back into one RequestOutput.
+
+The engine is handed its model runner and tokenizer (prefixkv.llm.build_engine builds them), so this package
+loads neither torch nor the model package: the scheduler, the caches and the engine loop run without them.
 """
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
+from prefixkv.batch import BatchItem, Sample
 from prefixkv.config import EngineConfig
-from prefixkv.engine.batch import BatchItem, Sample
 from prefixkv.engine.detokenizer import IncrementalDetokenizer
 from prefixkv.engine.metrics import EngineStats
-from prefixkv.engine.policies import create_policy
-from prefixkv.engine.request import MultiModalHash, Request, RequestStatus
+from prefixkv.engine.policy_factory import create_policy
 from prefixkv.engine.scheduler import Scheduler
-from prefixkv.kvcache.manager import create_kv_cache_manager
-from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from prefixkv.kvcache.factory import create_kv_cache_manager
+from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from prefixkv.request import MultiModalHash, Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
 
-DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+class ModelExecutor(Protocol):
+    """What the engine needs of a model runner: one forward pass (and sampling) over a batch, on a KV pool of
+    num_pages pages of page_size token slots."""
+
+    num_pages: int
+    page_size: int
+
+    def execute(self, items: list[BatchItem]) -> Sequence[Sample | None]: ...
 
 
-@dataclass(eq=False)
+class EngineTokenizer(Protocol):
+    eos_token_ids: set[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+class ModelShape(Protocol):
+    """The two facts about the model the engine checks requests against."""
+
+    vocab_size: int
+    max_position_embeddings: int
+
+
+@dataclass(eq=False, slots=True)
 class _Sequence:
     """Engine-side state of one generated sequence: the scheduled Request plus its text."""
 
@@ -37,46 +66,40 @@ class _Sequence:
     stop_reason: str | int | None = None
     logprobs: list[dict] | None = None
     cumulative_logprob: float = 0.0
+    # what earlier outputs carried (output_kind="delta" sends only what came after)
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_finished: bool = False
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Parent:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[_Sequence]
     arrival_time: float
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
-        from prefixkv.model.loader import load_model  # the only place the engine reaches the model package
-        from prefixkv.model.runner import ModelRunner
-
+    def __init__(self, config: EngineConfig, runner: ModelExecutor, tokenizer: EngineTokenizer,
+                 model_config: ModelShape, model_name: str = "") -> None:
+        """runner: a model runner over a pool of runner.num_pages pages of config.page_size tokens (the KV
+        manager gets the same pool); tokenizer and model_config: the model's."""
+        if runner.page_size != config.page_size:
+            raise ValueError(f"the runner's page size {runner.page_size} differs from page_size={config.page_size}")
         self.config = config
-        if config.num_threads:
-            import torch
-
-            torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
-        self.model_config = loaded.config
-        self.model_name = loaded.name
-        self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
-        page_size = config.page_size
-        if config.kv_cache_tokens is not None:
-            num_pages = config.kv_cache_tokens // page_size
-        else:
-            per_token = ModelRunner.kv_bytes_per_token(loaded.config, config.dtype)
-            num_pages = (config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // (per_token * page_size)
-        if num_pages < 1:
-            raise ValueError("the KV cache is too small to hold one page")
-        self.kv = create_kv_cache_manager(config.prefix_cache, num_pages, page_size, config.prefix_caching_hash_algo)
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.model_name = model_name
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.kv = create_kv_cache_manager(config.prefix_cache, runner.num_pages, runner.page_size,
+                                          config.prefix_caching_hash_algo)
         self.policy = create_policy(config)
         self.scheduler = Scheduler(config, self.kv, self.policy)
-        self.runner = ModelRunner(loaded, num_pages=num_pages, page_size=page_size, device=config.device,
-                                  dtype=config.dtype, seed=config.seed)
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Sequence] = {}  # by the scheduled request's id
         self._ids = itertools.count()
@@ -89,11 +112,17 @@ class Engine:
     # -- requests in -----------------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict, sampling_params: SamplingParams
                     | None = None, *, priority: int = 0, cache_salt: str | None = None, lora_id: str | None = None,
-                    mm_hashes=None, arrival_time: float | None = None) -> str:
-        """Validate and queue a request; raise ValueError (and queue nothing) when it is bad."""
+                    mm_hashes=None, arrival_time: float | None = None,
+                    output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE) -> str:
+        """Validate and queue a request; raise ValueError (and queue nothing) when it is bad.
+
+        output_kind (vLLM's RequestOutputKind): "cumulative" outputs carry everything generated so far, "delta"
+        outputs only what is new since the request's previous output (memory linear in the output length),
+        "final_only" outputs come once, when the request finishes."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        kind = RequestOutputKind.parse(output_kind)
         params = sampling_params or SamplingParams()
         params.validate()
         text, token_ids, cache_salt, lora_id, mm = self._parse_prompt(prompt, cache_salt, lora_id, mm_hashes)
@@ -109,11 +138,11 @@ class Engine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, list(token_ids), child_params, arrival_time=arrival, prompt=text, priority=priority,
                           cache_salt=cache_salt, lora_id=lora_id, mm_hashes=mm, max_tokens=max_tokens)
-            detok = IncrementalDetokenizer(self.tokenizer, child_params.stop, child_params.include_stop_str_in_output,
-                                           child_params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, child_params.stop or (),
+                                           child_params.include_stop_str_in_output, child_params.skip_special_tokens)
             seq = _Sequence(req, request_id, i, detok, logprobs=[] if params.logprobs is not None else None)
             sequences.append(seq)
-        parent = _Parent(request_id, text, list(token_ids), sequences, arrival)
+        parent = _Parent(request_id, text, list(token_ids), sequences, arrival, kind)
         self._parents[request_id] = parent
         for seq in sequences:
             self._seqs[seq.request.request_id] = seq
@@ -203,27 +232,27 @@ class Engine:
         samples = self.runner.execute(items)
         self._model_seconds += time.perf_counter() - started
         self._computed_tokens += sched.num_batched_tokens
+        self.scheduler.update(sched, [None if s is None else s.token_id for s in samples])
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
-        for (req, n), sample in zip(sched.scheduled, samples):
-            req.num_computed_tokens += n
-            kv.commit(req)
+        for (req, _), sample in zip(sched.scheduled, samples):
             if sample is None:
                 continue
             seq = self._seqs[req.request_id]
-            self._append_token(seq, sample, now)
+            self._on_token(seq, sample, now)
             touched[seq.parent_id] = self._parents[seq.parent_id]
         for parent in touched.values():
-            out = self._output(parent)
-            outputs.append(out)
-            if out.finished:
+            finished = all(seq.finish_reason is not None for seq in parent.sequences)
+            if finished or parent.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._output(parent))
+            if finished:
                 del self._parents[parent.request_id]
         return outputs
 
-    def _append_token(self, seq: _Sequence, sample: Sample, now: float) -> None:
+    def _on_token(self, seq: _Sequence, sample: Sample, now: float) -> None:
+        """The scheduler has appended the sampled token: record its logprobs and text, and apply stop rules."""
         req = seq.request
         token = sample.token_id
-        req.token_ids.append(token)
         self._generation_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
@@ -238,7 +267,7 @@ class Engine:
         elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             seq.stop_reason = None
             self._finish(seq, RequestStatus.FINISHED_STOPPED)
-        elif token in params.stop_token_ids:
+        elif token in (params.stop_token_ids or ()):
             seq.stop_reason = token
             self._finish(seq, RequestStatus.FINISHED_STOPPED)
         elif req.num_output_tokens >= req.max_tokens:
@@ -251,25 +280,39 @@ class Engine:
         self._seqs.pop(seq.request.request_id, None)
 
     def _output(self, parent: _Parent) -> RequestOutput:
+        delta = parent.output_kind is RequestOutputKind.DELTA
         completions = []
         for seq in parent.sequences:
             req = seq.request
+            tokens = req.output_token_ids
+            if not delta:
+                completions.append(CompletionOutput(
+                    index=seq.index, text=seq.detok.text, token_ids=tokens, finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason, logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                    cumulative_logprob=None if seq.logprobs is None else seq.cumulative_logprob))
+                continue
+            finished_now = seq.finish_reason is not None and not seq.sent_finished
+            if len(tokens) == seq.sent_tokens and not finished_now:
+                continue  # nothing new for this sibling
+            text = seq.detok.text
             completions.append(CompletionOutput(
-                index=seq.index, text=seq.detok.text, token_ids=list(req.output_token_ids),
+                index=seq.index, text=text[seq.sent_text:], token_ids=tokens[seq.sent_tokens:],
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                logprobs=None if seq.logprobs is None else seq.logprobs[seq.sent_tokens:],
                 cumulative_logprob=None if seq.logprobs is None else seq.cumulative_logprob))
+            seq.sent_tokens, seq.sent_text = len(tokens), max(seq.sent_text, len(text))
+            seq.sent_finished = seq.finish_reason is not None
         reqs = [s.request for s in parent.sequences]
         first = reqs[0]
+        finished = all(seq.finish_reason is not None for seq in parent.sequences)
         metrics = RequestMetrics(
             arrival_time=parent.arrival_time,
             first_scheduled_time=min((r.first_scheduled_time for r in reqs if r.first_scheduled_time), default=None),
             first_token_time=min((r.first_token_time for r in reqs if r.first_token_time), default=None),
-            finish_time=max((r.finish_time or 0 for r in reqs), default=None)
-            if all(c.finish_reason for c in completions) else None)
+            finish_time=max((r.finish_time or 0 for r in reqs), default=None) if finished else None)
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
-                             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
-                             finished=all(c.finish_reason is not None for c in completions),
+                             prompt_token_ids=parent.prompt_token_ids,
+                             outputs=completions, finished=finished,
                              num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics)
 
     # -- introspection ---------------------------------------------------------------------------------------
@@ -282,7 +325,9 @@ class Engine:
             prefix_cache_hit_rate=kv.stats.hit_rate, num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.scheduler.step_count, prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens, computed_tokens_total=self._computed_tokens,
-            model_seconds_total=self._model_seconds)
+            model_seconds_total=self._model_seconds,
+            prefix_cache_readmission_queries=kv.stats.readmission_queries,
+            prefix_cache_readmission_hits=kv.stats.readmission_hits)
 
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         """Drop cached KV no request holds; salt_filter limits it to the namespaces (tenants) it accepts."""
@@ -293,7 +338,5 @@ class Engine:
 
     def render_cache_tree(self, max_depth: int = 3, max_children: int = 5) -> str:
         """The top of the radix tree as text (ValueError for caches that are not a tree)."""
-        if not hasattr(self.kv, "render_tree"):
-            raise ValueError(f"the {self.kv.name!r} prefix cache has no tree to render; use prefix_cache='radix'")
         return self.kv.render_tree(tokenizer_decode=self.tokenizer.decode, max_depth=max_depth,
                                    max_children=max_children)

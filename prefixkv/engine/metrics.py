@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -20,3 +20,6 @@ class EngineStats:
     generation_tokens_total: int
     computed_tokens_total: int  # tokens that went through the model (prompt tokens minus hits, plus recompute)
     model_seconds_total: float = 0.0  # wall time inside the model runner (forward pass and sampling)
+    # prefix_cache_queries/hits count first admissions only; a request re-admitted after preemption is counted here
+    prefix_cache_readmission_queries: int = 0
+    prefix_cache_readmission_hits: int = 0

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from prefixkv.config import EngineConfig
-from prefixkv.engine.request import Request
 from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.request import Request
 
 
 class SchedulingPolicy(ABC):
@@ -15,7 +14,8 @@ class SchedulingPolicy(ABC):
     def order(self, waiting: list[Request], kv: KVCacheManager, step: int) -> list[Request]:
         """Waiting requests in the order the scheduler should try to admit them this step."""
 
-    def should_defer(self, request: Request, num_cached_tokens: int, admitted: list[Request], kv: KVCacheManager) -> bool:
+    def should_defer(self, request: Request, num_cached_tokens: int, admitted: list[Request],
+                     kv: KVCacheManager) -> bool:
         """True to skip `request` this step (e.g. its new prefix is being computed by an admitted one)."""
         return False
 
@@ -40,12 +40,3 @@ class PriorityPolicy(SchedulingPolicy):
     def preemption_victim(self, running):
         return max(running, key=lambda r: (r.priority, r.arrival_time))
 
-
-def create_policy(config: EngineConfig) -> SchedulingPolicy:
-    if config.schedule_policy == "fcfs":
-        return FCFSPolicy()
-    if config.schedule_policy == "priority":
-        return PriorityPolicy()
-    from prefixkv.engine import cache_aware_policies
-
-    return cache_aware_policies.create(config)

@@ -4,19 +4,24 @@ Running requests (decodes and unfinished prefill chunks) are served first; waiti
 the order the policy gives, each starting after its cached prefix, with long prompts cut into chunks that fit the
 budget (chunked prefill). When pages run out, a running request is preempted by recompute: its pages are
 released (they stay cached, so the recompute is mostly a prefix hit) and it goes back to the front of the queue.
+
+The scheduler is the only writer of a request's progress: it counts the prefix hit as computed when the KV
+manager has taken it (admit_request), and advances the request after each step (update), whoever ran the step
+(the engine with the model, or the simulator with a cost model).
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.policies import SchedulingPolicy
-from prefixkv.engine.request import Request, RequestStatus
 from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to compute this step)
     preempted: list[Request] = field(default_factory=list)
@@ -24,6 +29,20 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+
+def admit_request(kv: KVCacheManager, request: Request, num_new_tokens: int, num_cached_tokens: int) -> bool:
+    """Let `kv` take the hit and reserve pages for num_new_tokens more; once it has, the hit's tokens count as
+    computed. The hit rate counts first admissions; a preempted request coming back is counted apart (its hit
+    is mostly its own earlier pages). False, with nothing changed, when the pages are short."""
+    if not kv.allocate(request, num_new_tokens, num_cached_tokens):
+        return False
+    request.num_computed_tokens = num_cached_tokens
+    readmission = request.num_cached_tokens >= 0
+    if not readmission:
+        request.num_cached_tokens = num_cached_tokens
+    kv.stats.record(request.num_tokens, num_cached_tokens, readmission=readmission)
+    return True
 
 
 class Scheduler:
@@ -54,33 +73,33 @@ class Scheduler:
         self.step_count += 1
         return out
 
+    def update(self, out: SchedulerOutput, sampled: Sequence[int | None]) -> None:
+        """After a step: each scheduled request's tokens are computed (make its new full pages findable) and,
+        where its sequence was complete, the sampled token is appended (None: a prefill chunk, nothing sampled)."""
+        for (request, num_new), token in zip(out.scheduled, sampled, strict=True):
+            request.num_computed_tokens += num_new
+            self.kv.commit(request)
+            if token is not None:
+                request.token_ids.append(token)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        kv = self.kv
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        """Each running request, in admission order, gets its next chunk. When pages are short, the policy's
+        victim is preempted (tokens it got this step come back to the budget) and the allocation retried; when
+        the victim is the request itself, it is out and the next one is served."""
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status is RequestStatus.PREEMPTED:  # a victim of an earlier request's allocation
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not kv.allocate(request, num_new):
+            while not self.kv.allocate(request, num_new):
                 victim = self.policy.preemption_victim(self.running)
-                j = self.running.index(victim)
-                self.running.pop(j)
-                for k, (r, n) in enumerate(out.scheduled):
-                    if r is victim:  # already given tokens this step: take them back
-                        del out.scheduled[k]
-                        budget += n
-                        break
-                self._preempt(victim)
-                out.preempted.append(victim)
+                budget += self._preempt(victim, out)
                 if victim is request:
                     break
-                if j < i:
-                    i -= 1
             else:
                 out.scheduled.append((request, num_new))
                 budget -= num_new
-                i += 1
-                continue
-            # the request itself was preempted: whatever stands at index i now is next
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -96,7 +115,7 @@ class Scheduler:
             if self.policy.should_defer(request, cached, admitted, kv):
                 continue
             num_new = min(request.num_tokens - cached, budget)
-            if not kv.allocate(request, num_new, cached):
+            if not admit_request(kv, request, num_new, cached):
                 break
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -109,13 +128,23 @@ class Scheduler:
             taken = set(map(id, admitted))
             self.waiting = [r for r in self.waiting if id(r) not in taken]
 
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Release the victim's pages and queue it first for recompute; return the tokens it had this step."""
+        self.running.remove(victim)
+        given_back = 0
+        for k, (request, num_new) in enumerate(out.scheduled):
+            if request is victim:
+                del out.scheduled[k]
+                given_back = num_new
+                break
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.insert(0, request)
+        self.waiting.insert(0, victim)
+        out.preempted.append(victim)
+        return given_back
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of the queues for good and release its pages (they stay cached)."""

@@ -38,6 +38,7 @@ class FreeBlockQueue:
     def append(self, block: Block) -> None:
         """Most recently used end: evicted last."""
         last = self._tail.prev_free
+        assert last is not None  # the sentinels are always linked
         last.next_free = block
         block.prev_free = last
         block.next_free = self._tail
@@ -47,6 +48,7 @@ class FreeBlockQueue:
     def appendleft(self, block: Block) -> None:
         """Reused first (blocks holding nothing worth keeping)."""
         first = self._head.next_free
+        assert first is not None
         first.prev_free = block
         block.next_free = first
         block.prev_free = self._head
@@ -55,7 +57,7 @@ class FreeBlockQueue:
 
     def popleft(self) -> Block:
         block = self._head.next_free
-        if block is self._tail:
+        if block is None or block is self._tail:
             raise IndexError("no free blocks")
         self.remove(block)
         return block
@@ -74,7 +76,7 @@ class FreeBlockQueue:
 
     def __iter__(self) -> Iterator[Block]:
         block = self._head.next_free
-        while block is not self._tail:
+        while block is not None and block is not self._tail:
             yield block
             block = block.next_free
 

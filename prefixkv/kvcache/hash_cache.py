@@ -8,11 +8,32 @@ and sit in the free queue, least recently used at the head; allocation takes the
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from prefixkv.engine.request import Request
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
 from prefixkv.kvcache.hashing import HASH_FUNCTIONS, ROOT_KEY, block_extra_keys, hash_block
 from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.request import Request
+
+
+@dataclass(slots=True)
+class _Keys:
+    """What lookups learnt about one request: its block keys (token ids only grow, so they stay valid) and the
+    last match, valid while no key has been evicted since (keys only leave the map on eviction)."""
+
+    request: Request
+    hashes: list[bytes] = field(default_factory=list)
+    matched_blocks: int = 0
+    matched_at_evictions: int = -1  # num_evictions when matched_blocks was found
+
+
+@dataclass(slots=True)
+class _Held:
+    """The blocks a running request holds, in position order."""
+
+    blocks: list[Block]
+    page_ids: list[int]  # the same blocks' ids: page_table() runs every step
+    num_committed: int  # leading blocks already keyed
 
 
 class HashPrefixCache(KVCacheManager):
@@ -28,17 +49,20 @@ class HashPrefixCache(KVCacheManager):
         self.blocks = [Block(i) for i in range(num_pages)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
-        self._req_blocks: dict[str, list[Block]] = {}
-        self._req_page_ids: dict[str, list[int]] = {}  # the same blocks' ids: page_table() runs every step
-        self._req_num_committed: dict[str, int] = {}  # leading blocks of the request already keyed
+        self._held: dict[str, _Held] = {}  # by request id, from allocate to free
+        self._keys: dict[str, _Keys] = {}  # by request id, from the first lookup to free
         self.num_evictions = 0  # keys only leave the map on eviction: a memoised match stays valid until then
-        self._hashes_key = ("block_hashes", page_size, hash_algo)  # request.cache_state keys
-        self._match_key = ("match", id(self))
 
     # -- keys ----------------------------------------------------------------------------------------------
+    def _keys_of(self, request: Request) -> _Keys:
+        keys = self._keys.get(request.request_id)
+        if keys is None or keys.request is not request:
+            keys = self._keys[request.request_id] = _Keys(request)
+        return keys
+
     def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
-        """Keys of the request's first num_blocks full blocks, memoised on the request (token ids only grow)."""
-        hashes: list[bytes] = request.cache_state.setdefault(self._hashes_key, [])
+        """Keys of the request's first num_blocks full blocks (at least; memoised until free())."""
+        hashes = self._keys_of(request).hashes
         bs = self.page_size
         tokens = request.token_ids
         parent = hashes[-1] if hashes else ROOT_KEY
@@ -53,39 +77,46 @@ class HashPrefixCache(KVCacheManager):
         if not self.caching:
             return 0
         max_blocks = (request.num_tokens - 1) // self.page_size  # the last token is always recomputed
-        memo = request.cache_state.get(self._match_key)  # (num_evictions, matched blocks) from an earlier lookup
-        n = memo[1] if memo is not None and memo[0] == self.num_evictions else 0
+        memo = self._keys_of(request)
+        n = memo.matched_blocks if memo.matched_at_evictions == self.num_evictions else 0
         n = min(n, max_blocks)
         cached = self.cached
         hashes = self.block_hashes(request, max_blocks)
         while n < max_blocks and hashes[n] in cached:
             n += 1
-        request.cache_state[self._match_key] = (self.num_evictions, n)
+        memo.matched_blocks, memo.matched_at_evictions = n, self.num_evictions
         return n * self.page_size
 
+    def prefix_path(self, request: Request) -> list:
+        """The keys of the cached prefix's blocks: a key names its whole prefix (it chains its parent's)."""
+        num_blocks = self.lookup(request) // self.page_size
+        return self.block_hashes(request, num_blocks)[:num_blocks] if num_blocks else []
+
     def page_table(self, request: Request) -> list[int]:
-        return self._req_page_ids.get(request.request_id, [])
+        held = self._held.get(request.request_id)
+        return held.page_ids if held is not None else []
 
     def num_free_pages(self) -> int:
         return self.free_queue.num_free
 
     # -- changes -------------------------------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
-        rid = request.request_id
-        blocks = self._req_blocks.get(rid)
-        first_admission = blocks is None
-        if first_admission:
-            blocks = []
+        held = self._held.get(request.request_id)
         hit_blocks: list[Block] = []
         if num_cached_tokens:
-            keys = request.cache_state[self._hashes_key][: num_cached_tokens // self.page_size]
-            hit_blocks = [self.cached[k] for k in keys]
-        total_tokens = request.num_computed_tokens + num_cached_tokens + num_new_tokens
-        num_new_blocks = -(-total_tokens // self.page_size) - len(blocks) - len(hit_blocks)
+            if held is not None:
+                raise ValueError("a cache hit can only be taken at first admission")
+            num_hit = num_cached_tokens // self.page_size
+            hit_blocks = [self.cached[k] for k in self.block_hashes(request, num_hit)[:num_hit]]
+        num_held = len(held.blocks) if held is not None else 0
+        num_new_blocks = self.pages_needed(request, num_new_tokens, num_cached_tokens) - num_held - len(hit_blocks)
         reclaimed = sum(1 for b in hit_blocks if b.ref_cnt == 0)  # free now, but this request will hold them
         if num_new_blocks > self.free_queue.num_free - reclaimed:
             return False
 
+        if held is None:
+            held = self._held[request.request_id] = _Held([], [], len(hit_blocks))
+        blocks = held.blocks
         for b in hit_blocks:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
@@ -96,43 +127,32 @@ class HashPrefixCache(KVCacheManager):
             self._evict(b)
             b.ref_cnt = 1
             blocks.append(b)
-        ids = [] if first_admission else self._req_page_ids[rid]
-        ids.extend(b.block_id for b in blocks[len(ids):])
-        if first_admission:
-            self._req_blocks[rid] = blocks
-            self._req_page_ids[rid] = ids
-            self._req_num_committed[rid] = len(hit_blocks)
-            self.stats.record(request.num_tokens, num_cached_tokens)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached_tokens
-            request.num_computed_tokens += num_cached_tokens
+        held.page_ids.extend(b.block_id for b in blocks[len(held.page_ids):])
         return True
 
     def commit(self, request: Request) -> None:
         if not self.caching:
             return
-        rid = request.request_id
+        held = self._held[request.request_id]
         num_full = request.num_computed_tokens // self.page_size
-        start = self._req_num_committed[rid]
+        start = held.num_committed
         if num_full <= start:
             return
-        blocks = self._req_blocks[rid]
         keys = self.block_hashes(request, num_full)
         for i in range(start, num_full):
             key = keys[i]
             if key not in self.cached:  # else another request computed the same block first; ours stays private
-                blocks[i].block_hash = key
-                blocks[i].cache_salt = request.cache_salt
-                self.cached[key] = blocks[i]
-        self._req_num_committed[rid] = num_full
+                held.blocks[i].block_hash = key
+                held.blocks[i].cache_salt = request.cache_salt
+                self.cached[key] = held.blocks[i]
+        held.num_committed = num_full
 
     def free(self, request: Request) -> None:
-        blocks = self._req_blocks.pop(request.request_id, None)
-        self._req_page_ids.pop(request.request_id, None)
-        self._req_num_committed.pop(request.request_id, None)
-        if not blocks:
+        self._keys.pop(request.request_id, None)
+        held = self._held.pop(request.request_id, None)
+        if held is None:
             return
-        for b in reversed(blocks):  # tail first: chain ends are evicted before shared beginnings
+        for b in reversed(held.blocks):  # tail first: chain ends are evicted before shared beginnings
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 if b.block_hash is None:
@@ -167,7 +187,7 @@ class HashPrefixCache(KVCacheManager):
             cached_blocks=len(self.cached),
             cached_tokens=len(self.cached) * self.page_size,
             evictable_blocks=sum(1 for b in self.free_queue if b.block_hash is not None) if self.caching else 0,
-            running_requests=len(self._req_blocks),
+            running_requests=len(self._held),
             by_namespace=self._by_namespace(),
         )
         return out
@@ -189,11 +209,11 @@ class HashPrefixCache(KVCacheManager):
         assert all(b.ref_cnt >= 0 for b in self.blocks), "negative ref_cnt"
         for key, b in self.cached.items():
             assert b.block_hash == key, f"cached key maps to {b!r} whose key differs"
-        for rid, blocks in self._req_blocks.items():
-            assert self._req_page_ids[rid] == [b.block_id for b in blocks], "page ids drifted from blocks"
+        for held in self._held.values():
+            assert held.page_ids == [b.block_id for b in held.blocks], "page ids drifted from blocks"
         holders: dict[int, int] = {}
-        for blocks in self._req_blocks.values():
-            for b in blocks:
+        for held in self._held.values():
+            for b in held.blocks:
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
         for b in self.blocks:
             assert holders.get(b.block_id, 0) == b.ref_cnt, f"{b!r} ref_cnt != number of requests holding it"

@@ -1,36 +1,52 @@
 """The one interface the scheduler sees for KV memory, whichever prefix cache (or none) sits behind it.
 
-Protocol per request (all called by the scheduler/engine, never by the model runner):
-  lookup(req)                 -> tokens a hit would cover now (side-effect free, used for ordering and chunk sizing)
-  allocate(req, n, cached)    -> take the `cached` hit (first admission only), then pages for n more tokens;
-                                 False and nothing changed if memory is short even after eviction
+Protocol per request (all called by the scheduler, never by the model runner):
+  lookup(req)                 -> tokens a hit would cover now (no effect on the pool, used for ordering and sizing)
+  allocate(req, n, cached)    -> take the `cached` hit's pages (first admission only), then pages for n more
+                                 tokens; False and nothing changed if memory is short even after eviction
   page_table(req)             -> page ids, handed to the model runner
   commit(req)                 -> req.num_computed_tokens advanced: make newly computed KV findable
   free(req)                   -> finished, aborted or preempted: release pages (they stay cached until evicted)
+
+The manager never writes a request: the scheduler owns its progress (it sets num_computed_tokens after a
+successful allocate and advances it after each step) and records the admissions in `stats`. What a manager
+remembers per request (pages, memoised keys and matches) lives inside the manager, typed, until free().
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from prefixkv.engine.request import Request
+from prefixkv.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up at admission
+    """Admissions and their hits, in prompt tokens. The hit rate counts first admissions only (as vLLM does):
+    a request re-admitted after preemption finds its own earlier pages again, and counting that would let the
+    rate exceed what any schedule could reach. Re-admissions are counted apart."""
+
+    queries: int = 0  # prompt tokens looked up at first admission
     hits: int = 0  # of those, tokens served from the cache
     requests: int = 0
+    readmission_queries: int = 0  # tokens looked up when a preempted request came back
+    readmission_hits: int = 0
+    readmissions: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
-    def record(self, num_tokens: int, num_hit: int) -> None:
-        self.requests += 1
-        self.queries += num_tokens
-        self.hits += num_hit
+    def record(self, num_tokens: int, num_hit: int, readmission: bool = False) -> None:
+        if readmission:
+            self.readmissions += 1
+            self.readmission_queries += num_tokens
+            self.readmission_hits += num_hit
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hit
 
 
 class KVCacheManager(ABC):
@@ -43,7 +59,7 @@ class KVCacheManager(ABC):
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.stats = PrefixCacheStats()
+        self.stats = PrefixCacheStats()  # written by the scheduler at admission; the manager only reports it
 
     # -- queries -------------------------------------------------------------------------------------------
     @abstractmethod
@@ -72,7 +88,9 @@ class KVCacheManager(ABC):
     # -- changes -------------------------------------------------------------------------------------------
     @abstractmethod
     def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
-        """Admit the hit (advancing request.num_computed_tokens by num_cached_tokens) and reserve pages."""
+        """Take the hit's pages (num_cached_tokens, a lookup() result, at first admission only) and reserve pages
+        up to request.num_computed_tokens + num_cached_tokens + num_new_tokens. Writes nothing on the request:
+        the scheduler counts the hit as computed once this returns True."""
 
     @abstractmethod
     def commit(self, request: Request) -> None:
@@ -97,23 +115,21 @@ class KVCacheManager(ABC):
             "queries": self.stats.queries,
             "hits": self.stats.hits,
             "hit_rate": self.stats.hit_rate,
+            "readmission_queries": self.stats.readmission_queries,
+            "readmission_hits": self.stats.readmission_hits,
         }
+
+    # -- optional views (defaults for caches that have nothing to show) ----------------------------------------
+    def prefix_path(self, request: Request) -> list[Hashable]:
+        """Hashable ids of the request's cached prefix, root side first; equal ids mean an equal cached prefix
+        (dfs-weight lays the waiting queue out on these). Empty without a cache."""
+        return []
+
+    def render_tree(self, tokenizer_decode: Callable[[list[int]], str] | None = None, max_depth: int = 3,
+                    max_children: int = 5) -> str:
+        """The top of the cache's tree as text; ValueError for caches that are not a tree."""
+        raise ValueError(f"the {self.name!r} prefix cache has no tree to render; use prefix_cache='radix'")
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the accounting is broken (tests call this after every operation)."""
 
-
-def create_kv_cache_manager(kind: str, num_pages: int, page_size: int, hash_algo: str = "sha256") -> KVCacheManager:
-    if kind == "off":
-        from prefixkv.kvcache.no_cache import NoPrefixCache
-
-        return NoPrefixCache(num_pages, page_size)
-    if kind == "hash":
-        from prefixkv.kvcache.hash_cache import HashPrefixCache
-
-        return HashPrefixCache(num_pages, page_size, hash_algo=hash_algo)
-    if kind == "radix":
-        from prefixkv.kvcache.radix_cache import RadixPrefixCache
-
-        return RadixPrefixCache(num_pages, page_size)
-    raise ValueError(f"prefix_cache must be one of 'hash', 'radix', 'off', got {kind!r}")

@@ -16,15 +16,38 @@ Keys: (lora_id, cache_salt) select separate roots; prompt positions covered by a
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from prefixkv.engine.request import Request
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.kvcache.radix_tree import RadixNode, RadixTree
+from prefixkv.request import Request
 
 
-@dataclass
+class _LookupMemo(NamedTuple):
+    """Where the last lookup of a request ended, and the tree versions it was valid for."""
+
+    evict_version: int  # tree.evict_version then: an eviction can shrink any match
+    limit: int  # tokens the match was allowed to cover (num_tokens - 1)
+    version: int  # tree.version then: unchanged means the answer stands
+    hit: int
+    node: RadixNode | None  # deepest node matched in full (None: no root for the namespace)
+    start: int  # depth of `node`
+    inside: RadixNode | None  # the child the match stopped inside, if it did
+
+
+@dataclass(slots=True)
+class _Keys:
+    """What lookups learnt about one request: its keys with multimodal positions replaced (None: no multimodal
+    input, the token ids are the keys) and the last match."""
+
+    request: Request
+    mm_prompt_keys: list[Hashable] | None = None
+    memo: _LookupMemo | None = None
+
+
+@dataclass(slots=True)
 class _RequestState:
     node: RadixNode  # deepest node of the committed prefix, locked (a root when nothing is committed)
     committed: int  # tokens of the request in the tree (a multiple of page_size)
@@ -38,29 +61,31 @@ class RadixPrefixCache(KVCacheManager):
         super().__init__(num_pages, page_size)
         self.tree = RadixTree(page_size)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-        self._requests: dict[str, _RequestState] = {}
-
-    @property
-    def version(self) -> int:
-        """Changes whenever a lookup result may change; policies memoise on it."""
-        return self.tree.version
+        self._requests: dict[str, _RequestState] = {}  # by request id, from allocate to free
+        self._lookups: dict[str, _Keys] = {}  # by request id, from the first lookup to free
 
     # -- keys ----------------------------------------------------------------------------------------------
     @staticmethod
     def _namespace(request: Request):
         return request.extra_keys
 
-    @staticmethod
-    def _keys(request: Request) -> list:
+    def _known(self, request: Request) -> _Keys:
+        known = self._lookups.get(request.request_id)
+        if known is None or known.request is not request:
+            known = self._lookups[request.request_id] = _Keys(request)
+        return known
+
+    def _keys(self, request: Request) -> Sequence[Hashable]:
         if not request.mm_hashes:
             return request.token_ids
-        prompt = request.cache_state.get("radix_mm_keys")
+        known = self._known(request)
+        prompt = known.mm_prompt_keys
         if prompt is None:
             prompt = list(request.prompt_token_ids)
             for mm in request.mm_hashes:
                 for k in range(mm.offset, min(mm.offset + mm.length, len(prompt))):
                     prompt[k] = (mm.hash, k - mm.offset)
-            request.cache_state["radix_mm_keys"] = prompt
+            known.mm_prompt_keys = prompt
         return prompt + request.token_ids[len(prompt):]
 
     # -- queries -------------------------------------------------------------------------------------------
@@ -76,25 +101,27 @@ class RadixPrefixCache(KVCacheManager):
         if limit <= 0:
             return 0
         tree = self.tree
-        memo = request.cache_state.get("radix_lookup")
-        if memo is not None and memo[0] is self and memo[1] == tree.evict_version and memo[2] == limit:
-            _, _, _, version, hit, node, start, inside = memo
-            if version == tree.version or hit == limit - limit % self.page_size:
-                return hit
+        known = self._known(request)
+        memo = known.memo
+        if memo is not None and memo.evict_version == tree.evict_version and memo.limit == limit:
+            if memo.version == tree.version or memo.hit == limit - limit % self.page_size:
+                return memo.hit
+            node, start, inside = memo.node, memo.start, memo.inside
             if start == 0:  # the namespace root may have been dropped and made again
                 node = tree.roots.get(self._namespace(request))
         else:
             node, start, inside = tree.roots.get(self._namespace(request)), 0, None
         keys = self._keys(request)
-        if inside is not None and node is not None and node.children.get(tree.key(keys, start)) is inside:
-            request.cache_state["radix_lookup"] = memo[:3] + (tree.version,) + memo[4:]
-            return hit
+        if memo is not None and inside is not None and node is not None \
+                and node.children.get(tree.key(keys, start)) is inside:
+            known.memo = memo._replace(version=tree.version)
+            return memo.hit
         hit, inside = 0, None
         if node is not None:
             path, hit, node, start = tree.walk(node, keys, start, limit)
             if hit > start:
                 inside = path[-1]
-        request.cache_state["radix_lookup"] = (self, tree.evict_version, limit, tree.version, hit, node, start, inside)
+        known.memo = _LookupMemo(tree.evict_version, limit, tree.version, hit, node, start, inside)
         return hit
 
     def prefix_path(self, request: Request) -> list:
@@ -159,10 +186,6 @@ class RadixPrefixCache(KVCacheManager):
             self.tree.record_hit(node)
         pages = self.tree.path_pages(node) + self._take(max(need, 0))
         self._requests[request.request_id] = _RequestState(node, num_cached_tokens, pages)
-        request.num_computed_tokens += num_cached_tokens
-        self.stats.record(request.num_tokens, num_cached_tokens)  # every admission, like the hash cache
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_cached_tokens
         return True
 
     def commit(self, request: Request) -> None:
@@ -185,6 +208,7 @@ class RadixPrefixCache(KVCacheManager):
         state.node, state.committed = node, full
 
     def free(self, request: Request) -> None:
+        self._lookups.pop(request.request_id, None)
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return
@@ -305,7 +329,7 @@ class RadixPrefixCache(KVCacheManager):
         evictable = protected = count = 0
         expected_locks: dict[int, int] = {}
         for state in self._requests.values():
-            node = state.node
+            node: RadixNode | None = state.node
             while node is not None:
                 expected_locks[id(node)] = expected_locks.get(id(node), 0) + 1
                 node = node.parent

@@ -34,10 +34,6 @@ class RadixNode:
         self.hits = 0  # admissions whose cache hit passed through here
         self.namespace = namespace
 
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
     def __repr__(self) -> str:
         head = self.tokens[:4]
         return f"RadixNode({len(self.tokens)} tok {head}{'...' if len(self.tokens) > 4 else ''}, lock={self.lock_ref})"
@@ -85,8 +81,9 @@ class RadixTree:
             node = self.roots[namespace] = RadixNode([], [], None, namespace)
         return node
 
-    def drop_root_if_unused(self, root: RadixNode) -> None:
-        if root.parent is None and not root.children and root.lock_ref == 0 and self.roots.get(root.namespace) is root:
+    def drop_root_if_unused(self, root: RadixNode | None) -> None:
+        if (root is not None and root.parent is None and not root.children and root.lock_ref == 0
+                and self.roots.get(root.namespace) is root):
             del self.roots[root.namespace]
 
     # -- matching ------------------------------------------------------------------------------------------
@@ -101,7 +98,8 @@ class RadixTree:
         path, matched, _, _ = self.walk(node, tokens, 0, limit)
         return path, matched
 
-    def walk(self, node: RadixNode, tokens: Sequence, i: int, limit: int) -> tuple[list[RadixNode], int, RadixNode, int]:
+    def walk(self, node: RadixNode, tokens: Sequence, i: int,
+             limit: int) -> tuple[list[RadixNode], int, RadixNode, int]:
         """Continue a match from `node`, which ends at token i. Returns the nodes entered, the match length, and
         the deepest node matched in full with the token where it ends. Without evictions that node stays in
         the tree (splits keep the lower part's identity and end), so a later match can resume there: only
@@ -126,6 +124,7 @@ class RadixTree:
     def match_node(self, namespace: Namespace, tokens: Sequence, length: int) -> RadixNode:
         """The node ending exactly at `length` matched tokens (splitting one if needed). Creates the root."""
         root = self.root(namespace, create=True)
+        assert root is not None
         path, matched = self.match(namespace, tokens, length)
         if matched < length:
             raise ValueError(f"only {matched} of {length} tokens are cached")
@@ -143,6 +142,7 @@ class RadixTree:
         it (their deepest node) stay correct."""
         assert 0 < n < len(node.tokens) and n % self.page_size == 0
         parent = node.parent
+        assert parent is not None, "a root is never split"
         upper = RadixNode(node.tokens[:n], node.pages[:n // self.page_size], parent, node.namespace)
         upper.lock_ref, upper.last_access, upper.hits = node.lock_ref, node.last_access, node.hits
         node.tokens = node.tokens[n:]
@@ -154,7 +154,8 @@ class RadixTree:
         return upper
 
     # -- insertion -----------------------------------------------------------------------------------------
-    def insert(self, node: RadixNode, tokens: Sequence, start: int, end: int, pages: list[int]) -> tuple[RadixNode, list[int]]:
+    def insert(self, node: RadixNode, tokens: Sequence, start: int, end: int,
+               pages: list[int]) -> tuple[RadixNode, list[int]]:
         """Add tokens[start:end] (KV in `pages`) below `node`, which ends at token `start` and is locked by the
         caller. Returns the new deepest node, now locked in place of `node` (the lock moves down), and the
         tree's page ids for the range: where the tokens were already cached these are the tree's pages, and
@@ -182,10 +183,10 @@ class RadixTree:
             i += n
             node = child
         # move the caller's lock down: lock the new part of the path, from the new node up to `top` (exclusive)
-        n = node
-        while n is not top:
-            self._inc(n)
-            n = n.parent
+        up: RadixNode | None = node
+        while up is not None and up is not top:
+            self._inc(up)
+            up = up.parent
         return node, out
 
     # -- locks and recency ---------------------------------------------------------------------------------
@@ -195,13 +196,13 @@ class RadixTree:
             self.protected_tokens += len(node.tokens)
         node.lock_ref += 1
 
-    def lock(self, node: RadixNode) -> None:
+    def lock(self, node: RadixNode | None) -> None:
         """Protect node and its ancestors (the root included: it keeps the namespace alive)."""
         while node is not None:
             self._inc(node)
             node = node.parent
 
-    def unlock(self, node: RadixNode) -> None:
+    def unlock(self, node: RadixNode | None) -> None:
         while node is not None:
             assert node.lock_ref > 0, "unlock without lock"
             node.lock_ref -= 1
@@ -211,7 +212,7 @@ class RadixTree:
                 self._push_if_evictable(node)
             node = node.parent
 
-    def touch(self, node: RadixNode) -> None:
+    def touch(self, node: RadixNode | None) -> None:
         """Mark the path as just used. Only locked paths are touched, so no heap entry needs fixing here;
         the new stamp enters the heap when the lock is released."""
         stamp = next(self._clock)
@@ -219,7 +220,7 @@ class RadixTree:
             node.last_access = stamp
             node = node.parent
 
-    def record_hit(self, node: RadixNode) -> None:
+    def record_hit(self, node: RadixNode | None) -> None:
         while node is not None and node.parent is not None:
             node.hits += 1
             node = node.parent
@@ -237,7 +238,7 @@ class RadixTree:
 
         A leaf bigger than what is still needed is trimmed from its tail (SGLang drops whole leaves; keeping
         the head keeps the part more likely to be shared, and frees exactly what was asked)."""
-        ps, freed = self.page_size, []
+        ps, freed = self.page_size, list[int]()
         while len(freed) < num_pages and self._heap:
             stamp, seq, node = heapq.heappop(self._heap)
             if not self._valid(stamp, node):
@@ -284,6 +285,7 @@ class RadixTree:
 
     def _remove(self, node: RadixNode) -> None:
         parent = node.parent
+        assert parent is not None, "only a node in the tree is removed"
         del parent.children[self.key(node.tokens, 0)]
         node.parent = None
         self.num_nodes -= 1
@@ -294,7 +296,8 @@ class RadixTree:
 
     def _maybe_compact_heap(self) -> None:
         if len(self._heap) > 4 * self.num_nodes + 64:
-            self._heap = [(n.last_access, next(self._seq), n) for n in self.nodes() if n.lock_ref == 0 and not n.children]
+            self._heap = [(n.last_access, next(self._seq), n) for n in self.nodes()
+                          if n.lock_ref == 0 and not n.children]
             heapq.heapify(self._heap)
 
     def evictable_leaf_entries(self) -> set[tuple[int, int]]:
@@ -311,14 +314,14 @@ class RadixTree:
                 yield child
                 stack.append(child)
 
-    def path_pages(self, node: RadixNode) -> list[int]:
+    def path_pages(self, node: RadixNode | None) -> list[int]:
         chunks = []
         while node is not None:
             chunks.append(node.pages)
             node = node.parent
         return [p for chunk in reversed(chunks) for p in chunk]
 
-    def depth(self, node: RadixNode) -> int:
+    def depth(self, node: RadixNode | None) -> int:
         """Tokens from the root to the end of node."""
         total = 0
         while node is not None:

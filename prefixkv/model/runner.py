@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from prefixkv.engine.batch import BatchItem, Sample
+from prefixkv.batch import BatchItem, Sample
 from prefixkv.model.attention import StepPlanner
 from prefixkv.model.config import ModelConfig
 from prefixkv.model.huge_pages import zeros_on_huge_pages

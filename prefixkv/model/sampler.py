@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixkv.engine.batch import Sample
+from prefixkv.batch import Sample
 from prefixkv.sampling_params import SamplingParams
 
 _MASK_SEED = (1 << 63) - 1

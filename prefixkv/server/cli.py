@@ -5,15 +5,15 @@ import argparse
 import logging
 import sys
 
+from prefixkv.engine_args import add_engine_args, engine_config
 from prefixkv.server.auth import DEFAULT_TENANT, TENANT_ISOLATION, KeyFileError, read_key_file
 from prefixkv.server.limits import add_limit_arguments, limits_from_args
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine options shared with `prefixkv generate` (one definition, in prefixkv.cli), plus HTTP ones."""
-    from prefixkv.cli import add_engine_args
-
+    """The engine options shared with `prefixkv generate` (one definition, in prefixkv.engine_args), plus HTTP
+    ones."""
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -39,15 +39,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_limit_arguments(p)
 
 
-def engine_config(args: argparse.Namespace):
-    from prefixkv.cli import engine_kwargs
-    from prefixkv.config import EngineConfig
-
-    return EngineConfig.from_kwargs(**engine_kwargs(args))
-
-
 def serve(args: argparse.Namespace) -> int:
-    from prefixkv.engine.engine import Engine
+    from prefixkv.llm import build_engine
     from prefixkv.server.app import build_app
     from prefixkv.server.serving import make_server, raise_open_files_limit
 
@@ -60,7 +53,7 @@ def serve(args: argparse.Namespace) -> int:
             return 2
     limits = limits_from_args(args)
     raise_open_files_limit(limits)
-    engine = Engine(engine_config(args))
+    engine = build_engine(engine_config(args))
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                     api_key_file=args.api_key_file, tenant_isolation=args.tenant_isolation, max_n=args.max_n,
                     max_prompts_per_request=args.max_prompts_per_request,

@@ -55,12 +55,19 @@ class _EngineStatsCollector:
         yield gauge("prefixkv:kv_pages_total", "KV pages in the pool.", self._get("num_pages_total"))
         yield gauge("prefixkv:kv_cache_usage_perc", "Fraction of KV pages held by requests (0-1).",
                     self._get("kv_usage"))
-        yield gauge("prefixkv:prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens, since start.",
+        yield gauge("prefixkv:prefix_cache_hit_rate",
+                    "Prefix-cache hits / queries, in tokens, over first admissions since start.",
                     self._get("prefix_cache_hit_rate"))
-        yield counter("prefixkv:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        yield counter("prefixkv:prefix_cache_queries",
+                      "Prompt tokens looked up in the prefix cache at first admission.",
                       self._get("prefix_cache_queries"))
         yield counter("prefixkv:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       self._get("prefix_cache_hits"))
+        yield counter("prefixkv:prefix_cache_readmission_queries",
+                      "Prompt tokens looked up when a preempted request was admitted again (not in the hit rate).",
+                      self._get("prefix_cache_readmission_queries"))
+        yield counter("prefixkv:prefix_cache_readmission_hits",
+                      "Of those, tokens served from the prefix cache.", self._get("prefix_cache_readmission_hits"))
         yield counter("prefixkv:num_preemptions", "Requests preempted (recomputed later).",
                       self._get("num_preemptions"))
         yield counter("prefixkv:prompt_tokens", "Prompt tokens processed.", self._get("prompt_tokens_total"))

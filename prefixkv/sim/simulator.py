@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefixkv.config import EngineConfig
-from prefixkv.engine.policies import SchedulingPolicy, create_policy
-from prefixkv.engine.request import Request, RequestStatus
+from prefixkv.engine.policies import SchedulingPolicy
+from prefixkv.engine.policy_factory import create_policy
 from prefixkv.engine.scheduler import Scheduler
 from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.request import Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.stats import percentile, ratio, summarize
 
 
 @dataclass
@@ -57,8 +59,9 @@ def make_policy(name: str, max_wait_steps: int = 128) -> SchedulingPolicy:
 def simulate(kv: KVCacheManager, policy: SchedulingPolicy, workload: list[SimRequest], max_num_seqs: int = 8,
              max_num_batched_tokens: int = 2048, cost: CostModel | None = None, max_steps: int = 100_000,
              check_every: int = 0) -> SimResult:
-    """Drive the real Scheduler over a workload: each scheduled chunk is computed and committed at once, a
-    request whose sequence is fully computed samples a fresh token, and finishes after output_len of them."""
+    """Drive the real Scheduler over a workload: each scheduled chunk is computed at once (the scheduler's
+    update advances and commits it, as after a model step), a request whose sequence is fully computed samples a
+    fresh token, and finishes after output_len of them."""
     cost = cost or CostModel()
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     sched = Scheduler(config, kv, policy)
@@ -88,15 +91,18 @@ def simulate(kv: KVCacheManager, policy: SchedulingPolicy, workload: list[SimReq
                 res.wait_s[req.request_id] = res.sim_seconds - arrived_at[req.request_id]
         res.sim_seconds += cost.step_time(out.num_batched_tokens) if out.scheduled else cost.step_overhead_s
         res.computed_tokens += out.num_batched_tokens
-        for req, n in out.scheduled:
-            req.num_computed_tokens += n
-            kv.commit(req)
-            if req.num_computed_tokens == req.num_tokens:
-                req.token_ids.append(next_token)
+        sampled: list[int | None] = []
+        for req, n in out.scheduled:  # a request whose sequence this step completes samples a fresh token
+            sampled.append(next_token if req.num_computed_tokens + n == req.num_tokens else None)
+            if sampled[-1] is not None:
                 next_token += 1
-                res.output_tokens += 1
-                if req.num_output_tokens >= req.max_tokens:
-                    sched.finish(req, RequestStatus.FINISHED_LENGTH)
+        sched.update(out, sampled)
+        for (req, _), token in zip(out.scheduled, sampled):
+            if token is None:
+                continue
+            res.output_tokens += 1
+            if req.num_output_tokens >= req.max_tokens:
+                sched.finish(req, RequestStatus.FINISHED_LENGTH)
         if check_every and step % check_every == 0:
             kv.check_invariants()
     res.steps = sched.step_count
@@ -106,8 +112,6 @@ def simulate(kv: KVCacheManager, policy: SchedulingPolicy, workload: list[SimReq
 
 def summarize_run(res: SimResult, kv: KVCacheManager) -> dict:
     """Hit rate over first admissions (what the offline bound is about), waits, simulated throughput."""
-    from prefixkv.bench.workloads import percentile, ratio, summarize
-
     prompt = sum(r.num_prompt_tokens for r in res.requests)
     hit = sum(max(r.num_cached_tokens, 0) for r in res.requests)
     waits = list(res.wait_steps.values())
@@ -118,7 +122,9 @@ def summarize_run(res: SimResult, kv: KVCacheManager) -> dict:
         "token_hit_rate": ratio(hit, prompt),
         "hit_tokens": hit,
         "prompt_tokens": prompt,
-        "hit_rate_all_admissions": kv.stats.hit_rate,  # counts re-admissions after preemption too
+        "cache_hit_rate": kv.stats.hit_rate,  # the cache's own gauge: first admissions, the same figure
+        "readmission_hit_tokens": kv.stats.readmission_hits,  # preempted requests finding their pages again
+        "readmission_tokens": kv.stats.readmission_queries,
         "computed_tokens": res.computed_tokens,
         "output_tokens": res.output_tokens,
         "steps": res.steps,

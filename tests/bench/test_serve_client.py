@@ -5,7 +5,7 @@ import argparse
 
 from prefixkv.bench.serve_client import _dist, add_arguments, plot, run
 from prefixkv.config import EngineConfig
-from prefixkv.engine.engine import Engine
+from prefixkv.llm import build_engine
 from tests.server.live_server import running_server
 
 
@@ -17,7 +17,7 @@ def _args(base: str, *extra: str) -> argparse.Namespace:
 
 
 def test_bench_serve_workloads(tmp_path):
-    engine = Engine(EngineConfig())
+    engine = build_engine(EngineConfig())
     with running_server(engine, api_key="k") as (base, _, _):
         res = run(_args(base, "--num-requests", "5"))
         assert res["num_ok"] == 5 and res["num_errors"] == 0

@@ -1,13 +1,12 @@
 import pytest
 
 from prefixkv.bench.thrash import pool_pages
-from prefixkv.sim.simulator import SimRequest, make_policy, simulate
 from prefixkv.config import EngineConfig
 from prefixkv.engine.cache_aware_policies import BoundedLPMPolicy, DFSWeightPolicy, LPMPolicy, create
-from prefixkv.engine.policies import create_policy
+from prefixkv.engine.policy_factory import create_policy
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
-
+from prefixkv.sim.simulator import SimRequest, make_policy, simulate
 from tests.kvcache.helpers import make_request, run_to_completion
 
 P = list(range(1000, 1064))  # 64 tokens: 4 pages of 16

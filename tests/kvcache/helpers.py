@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import itertools
 
-from prefixkv.engine.request import Request
+from prefixkv.engine.scheduler import admit_request
+from prefixkv.request import Request
 from prefixkv.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -14,10 +15,10 @@ def make_request(tokens, **kw) -> Request:
 
 
 def admit(kv, req, budget=10**9) -> bool:
-    """What the scheduler does at admission: look up the hit, allocate the rest (one chunk)."""
+    """What the scheduler does at admission: look up the hit, take it and allocate the rest (one chunk)."""
     cached = kv.lookup(req)
     n = min(req.num_tokens - cached, budget)
-    return kv.allocate(req, n, cached)
+    return admit_request(kv, req, n, cached)
 
 
 def compute(kv, req, n=None) -> None:

@@ -2,15 +2,16 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prefixkv.engine.request import MultiModalHash
+from prefixkv.engine.scheduler import admit_request
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.hashing import hash_prompt_blocks
 from prefixkv.kvcache.no_cache import NoPrefixCache
-
+from prefixkv.request import MultiModalHash
 from tests.kvcache.helpers import admit, compute, make_request, run_to_completion
 
 
@@ -201,7 +202,7 @@ class HashCacheMachine(RuleBasedStateMachine):
         req = make_request(list(prefix) + tail, cache_salt=salt)
         cached = self.kv.lookup(req)
         assert cached % 4 == 0 and cached < req.num_tokens
-        if self.kv.allocate(req, min(req.num_tokens - cached, budget), cached):
+        if admit_request(self.kv, req, min(req.num_tokens - cached, budget), cached):
             self.running.append(req)
         else:
             assert self.kv.page_table(req) == []
@@ -233,7 +234,7 @@ class HashCacheMachine(RuleBasedStateMachine):
         if preempt:  # back to waiting with nothing computed; a re-admission must see its own blocks cached
             req.num_computed_tokens = 0
             cached = self.kv.lookup(req)
-            if self.kv.allocate(req, req.num_tokens - cached, cached):
+            if admit_request(self.kv, req, req.num_tokens - cached, cached):
                 self.running.append(req)
 
     @rule()

@@ -1,11 +1,12 @@
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from prefixkv.engine.request import MultiModalHash
-from prefixkv.kvcache.manager import create_kv_cache_manager
+from prefixkv.engine.scheduler import admit_request
+from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 from prefixkv.kvcache.radix_tree import RadixTree, common_prefix_len
-
+from prefixkv.request import MultiModalHash
 from tests.kvcache.helpers import admit, compute, make_request, run_to_completion
 
 
@@ -284,7 +285,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert cached % self.kv.page_size == 0 and cached < req.num_tokens
         n = min(chunk, req.num_tokens - cached)
         free_before = self.kv.num_free_pages()
-        if self.kv.allocate(req, n, cached):
+        if admit_request(self.kv, req, n, cached):
             assert req.num_computed_tokens == cached
             self.waiting.remove(req)
             self.running.append(req)

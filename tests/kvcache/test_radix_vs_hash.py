@@ -1,12 +1,13 @@
 """With no eviction pressure, a radix tree with 16-token pages and a hash chain with 16-token blocks are the same
 index: every request of any workload sees the same hit. Both managers get the same admissions, chunks, decodes,
 preemptions and frees, and must agree on every lookup and every admission's cached-token count."""
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from prefixkv.engine.scheduler import admit_request
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
-
 from tests.kvcache.helpers import make_request
 
 BASES = [list(range(100, 150)), list(range(100, 120)) + list(range(200, 230)), [7] * 40]
@@ -33,7 +34,7 @@ class SameHits(RuleBasedStateMachine):
         pair = self.waiting.pop(i % len(self.waiting))
         for kv, req in zip((self.hash, self.radix), pair):
             cached = kv.lookup(req)
-            assert kv.allocate(req, min(chunk, req.num_tokens - cached), cached)
+            assert admit_request(kv, req, min(chunk, req.num_tokens - cached), cached)
         assert pair[0].num_cached_tokens == pair[1].num_cached_tokens
         assert pair[0].num_computed_tokens == pair[1].num_computed_tokens
         self.running.append(pair)
@@ -108,7 +109,7 @@ def test_same_hits_on_a_seeded_chat_workload():
         pair = (make_request(tokens), make_request(tokens))
         for kv, req in zip(caches, pair):
             cached = kv.lookup(req)
-            assert kv.allocate(req, req.num_tokens - cached, cached)
+            assert admit_request(kv, req, req.num_tokens - cached, cached)
         assert pair[0].num_cached_tokens == pair[1].num_cached_tokens
         in_flight.append(pair)
         if rng.random() < 0.7:  # finish a random in-flight request: prefill, decode a few tokens, free

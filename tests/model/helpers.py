@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from prefixkv.engine.batch import BatchItem
+from prefixkv.batch import BatchItem
 from prefixkv.model.runner import ModelRunner
 from prefixkv.sampling_params import SamplingParams
 

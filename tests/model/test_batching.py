@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from prefixkv.engine.batch import BatchItem
+from prefixkv.batch import BatchItem
 from prefixkv.model.attention import StepPlanner
 from prefixkv.model.loader import load_model
 from prefixkv.model.options import KernelOptions

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from prefixkv.config import EngineConfig
-from prefixkv.engine.engine import Engine
+from prefixkv.llm import build_engine
 from prefixkv.sampling_params import SamplingParams
 from tests.server.live_server import cache_summary, running_server, wait_no_pages_held
 
@@ -30,7 +30,7 @@ LONG_PROMPT = ("A lighthouse keeper writes in her logbook every evening: the wea
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(EngineConfig())  # the default model, fp32, hash prefix cache: what `prefixkv serve` runs
+    return build_engine(EngineConfig())  # the default model, fp32, hash prefix cache: what `prefixkv serve` runs
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +226,7 @@ def test_cache_tree_endpoint_and_cli(server, llm_factory):
 
     from prefixkv.cli import main
 
-    radix = Engine(EngineConfig(prefix_cache="radix"))
+    radix = build_engine(EngineConfig(prefix_cache="radix"))
     with running_server(radix) as (base, _, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
         for q in ("one", "two"):

@@ -1,4 +1,5 @@
-"""What the engine hands the model runner each step. Plain data: the runner sees page tables, never the cache."""
+"""What the engine hands the model runner each step and gets back. Plain data below both: the runner sees page
+tables, never the cache, and the engine never sees a tensor."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 from prefixkv.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchItem:
     """One request's share of a forward pass."""
 
@@ -19,7 +20,7 @@ class BatchItem:
     num_output_tokens: int = 0  # tokens generated so far (seeded sampling draws stay reproducible)
 
 
-@dataclass
+@dataclass(slots=True)
 class Sample:
     """The token the runner picked for one BatchItem, with its logprob when asked."""
 

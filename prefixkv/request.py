@@ -1,4 +1,9 @@
-"""A request's life inside the engine: its tokens, how many have KV, and why it ended."""
+"""A request's life inside the engine: its tokens, how many have KV, and why it ended.
+
+A contract shared by the scheduler, the KV managers and the simulator, so it sits below all of them. The
+scheduler is the only writer of a request's progress (num_computed_tokens, num_cached_tokens, status); the KV
+managers read it and keep their own per-request state, typed, inside themselves.
+"""
 from __future__ import annotations
 
 import enum
@@ -30,7 +35,7 @@ class MultiModalHash:
     hash: str
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -52,8 +57,6 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     max_tokens: int = 0  # resolved by the engine against max_model_len
-    # per-cache scratch (e.g. memoised block hashes); owned by the KV manager
-    cache_state: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -74,10 +77,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished
 
     @property
     def extra_keys(self) -> tuple:

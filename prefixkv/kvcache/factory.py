@@ -1,0 +1,18 @@
+"""Builds the KV manager an EngineConfig names: the one module that knows every kind, so manager.py (the
+interface) imports none of them."""
+from __future__ import annotations
+
+from prefixkv.kvcache.hash_cache import HashPrefixCache
+from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.kvcache.no_cache import NoPrefixCache
+from prefixkv.kvcache.radix_cache import RadixPrefixCache
+
+
+def create_kv_cache_manager(kind: str, num_pages: int, page_size: int, hash_algo: str = "sha256") -> KVCacheManager:
+    if kind == "off":
+        return NoPrefixCache(num_pages, page_size)
+    if kind == "hash":
+        return HashPrefixCache(num_pages, page_size, hash_algo=hash_algo)
+    if kind == "radix":
+        return RadixPrefixCache(num_pages, page_size)
+    raise ValueError(f"prefix_cache must be one of 'hash', 'radix', 'off', got {kind!r}")
