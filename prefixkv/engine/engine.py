@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.batch import BatchItem, Sample
@@ -20,6 +21,9 @@ from prefixkv.engine.scheduler import Scheduler
 from prefixkv.kvcache.manager import create_kv_cache_manager
 from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from prefixkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine loads the model package only in __init__
+    from prefixkv.model.loader import LoadedModel
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -48,7 +52,9 @@ class _Parent:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
+        """loaded: an already loaded model (a LoadedModel of config's dtype and device) to run instead of reading
+        config.model again; the runner binds this engine's KV pool to its module, so give each live engine its own."""
         from prefixkv.model.loader import load_model  # the only place the engine reaches the model package
         from prefixkv.model.runner import ModelRunner
 
@@ -57,7 +63,8 @@ class Engine:
             import torch
 
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        if loaded is None:
+            loaded = load_model(config.model, dtype=config.dtype, device=config.device)
         self.model_config = loaded.config
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer

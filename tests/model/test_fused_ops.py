@@ -53,13 +53,11 @@ def test_rotary(rows):
     assert_nearly_identical(kernels.rotary(qk, cos, sin), apply_rotary(qk, cos, sin))
 
 
-def test_smollm2_bf16_same_tokens_with_and_without_kernels(smol_prompts):
-    from prefixkv.model.loader import load_model
+def test_smollm2_bf16_same_tokens_with_and_without_kernels(smol_bf16, smol_prompts):
     from prefixkv.model.runner import ModelRunner
     from tests.model.helpers import greedy_generate
 
-    loaded = load_model(None, dtype="bfloat16")
-    runner = ModelRunner(loaded, num_pages=64, page_size=16)
+    runner = ModelRunner(smol_bf16, num_pages=64, page_size=16)
     assert runner.model.layers[0].mlp.fused is kernels
     prompt = smol_prompts[0]
     with_kernels = greedy_generate(runner, prompt, 12)
