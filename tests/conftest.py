@@ -120,9 +120,10 @@ def pytest_terminal_summary(terminalreporter):
     gib = 1 << 20  # ru_maxrss is in KiB on Linux
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / gib
     child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / gib
-    minutes = (time.monotonic() - _SESSION_START) / 60
-    line = (f"test process: {minutes:.1f} min wall (target < 8 on 2 idle cores), peak RSS {own:.2f} GiB "
-            f"(target < 5); largest child process {child:.2f} GiB")
+    seconds = time.monotonic() - _SESSION_START
+    line = (f"test process: {seconds / 60:.1f} min wall ({seconds:.0f} s; target < 8 min on 2 idle cores), "
+            f"peak RSS {own:.2f} GiB (target < 5); largest child process {child:.2f} GiB (a fork counts its "
+            "parent's pages)")
     terminalreporter.write_line(line)
     path = os.environ.get("PREFIXKV_TEST_SUMMARY")
     if path:
