@@ -11,6 +11,7 @@ the file named by $PREFIXKV_TEST_SUMMARY, which .ci/run shows last).
 """
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import time
@@ -106,13 +107,22 @@ def llm_factory(new_llm):
         if key in cache:
             cache.move_to_end(key)
         else:
-            cache[key] = new_llm(**options)
-            while len(cache) > MAX_CACHED_ENGINES:
+            if len(cache) >= MAX_CACHED_ENGINES:  # drop the least recently used first, so two pools never overlap
                 cache.popitem(last=False)
+                gc.collect()  # free its pool now (see _free_dropped_engines)
+            cache[key] = new_llm(**options)
         return cache[key]
 
     yield make
     cache.clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_dropped_engines():
+    """Collect after each module: an engine is a web of objects with cycles, so the pool of one a module dropped
+    would otherwise wait for a collection triggered by object counts, not by the hundreds of MB it holds."""
+    yield
+    gc.collect()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -30,10 +30,12 @@ def smol(loaded_model):
     return loaded_model("float32")
 
 
-@pytest.fixture(scope="session")
-def smol_bf16(loaded_model):
-    """Our bf16 load of the default model."""
-    return loaded_model("bfloat16")
+@pytest.fixture(scope="package")
+def smol_bf16():
+    """Our bf16 load of the default model: only these tests run it, so it is dropped after them."""
+    from prefixkv.model.loader import load_model
+
+    return load_model(None, dtype="bfloat16")
 
 
 @pytest.fixture(scope="session")
