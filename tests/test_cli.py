@@ -27,7 +27,7 @@ def test_generate_names_paris():
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run([sys.executable, "-m", "prefixkv", "generate", "What is the capital of France?",
                            "--max-tokens", "24", "--kv-cache-tokens", "8192"],
-                          capture_output=True, text=True, timeout=900, env=env)
+                          check=False, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
 
