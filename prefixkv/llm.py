@@ -3,6 +3,7 @@ root: build_engine loads the model, builds its runner and hands both to the (mod
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.engine import Engine
@@ -11,6 +12,9 @@ from prefixkv.model.loader import LoadedModel
 from prefixkv.model.runner import ModelRunner
 from prefixkv.outputs import RequestOutput
 from prefixkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the model package (and torch) load only when an engine is built
+    from prefixkv.model.loader import LoadedModel
 
 
 def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Engine:

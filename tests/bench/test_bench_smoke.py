@@ -1,58 +1,33 @@
 """Smoke tests of the benchmarks at tiny sizes: they run, write the JSON the registry promises, and report sane,
 internally consistent numbers (cache hits where there must be hits, none where there must be none).
 
-No speed assertions: timings on a shared CI machine mean nothing. Engines are loaded once per cache kind for the
-whole module and handed to each benchmark through its llm_factory argument.
+No speed assertions: timings on a shared CI machine mean nothing. Each benchmark gets the session's shared
+engines through its llm_factory argument; the reference figures it prints come from common.REFERENCE, which
+agrees with README.
 """
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
-import functools
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
-import torch
 
 from prefixkv.bench import common, multi_turn, system_prompt, throughput, workloads, zero_hit
 
-KV_TOKENS = 4096  # small pool: quick to allocate, still far more than these workloads need
 BUDGET = 64  # tokens per step: small, so requests sent together still run in several steps and can share pages
 
 
 @pytest.fixture(scope="module")
-def factory():
-    """Memoised LLMs keyed by their options; the checkpoint itself is read once for the whole module.
-
-    Every engine gets its own copy of the model module (the runner binds its KV pool to it) that shares the
-    read-only weight tensors with the others, so a third engine costs a KV pool, not another GGUF load.
-    """
-    from prefixkv.llm import LLM
-    from prefixkv.model import loader
-
-    real_load = functools.cache(loader.load_model)
-
-    def load_shared(model=None, dtype="float32", device="cpu"):
-        base = real_load(model, dtype, device)
-        shared = {id(t): t for t in base.model.parameters()}
-        return dataclasses.replace(base, model=copy.deepcopy(base.model, shared))
-
-    engines = {}
+def factory(llm_factory):
+    """The benchmarks' llm_factory: the session's shared small-pool engines (tests/conftest.py), with BUDGET."""
 
     def make(prefix_cache="hash", **overrides):
-        key = (prefix_cache, tuple(sorted(overrides.items())))
-        if key not in engines:
-            options = {"kv_cache_tokens": KV_TOKENS, "max_num_batched_tokens": BUDGET, "num_threads": 1} | overrides
-            engines[key] = LLM(prefix_cache=prefix_cache, **options)
-        return engines[key]
+        return llm_factory(prefix_cache=prefix_cache, **({"max_num_batched_tokens": BUDGET} | overrides))
 
-    threads = torch.get_num_threads()  # engines set it process-wide; later test modules must not inherit 1
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loader, "load_model", load_shared)
-        yield make
-    torch.set_num_threads(threads)
+    return make
 
 
 def parse(module, argv: list[str]) -> argparse.Namespace:
@@ -101,7 +76,7 @@ def test_shared_prefix(factory):
     assert res["modes"]["hash"]["cached_tokens"] == 3 * 64  # every request hits the whole (block-aligned) prefix
     assert res["modes"]["hash"]["output_tokens"] == 3 * 2
     assert finite_positive(res["ratio_output_tok_s_on_over_off"])
-    assert res["reference"]["output_tok_s_on"] == 426.0
+    assert res["reference"]["output_tok_s_on"] == common.REFERENCE["shared_prefix_output_tok_s_on"]
 
 
 def test_system_prompt(factory):
@@ -196,3 +171,11 @@ def test_workload_helpers():
     assert workloads.percentile([1, 2, 3, 4], 50) == 2.5 and workloads.percentile([5], 99) == 5
     assert workloads.summarize([1.0, 3.0])["median"] == 2.0
     assert math.isnan(workloads.ratio(1.0, 0.0))
+
+
+def test_reference_figures_agree_with_readme():
+    """The vLLM reference figures live in one place, common.REFERENCE; every one README quotes is one of them."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    quoted = [float(x) for m in re.finditer(r"reference: ([\d.]+)(?: / ([\d.]+))?", readme) for x in m.groups() if x]
+    assert quoted, "README quotes no reference figure"
+    assert set(quoted) <= set(common.REFERENCE.values()), quoted

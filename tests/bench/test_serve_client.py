@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 
 from prefixkv.bench.serve_client import _dist, add_arguments, plot, run
-from prefixkv.config import EngineConfig
-from prefixkv.llm import build_engine
 from tests.server.live_server import running_server
 
 
@@ -16,8 +14,8 @@ def _args(base: str, *extra: str) -> argparse.Namespace:
                          "--output-tokens", "4", "--concurrency", "3", "--ignore-eos", *extra])
 
 
-def test_bench_serve_workloads(tmp_path):
-    engine = build_engine(EngineConfig())
+def test_bench_serve_workloads(tmp_path, new_engine):
+    engine = new_engine()
     with running_server(engine, api_key="k") as (base, _, _):
         res = run(_args(base, "--num-requests", "5"))
         assert res["num_ok"] == 5 and res["num_errors"] == 0

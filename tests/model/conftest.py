@@ -1,6 +1,7 @@
 """Model-test fixtures: the default SmolLM2 (ours and Hugging Face's reference load) and tiny random checkpoints.
 
-Everything expensive is session-scoped: HF's own GGUF load takes ~25 s and is done once.
+Everything expensive is loaded once: our loads are the session's shared ones (tests/conftest.py), HF's own GGUF
+load (~25 s) once per module that needs it.
 """
 from __future__ import annotations
 
@@ -24,11 +25,17 @@ RAW_PROMPTS = [
 
 
 @pytest.fixture(scope="session")
-def smol():
-    """Our fp32 load of the default model."""
+def smol(loaded_model):
+    """Our fp32 load of the default model (the one the engines in other test directories share)."""
+    return loaded_model("float32")
+
+
+@pytest.fixture(scope="package")
+def smol_bf16():
+    """Our bf16 load of the default model: only these tests run it, so it is dropped after them."""
     from prefixkv.model.loader import load_model
 
-    return load_model(None)
+    return load_model(None, dtype="bfloat16")
 
 
 @pytest.fixture(scope="session")
@@ -37,9 +44,10 @@ def smol_prompts(smol) -> list[list[int]]:
     return [tok.encode(tok.apply_chat_template(CHAT_PROMPT))] + [tok.encode(p) for p in RAW_PROMPTS]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_smol():
-    """transformers' own GGUF load of the same file (independent dequantisation and q/k un-permutation)."""
+    """transformers' own GGUF load of the same file (independent dequantisation and q/k un-permutation); dropped
+    after the module that uses it, so its half GB is not held for the rest of the run."""
     from transformers import AutoModelForCausalLM
 
     from prefixkv.model.loader import default_model_path

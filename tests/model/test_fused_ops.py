@@ -53,18 +53,16 @@ def test_rotary(rows):
     assert_nearly_identical(kernels.rotary(qk, cos, sin), apply_rotary(qk, cos, sin))
 
 
-def test_smollm2_bf16_same_tokens_with_and_without_kernels(smol_prompts):
+def test_smollm2_bf16_same_tokens_with_and_without_kernels(smol_bf16, smol_prompts):
     from dataclasses import replace
 
-    from prefixkv.model.loader import load_model
     from prefixkv.model.runner import ModelRunner
     from tests.model.helpers import greedy_generate
 
-    loaded = load_model(None, dtype="bfloat16")
-    runner = ModelRunner(loaded, num_pages=64, page_size=16)
+    runner = ModelRunner(smol_bf16, num_pages=64, page_size=16)
     assert runner.options.fused_ops and runner.model.layers[0].mlp.fused is kernels
     prompt = smol_prompts[0]
     with_kernels = greedy_generate(runner, prompt, 12)
-    runner = ModelRunner(loaded, num_pages=64, page_size=16, options=replace(runner.options, fused_ops=False))
+    runner = ModelRunner(smol_bf16, num_pages=64, page_size=16, options=replace(runner.options, fused_ops=False))
     assert runner.model.layers[0].mlp.fused is None
     assert greedy_generate(runner, prompt, 12) == with_kernels

@@ -45,11 +45,8 @@ def test_chat_answer_page_size_one(smol, smol_prompts, hf_smol):
     assert "Paris" in smol.tokenizer.decode(ours)
 
 
-def test_bf16_is_sane(smol_prompts):
-    from prefixkv.model.loader import load_model
-
-    loaded = load_model(None, dtype="bfloat16")
-    runner = ModelRunner(loaded, num_pages=16, page_size=16)
+def test_bf16_is_sane(smol_bf16, smol_prompts):
+    runner = ModelRunner(smol_bf16, num_pages=16, page_size=16)
     assert runner.kv_cache.dtype == torch.bfloat16
     ours = greedy_generate(runner, smol_prompts[0], 8)
-    assert "Paris" in loaded.tokenizer.decode(ours)
+    assert "Paris" in smol_bf16.tokenizer.decode(ours)

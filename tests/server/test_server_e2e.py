@@ -1,7 +1,8 @@
-"""The server as a real subprocess on the default model (fp32), driven by the official openai client.
+"""The server end to end on the default model (fp32), driven by the official openai client over real HTTP.
 
-One server for the whole module (loading the model costs seconds); each test leaves it idle with no page held
-by a request, and checks that itself where it matters.
+One server for the whole module, in this process (uvicorn on a free port, the engine on the session's shared
+weights); each test leaves it idle with no page held by a request, and checks that itself where it matters. The
+last test starts the real `python -m prefixkv.server` process once.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import openai
 import pytest
 
 from prefixkv.sampling_params import SamplingParams
-from tests.server.live_server import cache_summary, wait_no_pages_held
+from tests.server.live_server import cache_summary, running_server, wait_no_pages_held
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -36,36 +37,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = open(log_path, "wb")  # a file, not a pipe: a full pipe would block the server
-    proc = subprocess.Popen([sys.executable, "-m", "prefixkv.server", "--port", str(port), "--api-key", KEY,
-                             "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become healthy")
-            time.sleep(0.3)
+def server(new_engine):
+    """What `python -m prefixkv.server --api-key KEY` serves (default options), run in this process on the shared
+    weights; test_the_server_command_serves_greedy_text starts the real command once."""
+    with running_server(new_engine(), api_key=KEY) as (base, _, _):
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +216,41 @@ def test_bench_client_against_server(server):
                             "--system-prompt-tokens", "64", "--output-tokens", "4", "--ignore-eos"]))
     assert res["num_ok"] == 4 and res["output_tokens"] == 16
     assert res["cached_tokens"] > 0 and res["ttft_ms"]["p99"] > 0
+
+
+def test_the_server_command_serves_greedy_text(tmp_path, llm_factory):
+    """`python -m prefixkv.server` as a user starts it: it comes up, enforces its key and serves the same greedy
+    text as the in-process LLM. The deadlines only guard against a hang: start-up takes seconds."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
+        proc = subprocess.Popen([sys.executable, "-m", "prefixkv.server", "--port", str(port), "--api-key", KEY,
+                                 "--log-level", "warning", "--kv-cache-tokens", "8192"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 900
+            while True:
+                assert proc.poll() is None, f"server exited: {log_path.read_text()[-3000:]}"
+                try:
+                    if httpx.get(base + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "the server did not become healthy"
+                time.sleep(0.3)
+            assert httpx.get(base + "/v1/models").status_code == 401
+            client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=600)
+            model = client.models.list().data[0].id
+            got = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+            want = llm_factory(prefix_cache="off").generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8),
+                                                            use_tqdm=False)[0].outputs[0]
+            assert got.choices[0].text == want.text
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -16,8 +16,6 @@ import httpx
 import openai
 import pytest
 
-from prefixkv.config import EngineConfig
-from prefixkv.llm import build_engine
 from prefixkv.sampling_params import SamplingParams
 from tests.server.live_server import cache_summary, running_server, wait_no_pages_held
 
@@ -29,8 +27,8 @@ LONG_PROMPT = ("A lighthouse keeper writes in her logbook every evening: the wea
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return build_engine(EngineConfig())  # the default model, fp32, hash prefix cache: what `prefixkv serve` runs
+def engine(new_engine):
+    return new_engine()  # the default model, fp32, hash prefix cache: what `prefixkv serve` runs (smaller pool)
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +214,7 @@ def test_engine_step_failure_fails_requests_not_server(server, engine, reference
     _wait_no_pages_held(server)
 
 
-def test_cache_tree_endpoint_and_cli(server, llm_factory):
+def test_cache_tree_endpoint_and_cli(server, new_engine):
     """The hash cache has no tree (a 400 naming the fix); a radix server renders its tree for the CLI."""
     r = httpx.get(server + "/cache/tree", headers=AUTH)
     assert r.status_code == 400 and "radix" in r.json()["error"]["message"]
@@ -226,7 +224,7 @@ def test_cache_tree_endpoint_and_cli(server, llm_factory):
 
     from prefixkv.cli import main
 
-    radix = build_engine(EngineConfig(prefix_cache="radix"))
+    radix = new_engine(prefix_cache="radix")
     with running_server(radix) as (base, _, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
         for q in ("one", "two"):
