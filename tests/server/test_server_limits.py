@@ -18,8 +18,6 @@ import httpx
 import openai
 import pytest
 
-from prefixkv.config import EngineConfig
-from prefixkv.engine.engine import Engine
 from prefixkv.outputs import CompletionOutput, RequestOutput
 from prefixkv.server.async_engine import RequestGroup
 from prefixkv.server.limits import ServerLimits
@@ -30,8 +28,8 @@ HANG_GUARD = 60.0
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return Engine(EngineConfig(kv_cache_tokens=4096))
+def engine(new_engine):
+    return new_engine(kv_cache_tokens=4096)
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import httpx
 import openai
 import pytest
 
-from prefixkv.config import EngineConfig
 from prefixkv.engine.engine import Engine
 from prefixkv.server.auth import KeyFileError, read_key_file
 from tests.server.live_server import running_server, wait_no_pages_held
@@ -42,13 +41,13 @@ def key_file(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def engines():
+def engines(new_engine):
     """engines(kind) -> an idle engine with an empty prefix cache (built once per kind, small pool)."""
     built: dict[str, Engine] = {}
 
     def get(kind: str) -> Engine:
         if kind not in built:
-            built[kind] = Engine(EngineConfig(prefix_cache=kind, kv_cache_tokens=4096))
+            built[kind] = new_engine(prefix_cache=kind, kv_cache_tokens=4096)
         assert built[kind].reset_prefix_cache() is True
         return built[kind]
 
