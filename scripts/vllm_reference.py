@@ -59,7 +59,7 @@ def run(model_dir: str, mode: str = "on") -> None:
         system = tokens(2048)
         llm.generate([{"prompt_token_ids": tokens(64)}], one, use_tqdm=False)  # warm-up
 
-        def ttft(prompt):
+        def ttft(prompt, llm=llm, one=one):
             t = time.perf_counter()
             llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
             return time.perf_counter() - t

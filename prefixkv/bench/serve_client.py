@@ -131,7 +131,8 @@ async def _multi_turn_workload(client, s: Settings, args) -> list[RequestResult]
             messages = [{"role": "system", "content": f"Conversation {c}. You are a helpful assistant."}]
             results = []
             for turn in range(1, args.turns + 1):
-                messages.append({"role": "user", "content": filler_text(args.turn_tokens, seed=args.seed + 1000 * c + turn)})
+                text = filler_text(args.turn_tokens, seed=args.seed + 1000 * c + turn)
+                messages.append({"role": "user", "content": text})
                 res = await stream_chat(client, s, messages, turn=turn)
                 results.append(res)
                 if not res.ok:

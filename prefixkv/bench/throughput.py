@@ -201,8 +201,9 @@ def run_shared_prefix(args: argparse.Namespace, llm_factory: common.LLMFactory |
                        title=f"shared prefix: {args.num_prompts} requests x ({args.prefix_len} shared + "
                              f"{args.suffix_len} unique) in, {args.output_len} out, {cfg['prefix_state']} prefix, "
                              f"{cfg['dtype']}, {cfg['num_threads']} threads")
+    ref = common.REFERENCE
     print(f"caching on/off output tok/s: {speedup:.2f}x (reference vLLM CPU: "
-          f"{common.REFERENCE['shared_prefix_output_tok_s_on'] / common.REFERENCE['shared_prefix_output_tok_s_off']:.2f}x)"
+          f"{ref['shared_prefix_output_tok_s_on'] / ref['shared_prefix_output_tok_s_off']:.2f}x)"
           f"; greedy outputs identical on/off: {same}")
     return results
 

@@ -46,6 +46,9 @@ class EngineTokenizer(Protocol):
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    allow_special_tokens_in_content: bool = False) -> list[int]: ...
+
 
 class ModelShape(Protocol):
     """The two facts about the model the engine checks requests against."""

@@ -130,6 +130,6 @@ class KVCacheManager(ABC):
         """The top of the cache's tree as text; ValueError for caches that are not a tree."""
         raise ValueError(f"the {self.name!r} prefix cache has no tree to render; use prefix_cache='radix'")
 
-    def check_invariants(self) -> None:
+    def check_invariants(self) -> None:  # noqa: B027 - optional: a manager with no accounting has nothing to check
         """Raise AssertionError when the accounting is broken (tests call this after every operation)."""
 

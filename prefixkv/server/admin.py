@@ -35,7 +35,7 @@ _STARTED = int(time.time())
 
 
 def stats_dict(stats: Any) -> dict:
-    if is_dataclass(stats):
+    if is_dataclass(stats) and not isinstance(stats, type):
         return asdict(stats)
     return {k: v for k, v in vars(stats).items() if not k.startswith("_")}
 

@@ -54,8 +54,8 @@ def install_openapi(app: FastAPI, state: Any) -> None:
     """Replace app.openapi with one that builds the schema once and declares what this server answers."""
     from prefixkv.server.admin import admin_only, public
 
-    public_paths = {route.path for route in public.routes}
-    admin_paths = {route.path for route in admin_only.routes}
+    public_paths = {getattr(route, "path", "") for route in public.routes}
+    admin_paths = {getattr(route, "path", "") for route in admin_only.routes}
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -48,7 +48,7 @@ def make_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_leve
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level,
         http=functools.partial(GuardedH11Protocol, limits=limits),  # type: ignore[arg-type]
-        timeout_keep_alive=limits.timeout_keep_alive,  # type: ignore[arg-type]  (uvicorn takes floats too)
+        timeout_keep_alive=limits.timeout_keep_alive,  # type: ignore[arg-type]  # uvicorn takes floats too
         timeout_graceful_shutdown=limits.shutdown_timeout + _BACKSTOP_SECONDS,  # type: ignore[arg-type]
         ws="none", lifespan="on")
     return DrainingServer(config, on_shutdown=lambda: app.state.server.begin_shutdown(limits.shutdown_timeout))

@@ -85,7 +85,7 @@ def simulate(kv: KVCacheManager, policy: SchedulingPolicy, workload: list[SimReq
             i += 1
         step = sched.step_count
         out = sched.schedule()
-        for req, n in out.scheduled:
+        for req, _ in out.scheduled:
             if req.request_id not in res.wait_steps:
                 res.wait_steps[req.request_id] = step - req.arrival_step
                 res.wait_s[req.request_id] = res.sim_seconds - arrived_at[req.request_id]

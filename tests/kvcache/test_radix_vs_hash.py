@@ -100,7 +100,7 @@ def test_same_hits_on_a_seeded_chat_workload():
     convs: list[list[int]] = []
     caches = (HashPrefixCache(8192, 16), RadixPrefixCache(8192, 16))
     in_flight: list[tuple] = []
-    for step in range(300):
+    for _ in range(300):
         if convs and rng.random() < 0.5:
             base = rng.choice(convs)
         else:

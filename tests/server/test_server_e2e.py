@@ -153,7 +153,7 @@ def test_64_concurrent_streams(server, client, model):
 
     after = httpx.get(server + "/metrics", headers=AUTH).text
     assert done_count(after) - done_count(before) >= 64
-    assert 'prefixkv:kv_pages_used{model_name="%s"} 0.0' % model in after
+    assert f'prefixkv:kv_pages_used{{model_name="{model}"}} 0.0' in after
     assert "prefixkv:time_to_first_token_seconds_count" in after
     assert "prefixkv:prefix_cache_hits_total" in after
 
