@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Temperatures below this are greedy (vLLM's threshold): dividing logits by a denormal or a 1e-39 overflows
 # them to inf and the softmax to NaN, and the limit of sampling as temperature -> 0 is the argmax anyway.
@@ -41,8 +41,6 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # filled by the engine, not the user
-    _extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
