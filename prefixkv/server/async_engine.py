@@ -42,7 +42,6 @@ class FinishedRequest:
     """What the metrics need of a finished engine request. Its last output cannot tell: a delta holds only
     the last step's tokens, and only the completions that changed in it."""
 
-    request_id: str
     metrics: RequestMetrics | None
     finish_reasons: list[str]  # one per completion, in completion order
     num_generated_tokens: int  # of its longest completion
@@ -66,8 +65,7 @@ class _Sink:
                 self.finish_reasons[c.index] = c.finish_reason
 
     def finished(self, output: RequestOutput) -> FinishedRequest:
-        return FinishedRequest(output.request_id, output.metrics,
-                               [self.finish_reasons[i] for i in sorted(self.finish_reasons)],
+        return FinishedRequest(output.metrics, [self.finish_reasons[i] for i in sorted(self.finish_reasons)],
                                max(self.num_generated.values(), default=0))
 
 
