@@ -2,8 +2,9 @@
 
 Decoding the whole output every step costs O(n) per token; instead only a short window is decoded: the text of
 ids[prefix:] minus the text of ids[prefix:read] is what the newest tokens add. A window that ends inside a
-multi-byte character decodes to U+FFFD; that text is held back until the character completes, so the text only
-ever grows (streaming clients send text[len(previous):]).
+multi-byte character decodes to U+FFFD; that text is held back until the character completes. The text only grows,
+except that a stop string is cut off once it is complete: its first characters may already be in the text
+(see holdback).
 """
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = 0
         self.text = ""
+
+    @property
+    def holdback(self) -> int:
+        """Characters at the end of the text that a stop string completed by later tokens could still remove
+        (its first len - 1 characters); a delta output sends them only once they are safe."""
+        return max(0, self._max_stop - 1)
 
     def add(self, token_id: int) -> str | None:
         """Append one token; return the stop string that now ends the text, if any."""

@@ -298,12 +298,13 @@ class Engine:
             if len(tokens) == seq.sent_tokens and not finished_now:
                 continue  # nothing new for this sibling
             text = seq.detok.text
+            shown = len(text) if seq.finish_reason is not None else max(seq.sent_text, len(text) - seq.detok.holdback)
             completions.append(CompletionOutput(
-                index=seq.index, text=text[seq.sent_text:], token_ids=tokens[seq.sent_tokens:],
+                index=seq.index, text=text[seq.sent_text:shown], token_ids=tokens[seq.sent_tokens:],
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 logprobs=None if seq.logprobs is None else seq.logprobs[seq.sent_tokens:],
                 cumulative_logprob=None if seq.logprobs is None else seq.cumulative_logprob))
-            seq.sent_tokens, seq.sent_text = len(tokens), max(seq.sent_text, len(text))
+            seq.sent_tokens, seq.sent_text = len(tokens), shown
             seq.sent_finished = seq.finish_reason is not None
         reqs = [s.request for s in parent.sequences]
         first = reqs[0]

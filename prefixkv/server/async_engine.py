@@ -7,6 +7,10 @@ arrive during a step are all admitted before the next one, so many connections s
 
 Outputs go back to the event loop with call_soon_threadsafe, one call per step per event loop. The engine
 thread never tokenizes a request's text: handlers submit token ids (state.py tokenizes in a worker thread).
+
+The engine never builds cumulative outputs for the server (each would copy all text and logprobs so far, every
+step: O(n^2) in the output length). A stream asks for `delta` outputs (only what each step added), a plain
+request for `final_only` (one whole output at the end); both add up the same way (see _coalesce, _Sink.count).
 """
 from __future__ import annotations
 
@@ -18,10 +22,10 @@ import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from prefixkv.outputs import RequestOutput
+from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from prefixkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,12 +38,35 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
+class FinishedRequest:
+    """What the metrics need of a finished engine request. Its last output cannot tell: a delta holds only
+    the last step's tokens, and only the completions that changed in it."""
+
+    metrics: RequestMetrics | None
+    finish_reasons: list[str]  # one per completion, in completion order
+    num_generated_tokens: int  # of its longest completion
+
+
+@dataclass
 class _Sink:
-    """Where the outputs of one engine request go: the RequestGroup of the HTTP request that owns it."""
+    """Where the outputs of one engine request go (the RequestGroup of the HTTP request that owns it), and
+    what they added up to so far, for FinishedRequest."""
 
     loop: asyncio.AbstractEventLoop
     group: RequestGroup
     index: int  # position of this engine request inside its HTTP request (prompt number)
+    num_generated: dict[int, int] = field(default_factory=dict)  # tokens per completion index
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+    def count(self, output: RequestOutput) -> None:
+        for c in output.outputs:
+            self.num_generated[c.index] = self.num_generated.get(c.index, 0) + len(c.token_ids)
+            if c.finish_reason is not None:
+                self.finish_reasons[c.index] = c.finish_reason
+
+    def finished(self, output: RequestOutput) -> FinishedRequest:
+        return FinishedRequest(output.metrics, [self.finish_reasons[i] for i in sorted(self.finish_reasons)],
+                               max(self.num_generated.values(), default=0))
 
 
 class StreamBacklogError(RuntimeError):
@@ -49,13 +76,15 @@ class StreamBacklogError(RuntimeError):
 class RequestGroup:
     """The engine requests of one HTTP request (one per prompt), read as one stream of (index, output).
 
-    Iterating yields cumulative RequestOutputs until every request is finished. close() aborts whatever has
-    not finished: handlers call it in `finally`, so a client that goes away frees its pages.
+    Iterating yields, per prompt, what the engine sent since the reader last took that prompt's output, until
+    every request is finished: the deltas of a stream, or the one whole output of a final_only request.
+    close() aborts whatever has not finished: handlers call it in `finally`, so a client that goes away frees
+    its pages.
 
-    Memory stays bounded whatever the reader does: outputs are cumulative, so the group keeps only the newest
-    unread output per prompt (a new one replaces the old, see _coalesce) instead of queueing one per step.
+    The group holds at most one unread output per prompt: deltas the reader has not taken yet are folded into
+    it (see _coalesce) rather than queued one per step, so what it holds is what the client has not been sent.
     A reader more than max_backlog outputs behind on any prompt (a client that stopped reading) gets its
-    requests aborted and `stopped` set, which sse.py uses to drop the connection.
+    requests aborted and `stopped` set, which sse.py uses to drop the connection; that bounds the memory.
     """
 
     def __init__(self, engine: AsyncEngine, request_ids: list[str], max_backlog: int | None = None) -> None:
@@ -127,21 +156,33 @@ class RequestGroup:
 
 
 def _coalesce(unread: RequestOutput | None, newer: RequestOutput) -> RequestOutput:
-    """Fold a new output into the unread one. The engine's outputs are cumulative (each holds all text and
-    logprobs so far), so the newer simply replaces it. When the engine sends per-step deltas instead, this is
-    the one place that must concatenate them."""
-    return newer
+    """Fold a newer delta output into the unread one. Per completion index, token ids, text and logprobs
+    concatenate; the rest (finish and stop reason, cumulative logprob, metrics, cached tokens) is the newer's.
+    With n > 1 a delta lists only the completions that changed. Builds new lists rather than extending the
+    engine's (so nothing handed over changes); that costs the unread size, which max_backlog bounds."""
+    if unread is None:
+        return newer
+    merged = {c.index: c for c in unread.outputs}
+    for c in newer.outputs:
+        old = merged.get(c.index)
+        if old is not None:
+            c = CompletionOutput(index=c.index, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
+                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                 logprobs=None if c.logprobs is None else (old.logprobs or []) + c.logprobs,
+                                 cumulative_logprob=c.cumulative_logprob)
+        merged[c.index] = c
+    return replace(newer, outputs=[merged[i] for i in sorted(merged)])
 
 
 class AsyncEngine:
     """Wraps a (not thread-safe) Engine for asyncio callers. Start with start(), end with shutdown()."""
 
-    def __init__(self, engine: Any, *, on_finished: Callable[[RequestOutput], None] | None = None,
+    def __init__(self, engine: Any, *, on_finished: Callable[[FinishedRequest], None] | None = None,
                  on_aborted: Callable[[int], None] | None = None, max_backlog: int | None = None) -> None:
         self.engine = engine
         self.max_backlog = max_backlog  # see RequestGroup
         self._groups: weakref.WeakSet[RequestGroup] = weakref.WeakSet()  # live groups, touched on the event loop
-        self.on_finished = on_finished  # called on the engine thread with each finished output (metrics)
+        self.on_finished = on_finished  # called on the engine thread as each engine request finishes (metrics)
         self.on_aborted = on_aborted  # called with the number of requests aborted before they finished
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # touched only on the engine thread
@@ -170,16 +211,18 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     async def submit(self, request_ids: list[str], prompts: list[str | list[int] | dict], params: SamplingParams,
-                     **kwargs: Any) -> RequestGroup:
-        """Add one engine request per prompt, atomically: if any is rejected (ValueError), none stays."""
+                     *, stream: bool, **kwargs: Any) -> RequestGroup:
+        """Add one engine request per prompt, atomically: if any is rejected (ValueError), none stays.
+        stream: the group yields each step's delta; else only each request's final output."""
         loop = asyncio.get_running_loop()
         group = RequestGroup(self, list(request_ids), self.max_backlog)
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
 
         def add(engine: Any) -> None:
             added: list[str] = []
             try:
                 for index, (rid, prompt) in enumerate(zip(request_ids, prompts)):
-                    engine.add_request(rid, prompt, params, **kwargs)
+                    engine.add_request(rid, prompt, params, output_kind=kind, **kwargs)
                     added.append(rid)
                     self._sinks[rid] = _Sink(loop, group, index)
             except BaseException:
@@ -252,11 +295,12 @@ class AsyncEngine:
             sink = self._sinks.get(output.request_id)
             if sink is None:  # aborted by us earlier: the engine reports it once more, nobody listens
                 continue
+            sink.count(output)
             if output.finished:
                 self._sinks.pop(output.request_id, None)
                 if self.on_finished is not None:
                     try:
-                        self.on_finished(output)
+                        self.on_finished(sink.finished(output))
                     except Exception:
                         logger.exception("on_finished hook failed")
             per_loop[sink.loop].append((sink.group, sink.index, output))

@@ -18,7 +18,7 @@ from prefixkv.server.logprobs import chat_logprobs
 from prefixkv.server.protocol import ChatCompletionRequest
 from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state, submit
-from prefixkv.server.usage import usage
+from prefixkv.server.usage import UsageTally, usage
 
 router = APIRouter()
 
@@ -50,15 +50,15 @@ def _response(state: ServerState, body: ChatCompletionRequest, final: RequestOut
 
 async def _stream(state: ServerState, body: ChatCompletionRequest, group, request_id: str, model: str,
                   created: int) -> AsyncIterator[str]:
-    finals: list[RequestOutput | None] = [None]
+    tally = UsageTally()
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     for index in range(body.n):  # OpenAI opens every choice with the role
         yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]})
-    async for d in choice_deltas(group, body.n, finals):
+    async for d in choice_deltas(group, body.n, tally):
         delta = {"content": d.text} if d.text else {}
         logprobs = chat_logprobs(state.tokenizer, d.logprobs) if body.logprobs else None
         yield sse({**base, "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
                                         "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]})
     if body.include_usage:
-        yield sse({**base, "choices": [], "usage": usage(finals)})
+        yield sse({**base, "choices": [], "usage": tally.usage()})

@@ -13,7 +13,7 @@ from prefixkv.server.logprobs import completion_logprobs
 from prefixkv.server.protocol import CompletionRequest
 from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state, submit
-from prefixkv.server.usage import usage
+from prefixkv.server.usage import UsageTally, usage
 
 router = APIRouter()
 
@@ -27,7 +27,7 @@ async def create_completion(body: CompletionRequest, raw: Request):
     request_id = f"cmpl-{uuid.uuid4().hex}"
     group = await submit(state, raw, request_id, prompts, params, body)
     created = int(time.time())
-    events = _stream(state, body, group, request_id, model, created, len(prompts)) if body.stream else None
+    events = _stream(state, body, group, request_id, model, created) if body.stream else None
     return await answer(raw, group, events, lambda finals: _response(state, body, finals, request_id, model, created))
 
 
@@ -46,11 +46,11 @@ def _response(state: ServerState, body: CompletionRequest, finals: list[RequestO
             "choices": choices, "usage": usage(finals)}
 
 
-async def _stream(state: ServerState, body: CompletionRequest, group, request_id: str, model: str, created: int,
-                  num_prompts: int) -> AsyncIterator[str]:
-    finals: list[RequestOutput | None] = [None] * num_prompts
+async def _stream(state: ServerState, body: CompletionRequest, group, request_id: str, model: str,
+                  created: int) -> AsyncIterator[str]:
+    tally = UsageTally()
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-    async for d in choice_deltas(group, body.n, finals):
+    async for d in choice_deltas(group, body.n, tally):
         logprobs = None
         if body.logprobs is not None:
             logprobs = completion_logprobs(state.tokenizer, d.logprobs, d.text_offset)
@@ -58,4 +58,4 @@ async def _stream(state: ServerState, body: CompletionRequest, group, request_id
                   "stop_reason": d.stop_reason}
         yield sse({**base, "choices": [choice]})
     if body.include_usage:
-        yield sse({**base, "choices": [], "usage": usage(finals)})
+        yield sse({**base, "choices": [], "usage": tally.usage()})

@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from prefixkv.outputs import RequestOutput
+from prefixkv.server.async_engine import FinishedRequest
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
@@ -91,18 +91,18 @@ class ServerMetrics:
         self._stats = _EngineStatsCollector(model_name)
         self.registry.register(self._stats)
 
-    def observe_finished(self, output: RequestOutput) -> None:
+    def observe_finished(self, finished: FinishedRequest) -> None:
         """Called once per finished engine request (all n completions of it)."""
-        for completion in output.outputs:
-            self.request_success.labels(self.model_name, completion.finish_reason or "unknown").inc()
-        m = output.metrics
+        for reason in finished.finish_reasons:
+            self.request_success.labels(self.model_name, reason or "unknown").inc()
+        m = finished.metrics
         if m is None:
             return
         if m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
         if m.finish_time is not None:
             self.e2e.observe(max(0.0, m.finish_time - m.arrival_time))
-            num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+            num_tokens = finished.num_generated_tokens
             if m.first_token_time is not None and num_tokens > 1:
                 self.tpot.observe(max(0.0, (m.finish_time - m.first_token_time) / (num_tokens - 1)))
 

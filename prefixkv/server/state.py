@@ -136,6 +136,7 @@ async def submit(state: ServerState, raw: Request, request_id: str, prompts: lis
     prompts = await state.tokenize(prompts)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     try:
-        return await state.engine.submit(ids, prompts, params, priority=body.priority, cache_salt=salt)
+        return await state.engine.submit(ids, prompts, params, stream=bool(body.stream), priority=body.priority,
+                                         cache_salt=salt)
     except ValueError as exc:
         raise from_value_error(exc) from None

@@ -1,20 +1,38 @@
 """The `usage` object, including how much of the prompt the prefix cache served.
 
 Prompt tokens and cached tokens count once per prompt (n completions share one prefill); completion tokens
-count every completion.
+count every completion. A stream counts them as its delta outputs pass (UsageTally), so it keeps numbers,
+not texts; a plain answer counts its final outputs the same way.
 """
 from __future__ import annotations
 
 from prefixkv.outputs import RequestOutput
 
 
-def usage(outputs: list[RequestOutput | None]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
-    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
-    cached = sum(max(0, o.num_cached_tokens or 0) for o in outputs if o is not None)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+class UsageTally:
+    def __init__(self) -> None:
+        self._prompts: dict[int, tuple[int, int]] = {}  # prompt index -> (prompt tokens, cached tokens)
+        self._completion_tokens = 0
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        """Count a delta (or final) output of prompt `prompt_index`; its newest cached-token count holds."""
+        self._prompts[prompt_index] = (len(output.prompt_token_ids), max(0, output.num_cached_tokens or 0))
+        self._completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def usage(self) -> dict:
+        prompt = sum(p for p, _ in self._prompts.values())
+        cached = sum(c for _, c in self._prompts.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self._completion_tokens,
+            "total_tokens": prompt + self._completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+def usage(finals: list[RequestOutput]) -> dict:
+    """`usage` of a plain (non-streamed) answer, from each prompt's final, whole output."""
+    tally = UsageTally()
+    for prompt_index, output in enumerate(finals):
+        tally.add(prompt_index, output)
+    return tally.usage()

@@ -75,3 +75,21 @@ def test_vllm_block_size_alias_runs(llm_factory):
     assert llm.config.page_size == 8 and llm.llm_engine.kv.page_size == 8
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_delta_outputs_never_send_what_a_stop_string_cuts(llm_factory):
+    """A stop string that begins in one token and is completed by a later one is cut from the final text; delta
+    outputs hold its first characters back until they are safe, so the deltas still add up to that text."""
+    engine = llm_factory(**SMALL).llm_engine
+    free = _run(engine, "free", "cumulative", SamplingParams(temperature=0, max_tokens=12))[-1].outputs[0]
+    pieces = [engine.tokenizer.decode([t]) for t in free.token_ids]
+    i = next(i for i in range(1, len(pieces) - 1) if pieces[i] and len(pieces[i + 1]) >= 2)
+    stop = pieces[i][-1:] + pieces[i + 1][:2]  # spans tokens i and i + 1
+    params = SamplingParams(temperature=0, max_tokens=12, stop=[stop], logprobs=0)
+    whole = _run(engine, "whole", "cumulative", params)[-1].outputs[0]
+    deltas = _run(engine, "parts", "delta", params)
+    assert whole.finish_reason == "stop" and len(whole.text) < len("".join(pieces[:i + 2]))
+    parts = [c for o in deltas for c in o.outputs]
+    assert "".join(c.text for c in parts) == whole.text
+    assert [t for c in parts for t in c.token_ids] == whole.token_ids
+    assert [lp for c in parts for lp in c.logprobs] == whole.logprobs

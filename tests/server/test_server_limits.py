@@ -303,12 +303,10 @@ def test_client_that_never_reads_is_dropped(engine, limits):
 
 
 def test_unread_outputs_are_coalesced():
-    """The group keeps only the newest unread output per prompt, and the reader still gets everything."""
+    """The group folds the unread delta outputs of a prompt into one, and the reader still gets everything."""
 
-    def output(rid: str, tokens: int, finished: bool = False) -> RequestOutput:
-        text = "x" * tokens
-        return RequestOutput(rid, "p", [1], [CompletionOutput(0, text, [7] * tokens,
-                                                              "length" if finished else None)], finished)
+    def output(rid: str, tokens: int, finished: bool = False) -> RequestOutput:  # the delta of step `tokens`
+        return RequestOutput(rid, "p", [1], [CompletionOutput(0, "x", [7], "length" if finished else None)], finished)
 
     async def scenario() -> list[tuple[int, RequestOutput]]:
         group = RequestGroup(engine=None, request_ids=["a", "b"], max_backlog=None)  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ One engine and one server for the module; every test leaves the engine idle with
 """
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -235,3 +236,130 @@ def test_cache_tree_endpoint_and_cli(server, new_engine):
         with contextlib.redirect_stdout(out):
             assert main(["cache-tree", "--url", base]) == 0
         assert "lighthouse keeper" in out.getvalue()
+
+
+# -- item 10: the engine sends the server deltas, never cumulative copies ------------------------------------------
+
+def _record_engine(engine, monkeypatch) -> tuple[dict[str, str], dict[str, list]]:
+    """Record, by engine request id, the output_kind each request was added with and every output it got."""
+    kinds: dict[str, str] = {}
+    outputs: dict[str, list] = {}
+    real_add, real_step = engine.add_request, engine.step
+
+    def add_request(request_id, prompt, sampling_params=None, **kwargs):
+        kinds[request_id] = getattr(kwargs.get("output_kind"), "value", kwargs.get("output_kind"))
+        return real_add(request_id, prompt, sampling_params, **kwargs)
+
+    def step():
+        got = real_step()
+        for o in got:
+            outputs.setdefault(o.request_id, []).append(o)
+        return got
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    monkeypatch.setattr(engine, "step", step)
+    return kinds, outputs
+
+
+def _stream_completion(base: str, body: dict) -> tuple[dict[int, dict], dict | None]:
+    """Stream a completion over raw HTTP: per choice its text, logprob tokens and values and finish reason, and
+    the usage event."""
+    choices: dict[int, dict] = {}
+    usage = None
+    with httpx.stream("POST", base + "/v1/completions", headers=AUTH, timeout=300,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            usage = event.get("usage") or usage
+            for c in event["choices"]:
+                got = choices.setdefault(c["index"], {"text": "", "tokens": [], "token_logprobs": [], "finish": []})
+                got["text"] += c["text"]
+                if c["logprobs"] is not None:
+                    got["tokens"] += c["logprobs"]["tokens"]
+                    got["token_logprobs"] += c["logprobs"]["token_logprobs"]
+                if c["finish_reason"] is not None:
+                    got["finish"].append(c["finish_reason"])
+    return choices, usage
+
+
+def test_streams_get_deltas_and_a_long_stream_is_intact(server, engine, reference, monkeypatch):
+    """A stream's engine request is added with output_kind="delta" (each output holds one step's token), a plain
+    request's with "final_only" (one output); 300 streamed tokens with logprobs equal the plain answer and the
+    greedy reference."""
+    kinds, outputs = _record_engine(engine, monkeypatch)
+    body = {"prompt": "Write a long story about a lighthouse.", "max_tokens": 300, "temperature": 0,
+            "ignore_eos": True, "logprobs": 1}
+    streamed, stream_usage = _stream_completion(server, body)
+    plain = _post(server, "/v1/completions", body, timeout=300).json()
+    want = reference.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+
+    stream_id, plain_id = kinds  # the two requests, in the order they were added
+    assert (kinds[stream_id], kinds[plain_id]) == ("delta", "final_only")
+    assert len(outputs[stream_id]) == 300 and all(len(o.outputs[0].token_ids) == 1 for o in outputs[stream_id])
+    assert len(outputs[plain_id]) == 1 and len(outputs[plain_id][0].outputs[0].token_ids) == 300
+
+    choice = plain["choices"][0]
+    assert streamed[0]["text"] == choice["text"] == want.text and len(want.token_ids) == 300
+    assert streamed[0]["tokens"] == choice["logprobs"]["tokens"] and len(streamed[0]["tokens"]) == 300
+    assert streamed[0]["token_logprobs"] == choice["logprobs"]["token_logprobs"]
+    assert streamed[0]["finish"] == [choice["finish_reason"]] == ["length"]
+    assert stream_usage == plain["usage"] and plain["usage"]["completion_tokens"] == 300
+    _wait_no_pages_held(server)
+
+
+def test_stop_string_across_tokens_streams_the_plain_text(server, client, engine, reference):
+    """A stop string that begins in one token and ends in a later one: the stream never sends its first
+    characters (the engine holds them back until they are safe), so it equals the plain answer and the reference."""
+    prompt = "The capital of France is"
+    free = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    pieces = [engine.tokenizer.decode([t]) for t in free.token_ids]
+    i = next(i for i in range(1, len(pieces) - 1) if pieces[i] and len(pieces[i + 1]) >= 2)
+    stop = pieces[i][-1:] + pieces[i + 1][:2]  # spans tokens i and i + 1
+    want = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
+                              use_tqdm=False)[0].outputs[0]
+    assert want.finish_reason == "stop" and len(want.text) < len("".join(pieces[:i + 2]))
+
+    plain = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=12, temperature=0,
+                                      stop=[stop])
+    streamed, _ = _stream_completion(server, {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]})
+    assert streamed[0]["text"] == plain.choices[0].text == want.text
+    assert streamed[0]["finish"] == [plain.choices[0].finish_reason] == ["stop"]
+    chunks = client.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=12, temperature=0, stop=[stop], stream=True)
+    chat_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    chat_plain = client.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=12, temperature=0, stop=[stop])
+    assert chat_text == chat_plain.choices[0].message.content
+    _wait_no_pages_held(server)
+
+
+def test_stream_metrics_count_every_completion(server, engine):
+    """n = 2 streamed completions that finish at different steps: the last delta lists only the later one, yet
+    /metrics counts both finishes and observes TPOT from all the tokens generated."""
+    lbl = f'{{model_name="{engine.model_name}"}}'
+    before = _metrics(server)
+    body = {"prompt": "My favourite animal is", "max_tokens": 12, "temperature": 1.0, "seed": 0, "n": 2,
+            "stop": ["."], "logprobs": 0}
+    streamed, usage = _stream_completion(server, body)
+    _wait_no_pages_held(server)
+    after = _metrics(server)
+
+    lengths = sorted(len(streamed[i]["tokens"]) for i in (0, 1))
+    assert lengths[0] < lengths[1], streamed  # the two finished at different steps
+    assert usage["completion_tokens"] == sum(lengths)
+    finishes = [reason for i in (0, 1) for reason in streamed[i]["finish"]]
+    assert len(finishes) == 2
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    for reason in set(finishes):
+        key = f'prefixkv:request_success_total{{finished_reason="{reason}",model_name="{engine.model_name}"}}'
+        assert delta(key) == finishes.count(reason), reason
+    assert delta(f"prefixkv:time_per_output_token_seconds_count{lbl}") == 1  # the last delta alone: 1 token, no TPOT
+    assert delta(f"prefixkv:e2e_request_latency_seconds_count{lbl}") == 1
