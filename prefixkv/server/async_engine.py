@@ -21,7 +21,7 @@ import queue
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -210,7 +210,7 @@ class AsyncEngine:
         self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
 
-    async def submit(self, request_ids: list[str], prompts: list[str | list[int] | dict], params: SamplingParams,
+    async def submit(self, request_ids: list[str], prompts: Sequence[str | list[int] | dict], params: SamplingParams,
                      *, stream: bool, **kwargs: Any) -> RequestGroup:
         """Add one engine request per prompt, atomically: if any is rejected (ValueError), none stays.
         stream: the group yields each step's delta; else only each request's final output."""

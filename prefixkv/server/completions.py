@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 
@@ -33,7 +34,7 @@ async def create_completion(body: CompletionRequest, raw: Request):
 
 def _response(state: ServerState, body: CompletionRequest, finals: list[RequestOutput], request_id: str,
               model: str, created: int) -> dict:
-    choices = []
+    choices: list[dict[str, Any]] = []
     for prompt_index, output in enumerate(finals):
         for c in output.outputs:
             logprobs = None
