@@ -1,4 +1,5 @@
 """prefixkv: an LLM serving engine that never computes the same KV twice."""
+
 import os
 
 # OpenMP threads that spin while idle make every op wait for a descheduled thread when the cores are shared

@@ -1,5 +1,6 @@
 """What the engine hands the model runner each step and gets back. Plain data below both: the runner sees page
 tables, never the cache, and the engine never sees a tensor."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

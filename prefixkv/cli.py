@@ -1,4 +1,5 @@
 """prefixkv generate | chat | serve | bench | cache-tree"""
+
 from __future__ import annotations
 
 import argparse
@@ -51,14 +52,13 @@ def cmd_chat(args) -> int:
                 if out.request_id != rid:
                     continue
                 text = out.outputs[0].text
-                print(text[len(shown):], end="", flush=True)
+                print(text[len(shown) :], end="", flush=True)
                 shown = text
                 if out.finished:
                     final = out
         print()
         if args.show_cache:
-            print(f"[cached prompt tokens: {final.num_cached_tokens}/{len(final.prompt_token_ids)}]",
-                  file=sys.stderr)
+            print(f"[cached prompt tokens: {final.num_cached_tokens}/{len(final.prompt_token_ids)}]", file=sys.stderr)
         messages.append({"role": "assistant", "content": shown})
     return 0
 
@@ -86,9 +86,12 @@ def cmd_cache_tree(args) -> int:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
     else:
         system = "You are a careful assistant for a travel agency. Answer briefly."
-        prompts = [llm.get_tokenizer().apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": q}], add_generation_prompt=True)
-            for q in ("Best month for Lisbon?", "Is Kyoto crowded in April?", "Cheap flights to Oslo?")]
+        prompts = [
+            llm.get_tokenizer().apply_chat_template(
+                [{"role": "system", "content": system}, {"role": "user", "content": q}], add_generation_prompt=True
+            )
+            for q in ("Best month for Lisbon?", "Is Kyoto crowded in April?", "Cheap flights to Oslo?")
+        ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for prompt in prompts:  # one by one, as a conversation log replays: later prompts hit earlier ones
         llm.generate(prompt, params, use_tqdm=False)

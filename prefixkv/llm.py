@@ -1,5 +1,6 @@
 """The offline Python API, shaped like vLLM's so users can switch without rereading docs; and the composition
 root: build_engine loads the model, builds its runner and hands both to the (model-free) Engine."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -27,8 +28,14 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
     if loaded is None:
         loaded = loader.load_model(config.model, dtype=config.dtype, device=config.device)
     num_pages = config.kv_cache_pages(ModelRunner.kv_bytes_per_token(loaded.config, config.dtype))
-    runner = ModelRunner(loaded, num_pages=num_pages, page_size=config.tokens_per_page, device=config.device,
-                         dtype=config.dtype, seed=config.seed)
+    runner = ModelRunner(
+        loaded,
+        num_pages=num_pages,
+        page_size=config.tokens_per_page,
+        device=config.device,
+        dtype=config.dtype,
+        seed=config.seed,
+    )
     return Engine(config, runner, loaded.tokenizer, loaded.config, loaded.name)
 
 
@@ -44,8 +51,14 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         """Run prompts (strings, token-id dicts, or a list of them) to completion; outputs in input order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -55,9 +68,16 @@ class LLM:
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         return self._run(prompts, params, use_tqdm, priority)
 
-    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, cache_salt: str | None = None,
-             allow_special_tokens_in_content: bool = False) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
+        allow_special_tokens_in_content: bool = False,
+    ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of conversations, through the chat template.
 
         Special-token text inside message content stays plain text (it cannot forge a turn) unless
@@ -70,8 +90,11 @@ class LLM:
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
-            ids = tok.encode_chat(conv, add_generation_prompt=add_generation_prompt,
-                                  allow_special_tokens_in_content=allow_special_tokens_in_content)
+            ids = tok.encode_chat(
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                allow_special_tokens_in_content=allow_special_tokens_in_content,
+            )
             prompt = {"prompt": text, "prompt_token_ids": ids}
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt

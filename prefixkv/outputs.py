@@ -1,4 +1,5 @@
 """What generate() and Engine.step() return; shaped like vLLM's RequestOutput."""
+
 from __future__ import annotations
 
 import enum

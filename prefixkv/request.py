@@ -4,6 +4,7 @@ A contract shared by the scheduler, the KV managers and the simulator, so it sit
 scheduler is the only writer of a request's progress (num_computed_tokens, num_cached_tokens, status); the KV
 managers read it and keep their own per-request state, typed, inside themselves.
 """
+
 from __future__ import annotations
 
 import enum
@@ -72,7 +73,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:

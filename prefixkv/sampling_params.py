@@ -1,4 +1,5 @@
 """Per-request sampling settings, validated up front so bad values never reach the engine loop."""
+
 from __future__ import annotations
 
 import math

@@ -2,6 +2,7 @@
 
 Plain Python on purpose: the model-free simulator reports with them and must stay light.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,9 +29,15 @@ def median(values: Sequence[float]) -> float:
 def summarize(values: Sequence[float]) -> dict:
     """The usual latency summary: what a reader wants to compare two runs by."""
     values = list(values)
-    return {"n": len(values), "mean": statistics.fmean(values) if values else math.nan,
-            "median": median(values), "p90": percentile(values, 90), "p99": percentile(values, 99),
-            "min": min(values, default=math.nan), "max": max(values, default=math.nan)}
+    return {
+        "n": len(values),
+        "mean": statistics.fmean(values) if values else math.nan,
+        "median": median(values),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "min": min(values, default=math.nan),
+        "max": max(values, default=math.nan),
+    }
 
 
 def ratio(a: float, b: float) -> float:

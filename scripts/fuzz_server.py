@@ -11,6 +11,7 @@ report land in --out (default: a temporary directory).
 This file is also the schemathesis hooks module (SCHEMATHESIS_HOOKS=fuzz_server): importing it from schemathesis
 registers the OpenAI error-body check.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ import urllib.request
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "fuzz-key"
 ERROR_FIELDS = {"message", "type", "param", "code"}
-CHECKS = ("not_a_server_error,status_code_conformance,response_schema_conformance,content_type_conformance,"
-          "negative_data_rejection,openai_error_body")
+CHECKS = (
+    "not_a_server_error,status_code_conformance,response_schema_conformance,content_type_conformance,"
+    "negative_data_rejection,openai_error_body"
+)
 
 
 def openai_error_problem(status: int, body: bytes) -> str | None:
@@ -130,25 +133,66 @@ def main() -> int:
     os.makedirs(out, exist_ok=True)
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     log_path = os.path.join(out, "server.log")
-    server_cmd = [sys.executable, "-m", "prefixkv.server", "--port", str(port), "--api-key", KEY,
-                  "--kv-cache-tokens", "4096", "--max-model-len", "256", "--log-level", "warning"]
+    server_cmd = [
+        sys.executable,
+        "-m",
+        "prefixkv.server",
+        "--port",
+        str(port),
+        "--api-key",
+        KEY,
+        "--kv-cache-tokens",
+        "4096",
+        "--max-model-len",
+        "256",
+        "--log-level",
+        "warning",
+    ]
     with open(log_path, "wb") as log:
         server = subprocess.Popen(server_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         _wait_healthy(base, server, log_path)
         ndjson = os.path.join(out, "events.ndjson")
-        st_cmd = [sys.executable, "-m", "schemathesis.cli", "run", base + "/openapi.json",
-                  "--header", f"Authorization: Bearer {KEY}",
-                  "--checks", CHECKS,
-                  "--phases", "examples,coverage,fuzzing", "--max-time", str(args.max_time),
-                  "--max-examples", str(args.max_examples), "--workers", args.workers,
-                  "--request-timeout", "120", "--continue-on-failure", "--suppress-health-check", "all",
-                  "--report", "ndjson", "--report-ndjson-path", ndjson, *args.extra]
-        st_env = {**env, "SCHEMATHESIS_HOOKS": "fuzz_server",
-                  "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "scripts"), env["PYTHONPATH"]])}
+        st_cmd = [
+            sys.executable,
+            "-m",
+            "schemathesis.cli",
+            "run",
+            base + "/openapi.json",
+            "--header",
+            f"Authorization: Bearer {KEY}",
+            "--checks",
+            CHECKS,
+            "--phases",
+            "examples,coverage,fuzzing",
+            "--max-time",
+            str(args.max_time),
+            "--max-examples",
+            str(args.max_examples),
+            "--workers",
+            args.workers,
+            "--request-timeout",
+            "120",
+            "--continue-on-failure",
+            "--suppress-health-check",
+            "all",
+            "--report",
+            "ndjson",
+            "--report-ndjson-path",
+            ndjson,
+            *args.extra,
+        ]
+        st_env = {
+            **env,
+            "SCHEMATHESIS_HOOKS": "fuzz_server",
+            "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "scripts"), env["PYTHONPATH"]]),
+        }
         print("$", " ".join(st_cmd), flush=True)
         started = time.monotonic()
         st = subprocess.run(st_cmd, env=st_env, cwd=out, check=False)

@@ -5,6 +5,7 @@ A node is a subpackage (prefixkv.engine, prefixkv.kvcache, ...) or a top-level m
 
     python scripts/import_graph.py [--modules]
 """
+
 from __future__ import annotations
 
 import ast
@@ -53,7 +54,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for m in sorted(graph.get(n, ())):
             if color.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in color and (cycle := visit(m)):
                 return cycle
         stack.pop()

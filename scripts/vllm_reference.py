@@ -7,6 +7,7 @@ Two steps, two virtual environments (vLLM pins its own torch):
 The export writes the dequantised weights prefixkv serves, so both engines run the same model. Prompts are
 random token ids of the same lengths as prefixkv's benchmarks; times are wall-clock around generate().
 """
+
 from __future__ import annotations
 
 import json
@@ -26,16 +27,28 @@ def export(out_dir: str) -> None:
 
     config, state, _ = load_gguf(default_model_path())
     os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items() if k != "lm_head.weight"},
-              os.path.join(out_dir, "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in state.items() if k != "lm_head.weight"},
+        os.path.join(out_dir, "model.safetensors"),
+    )
     hf_config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta, "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": True, "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_ids[0],
-        "torch_dtype": "bfloat16", "hidden_act": "silu",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": True,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_ids[0],
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
     }
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
@@ -53,8 +66,14 @@ def run(model_dir: str, mode: str = "on") -> None:
 
     results = {}
     for caching in [mode == "on"]:
-        llm = LLM(model=model_dir, dtype="bfloat16", enable_prefix_caching=caching, max_model_len=4096,
-                  seed=0, max_num_batched_tokens=2048)
+        llm = LLM(
+            model=model_dir,
+            dtype="bfloat16",
+            enable_prefix_caching=caching,
+            max_model_len=4096,
+            seed=0,
+            max_num_batched_tokens=2048,
+        )
         one = SamplingParams(temperature=0, max_tokens=1)
         system = tokens(2048)
         llm.generate([{"prompt_token_ids": tokens(64)}], one, use_tqdm=False)  # warm-up
@@ -77,8 +96,11 @@ def run(model_dir: str, mode: str = "on") -> None:
         llm.generate(unrelated, out32, use_tqdm=False)
         unrelated_tok_s = 32 * 32 / (time.perf_counter() - t)
         results["on" if caching else "off"] = {
-            "system_prompt_cold_s": cold, "system_prompt_warm_s": warm, "shared_prefix_output_tok_s": shared_tok_s,
-            "unrelated_512_output_tok_s": unrelated_tok_s}
+            "system_prompt_cold_s": cold,
+            "system_prompt_warm_s": warm,
+            "shared_prefix_output_tok_s": shared_tok_s,
+            "unrelated_512_output_tok_s": unrelated_tok_s,
+        }
     print(json.dumps(results, indent=2))
 
 

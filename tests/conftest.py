@@ -9,6 +9,7 @@ only the few engines it handed out last.
 At the end of a run, the wall time and the peak resident memory of the test process are printed (and written to
 the file named by $PREFIXKV_TEST_SUMMARY, which .ci/run shows last).
 """
+
 from __future__ import annotations
 
 import gc
@@ -131,9 +132,11 @@ def pytest_terminal_summary(terminalreporter):
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / gib
     child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / gib
     seconds = time.monotonic() - _SESSION_START
-    line = (f"test process: {seconds / 60:.1f} min wall ({seconds:.0f} s; target < 8 min on 2 idle cores), "
-            f"peak RSS {own:.2f} GiB (target < 5); largest child process {child:.2f} GiB (a fork counts its "
-            "parent's pages)")
+    line = (
+        f"test process: {seconds / 60:.1f} min wall ({seconds:.0f} s; target < 8 min on 2 idle cores), "
+        f"peak RSS {own:.2f} GiB (target < 5); largest child process {child:.2f} GiB (a fork counts its "
+        "parent's pages)"
+    )
     terminalreporter.write_line(line)
     path = os.environ.get("PREFIXKV_TEST_SUMMARY")
     if path:

@@ -1,4 +1,5 @@
 """The CLI: each command in this process on the session's shared weights, and once as the real process."""
+
 from __future__ import annotations
 
 import io
@@ -25,9 +26,24 @@ def cli(monkeypatch, new_llm):
 def test_generate_names_paris():
     """`python -m prefixkv generate` as a user runs it. The timeout only guards against a hang: it takes seconds."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-m", "prefixkv", "generate", "What is the capital of France?",
-                           "--max-tokens", "24", "--kv-cache-tokens", "8192"],
-                          check=False, capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefixkv",
+            "generate",
+            "What is the capital of France?",
+            "--max-tokens",
+            "24",
+            "--kv-cache-tokens",
+            "8192",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
 

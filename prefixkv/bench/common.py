@@ -4,6 +4,7 @@ Each benchmark's run(args, llm_factory=None) builds its engines through one fact
 running several benchmarks) can hand in a factory that reuses already loaded models instead of loading new ones.
 Benchmarks always reset the prefix cache before a measurement, so a reused engine measures the same as a new one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,9 @@ def warmup(llm, sampler, prompt_len: int = 32) -> None:
     """One short request, so the first measured one does not pay for lazy torch initialisation; then forget it."""
     from prefixkv.sampling_params import SamplingParams
 
-    llm.generate([sampler.tokens(prompt_len)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [sampler.tokens(prompt_len)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
     llm.reset_prefix_cache()
 
 
@@ -86,8 +88,7 @@ def greedy(max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def timed_generate(llm, prompts: Sequence[list[int]], max_tokens: int,
-                   prime: Sequence[list[int]] = ()) -> dict:
+def timed_generate(llm, prompts: Sequence[list[int]], max_tokens: int, prime: Sequence[list[int]] = ()) -> dict:
     """Run one batch to completion after emptying the prefix cache (then running the untimed `prime` prompts,
     to start from a known cache state); wall time (and the part of it spent outside the model runner: scheduling,
     cache bookkeeping, detokenisation) and token counts."""
@@ -103,11 +104,19 @@ def timed_generate(llm, prompts: Sequence[list[int]], max_tokens: int,
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in outs)
     ttfts = [o.metrics.ttft for o in outs if o.metrics is not None and o.metrics.ttft is not None]
-    return {"elapsed_s": elapsed, "model_s": model_s, "outside_model_s": elapsed - model_s, "num_requests": len(outs),
-            "prompt_tokens": in_tokens, "output_tokens": out_tokens,
-            "cached_tokens": cached, "output_tok_s": ratio(out_tokens, elapsed),
-            "total_tok_s": ratio(in_tokens + out_tokens, elapsed), "ttft_s": summarize(ttfts),
-            "output_token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+    return {
+        "elapsed_s": elapsed,
+        "model_s": model_s,
+        "outside_model_s": elapsed - model_s,
+        "num_requests": len(outs),
+        "prompt_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "cached_tokens": cached,
+        "output_tok_s": ratio(out_tokens, elapsed),
+        "total_tok_s": ratio(in_tokens + out_tokens, elapsed),
+        "ttft_s": summarize(ttfts),
+        "output_token_ids": [list(o.outputs[0].token_ids) for o in outs],
+    }
 
 
 def run_config(args: argparse.Namespace, llm, **sizes) -> dict:
@@ -115,12 +124,24 @@ def run_config(args: argparse.Namespace, llm, **sizes) -> dict:
     import torch
 
     engine = llm.llm_engine
-    return {"model": engine.model_name, "model_arg": args.model, "dtype": args.dtype, "device": args.device,
-            "num_threads": torch.get_num_threads(), "num_threads_arg": args.num_threads,
-            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "kv_cache_tokens": engine.kv.num_pages * engine.kv.page_size, "hash_algo": args.prefix_caching_hash_algo,
-            "schedule_policy": args.schedule_policy, "seed": args.seed, "cpu_count": os.cpu_count(),
-            "machine": platform.machine(), "torch": torch.__version__, **sizes}
+    return {
+        "model": engine.model_name,
+        "model_arg": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "num_threads": torch.get_num_threads(),
+        "num_threads_arg": args.num_threads,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_tokens": engine.kv.num_pages * engine.kv.page_size,
+        "hash_algo": args.prefix_caching_hash_algo,
+        "schedule_policy": args.schedule_policy,
+        "seed": args.seed,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        **sizes,
+    }
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence], title: str | None = None) -> None:

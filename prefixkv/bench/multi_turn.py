@@ -5,6 +5,7 @@ previous answer are computed); without caching it grows with the history. Messag
 chat template, so every turn adds exactly turn_tokens + output_len tokens. The history includes the model's own
 greedy answers, so a hit on them needs the cache to keep generated tokens' KV, as a real chat does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
 
     per_mode = {mode: [] for mode in llms}  # mode -> one list of per-turn records per conversation
     for rep, messages in enumerate(conversations):
-        for mode in ([on_mode, "off"] if rep % 2 == 0 else ["off", on_mode]):  # alternate to cancel drift
+        for mode in [on_mode, "off"] if rep % 2 == 0 else ["off", on_mode]:  # alternate to cancel drift
             per_mode[mode].append(_converse(llms[mode], messages, args.output_len))
 
     turns = []
@@ -44,11 +45,19 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
             row[f"cached_{mode}"] = convs[0][t]["cached"]
         turns.append(row)
     first, last = turns[0], turns[-1]
-    answers_same = all(a["output"] == b["output"] for ca, cb in zip(per_mode[on_mode], per_mode["off"])
-                       for a, b in zip(ca, cb))
+    answers_same = all(
+        a["output"] == b["output"] for ca, cb in zip(per_mode[on_mode], per_mode["off"]) for a, b in zip(ca, cb)
+    )
     results = {
-        "config": common.run_config(args, llms[on_mode], prefix_cache_on=on_mode, turns=args.turns,
-                                    turn_tokens=args.turn_tokens, output_len=args.output_len, repeats=repeats),
+        "config": common.run_config(
+            args,
+            llms[on_mode],
+            prefix_cache_on=on_mode,
+            turns=args.turns,
+            turn_tokens=args.turn_tokens,
+            output_len=args.output_len,
+            repeats=repeats,
+        ),
         "turns": turns,
         "modes": [on_mode, "off"],
         "ratio_last_over_first_on": ratio(last[f"ttft_{on_mode}_s"], first[f"ttft_{on_mode}_s"]),
@@ -57,15 +66,21 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
         "target_ratio_last_over_first_on": 1.5,
         "answers_identical_on_off": answers_same,
     }
-    rows = [(r["turn"], r["prompt_tokens"], r[f"cached_{on_mode}"], r[f"ttft_{on_mode}_s"], r["ttft_off_s"])
-            for r in turns]
+    rows = [
+        (r["turn"], r["prompt_tokens"], r[f"cached_{on_mode}"], r[f"ttft_{on_mode}_s"], r["ttft_off_s"]) for r in turns
+    ]
     cfg = results["config"]
-    common.print_table(["turn", "prompt tokens", f"cached ({on_mode})", f"TTFT {on_mode} s", "TTFT off s"], rows,
-                       title=f"multi-turn: {args.turns} turns x ({args.turn_tokens} user + {args.output_len} answer) "
-                             f"tokens, median of {repeats} conversations, {cfg['dtype']}, {cfg['num_threads']} threads")
-    print(f"TTFT turn {args.turns} / turn 1: caching {on_mode} {results['ratio_last_over_first_on']:.2f}x "
-          f"(target <= 1.5x), off {results['ratio_last_over_first_off']:.2f}x; last turn off/on "
-          f"{results['speedup_last_turn_on_vs_off']:.1f}x; greedy answers identical on/off: {answers_same}")
+    common.print_table(
+        ["turn", "prompt tokens", f"cached ({on_mode})", f"TTFT {on_mode} s", "TTFT off s"],
+        rows,
+        title=f"multi-turn: {args.turns} turns x ({args.turn_tokens} user + {args.output_len} answer) "
+        f"tokens, median of {repeats} conversations, {cfg['dtype']}, {cfg['num_threads']} threads",
+    )
+    print(
+        f"TTFT turn {args.turns} / turn 1: caching {on_mode} {results['ratio_last_over_first_on']:.2f}x "
+        f"(target <= 1.5x), off {results['ratio_last_over_first_off']:.2f}x; last turn off/on "
+        f"{results['speedup_last_turn_on_vs_off']:.1f}x; greedy answers identical on/off: {answers_same}"
+    )
     return results
 
 
@@ -78,8 +93,9 @@ def _converse(llm, messages: list[list[int]], output_len: int) -> list[dict]:
         prompt = history + message
         out = llm.generate([prompt], common.greedy(output_len), use_tqdm=False)[0]
         answer = list(out.outputs[0].token_ids)
-        records.append({"prompt_tokens": len(prompt), "ttft": out.metrics.ttft, "cached": out.num_cached_tokens,
-                        "output": answer})
+        records.append(
+            {"prompt_tokens": len(prompt), "ttft": out.metrics.ttft, "cached": out.num_cached_tokens, "output": answer}
+        )
         history = prompt + answer
     return records
 
@@ -101,8 +117,11 @@ def plot(results: dict, png_path: str) -> None:
     ax.set_ylabel("TTFT (ms)")
     ax.set_ylim(bottom=0)
     ax.set_xticks(turns)
-    ax.set_title(f"multi-turn TTFT ({cfg['turn_tokens']} user + {cfg['output_len']} answer tokens per turn, "
-                 f"{cfg['dtype']}, {cfg['num_threads']} threads)", fontsize=9)
+    ax.set_title(
+        f"multi-turn TTFT ({cfg['turn_tokens']} user + {cfg['output_len']} answer tokens per turn, "
+        f"{cfg['dtype']}, {cfg['num_threads']} threads)",
+        fontsize=9,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(png_path)

@@ -7,6 +7,7 @@ smaller ones more hits.
 
 SIMULATED like `bench thrash`: the real Scheduler and radix cache, no model; throughput is cost-model time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,16 @@ from prefixkv.kvcache.radix_cache import RadixPrefixCache
 from prefixkv.sim.simulator import SimRequest, make_policy, simulate, summarize_run
 
 
-def chat_workload(num_conversations: int = 16, turns: int = 4, system_len: int = 1000, question_len: int = 37,
-                  answer_len: int = 23, output_len: int = 8, gap_steps: int = 40, seed: int = 0) -> list[SimRequest]:
+def chat_workload(
+    num_conversations: int = 16,
+    turns: int = 4,
+    system_len: int = 1000,
+    question_len: int = 37,
+    answer_len: int = 23,
+    output_len: int = 8,
+    gap_steps: int = 40,
+    seed: int = 0,
+) -> list[SimRequest]:
     """Conversations sharing one system prompt; turn t's prompt is turn t-1's plus an answer and a question, so
     each turn's cached prefix ends at a length that is not a multiple of 16 or 64."""
     rng = random.Random(seed)
@@ -36,8 +45,9 @@ def chat_workload(num_conversations: int = 16, turns: int = 4, system_len: int =
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("page-size", help="radix page size 1/16/64: hit tokens on prefixes off page boundaries "
-                                                "(simulated, no model)")
+    p = subparsers.add_parser(
+        "page-size", help="radix page size 1/16/64: hit tokens on prefixes off page boundaries (simulated, no model)"
+    )
     p.add_argument("--page-sizes", default="1,16,64")
     p.add_argument("--num-conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
@@ -54,8 +64,15 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> dict:
     from prefixkv.bench.common import print_table
 
-    work = chat_workload(args.num_conversations, args.turns, args.system_len, args.question_len, args.answer_len,
-                         args.output_len, seed=args.seed)
+    work = chat_workload(
+        args.num_conversations,
+        args.turns,
+        args.system_len,
+        args.question_len,
+        args.answer_len,
+        args.output_len,
+        seed=args.seed,
+    )
     results = {"mode": SIMULATED, "config": {k: v for k, v in vars(args).items() if k != "func"}, "page_sizes": {}}
     rows = []
     for ps in [int(x) for x in args.page_sizes.split(",") if x.strip()]:
@@ -67,10 +84,14 @@ def run(args: argparse.Namespace) -> dict:
         s["tree_nodes"] = kv.tree.num_nodes
         s["wall_s"] = time.perf_counter() - t0
         results["page_sizes"][str(ps)] = s
-        rows.append([ps, s["hit_tokens"], s["token_hit_rate"], s["computed_tokens"], s["sim_output_tok_s"],
-                     s["tree_nodes"]])
-    print_table(["page size", "hit tokens", "hit rate", "computed tokens", "sim out tok/s", "tree nodes"], rows,
-                title=f"page-size ({SIMULATED}); system prompt {args.system_len} tokens")
+        rows.append(
+            [ps, s["hit_tokens"], s["token_hit_rate"], s["computed_tokens"], s["sim_output_tok_s"], s["tree_nodes"]]
+        )
+    print_table(
+        ["page size", "hit tokens", "hit rate", "computed tokens", "sim out tok/s", "tree nodes"],
+        rows,
+        title=f"page-size ({SIMULATED}); system prompt {args.system_len} tokens",
+    )
     return results
 
 

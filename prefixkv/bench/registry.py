@@ -1,4 +1,5 @@
 """`prefixkv bench NAME`: each benchmark module registers its own subcommand; results go to JSON (and a plot)."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,16 @@ import json
 import os
 import time
 
-BENCH_MODULES = ["throughput", "system_prompt", "multi_turn", "zero_hit", "thrash", "page_size", "schedule_cost",
-                 "serve_client"]
+BENCH_MODULES = [
+    "throughput",
+    "system_prompt",
+    "multi_turn",
+    "zero_hit",
+    "thrash",
+    "page_size",
+    "schedule_cost",
+    "serve_client",
+]
 
 
 def register_bench(subparsers) -> None:

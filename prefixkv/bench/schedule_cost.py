@@ -8,6 +8,7 @@ measures ours at 128, 1024 and 4096 with no fallback. Three timings per case:
          cache's per-request block keys stay memoised)
 Pure Python, no model; the times are real.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,8 +77,11 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> dict:
     from prefixkv.bench.common import print_table
 
-    results = {"mode": "real time of policy.order(), no model",
-               "config": {k: v for k, v in vars(args).items() if k != "func"}, "cases": []}
+    results = {
+        "mode": "real time of policy.order(), no model",
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "cases": [],
+    }
     rows = []
     for cache in [c.strip() for c in args.caches.split(",") if c.strip()]:
         for n in [int(x) for x in args.sizes.split(",") if x.strip()]:
@@ -91,12 +95,21 @@ def run(args: argparse.Namespace) -> dict:
                 for k in range(args.repeats):
                     change_cache(kv, k)
                     steps.append(time_order(policy, waiting, kv, step))
-                case = {"cache": cache, "waiting": n, "policy": name, "cold_ms": cold * 1e3,
-                        "warm_ms": warm * 1e3, "step_ms": statistics.median(steps) * 1e3}
+                case = {
+                    "cache": cache,
+                    "waiting": n,
+                    "policy": name,
+                    "cold_ms": cold * 1e3,
+                    "warm_ms": warm * 1e3,
+                    "step_ms": statistics.median(steps) * 1e3,
+                }
                 results["cases"].append(case)
                 rows.append([cache, n, name, case["cold_ms"], case["warm_ms"], case["step_ms"]])
-    print_table(["cache", "waiting", "policy", "cold ms", "warm ms", "step ms"], rows,
-                title=f"schedule-cost: policy.order() with prefixes of {args.prefix_len} tokens")
+    print_table(
+        ["cache", "waiting", "policy", "cold ms", "warm ms", "step ms"],
+        rows,
+        title=f"schedule-cost: policy.order() with prefixes of {args.prefix_len} tokens",
+    )
     return results
 
 

@@ -8,6 +8,7 @@ Measured from the client side, over SSE: TTFT (request sent -> first content), t
 the first, end-to-end latency, output throughput, and the cached prompt tokens the server reports in
 usage.prompt_tokens_details (prefixkv and vLLM do; others report nothing and the field stays 0).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,12 +22,14 @@ from dataclasses import dataclass, field
 
 import httpx
 
-_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-          "government company number group problem fact water room mother area money story month lot right study "
-          "book job word business issue side kind head house service friend father power hour game line end member "
-          "law car city community name president team minute idea kid body information back parent face others "
-          "level office door health art war history party result change morning reason research girl guy moment "
-          "air teacher force education").split()
+_WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case point "
+    "government company number group problem fact water room mother area money story month lot right study "
+    "book job word business issue side kind head house service friend father power hour game line end member "
+    "law car city community name president team minute idea kid body information back parent face others "
+    "level office door health art war history party result change morning reason research girl guy moment "
+    "air teacher force education"
+).split()
 
 
 @dataclass
@@ -64,8 +67,14 @@ def filler_text(num_words: int, seed: int) -> str:
 
 
 async def stream_chat(client: httpx.AsyncClient, s: Settings, messages: list[dict], turn: int = 0) -> RequestResult:
-    body = {"model": s.model, "messages": messages, "max_tokens": s.output_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": s.model,
+        "messages": messages,
+        "max_tokens": s.output_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if s.ignore_eos:
         body["ignore_eos"] = True
     start = time.perf_counter()
@@ -116,8 +125,9 @@ async def _system_prompt_workload(client, s: Settings, args) -> list[RequestResu
     async def one(i: int) -> RequestResult:
         async with sem:
             question = f"Question {i}: {filler_text(12, seed=args.seed + 1 + i)}. Answer briefly."
-            return await stream_chat(client, s, [{"role": "system", "content": system},
-                                                 {"role": "user", "content": question}])
+            return await stream_chat(
+                client, s, [{"role": "system", "content": system}, {"role": "user", "content": question}]
+            )
 
     return await asyncio.gather(*(one(i) for i in range(args.num_requests)))
 
@@ -179,10 +189,14 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     }
     turns = sorted({r.turn for r in ok if r.turn})
     if turns:
-        summary["per_turn"] = {t: {"ttft_ms": _dist([r.ttft for r in ok if r.turn == t])["mean"],
-                                   "prompt_tokens": statistics.fmean([r.prompt_tokens for r in ok if r.turn == t]),
-                                   "cached_tokens": statistics.fmean([r.cached_tokens for r in ok if r.turn == t])}
-                               for t in turns}
+        summary["per_turn"] = {
+            t: {
+                "ttft_ms": _dist([r.ttft for r in ok if r.turn == t])["mean"],
+                "prompt_tokens": statistics.fmean([r.prompt_tokens for r in ok if r.turn == t]),
+                "cached_tokens": statistics.fmean([r.cached_tokens for r in ok if r.turn == t]),
+            }
+            for t in turns
+        }
     return summary
 
 
@@ -206,9 +220,21 @@ async def run_async(args: argparse.Namespace) -> dict:
         results = await workload(client, s, args)
         duration = time.perf_counter() - start
     summary = summarize(results, duration)
-    summary["config"] = {k: getattr(args, k) for k in ("base_url", "workload", "concurrency", "num_requests",
-                                                       "system_prompt_tokens", "output_tokens", "turns",
-                                                       "turn_tokens", "ignore_eos", "seed")}
+    summary["config"] = {
+        k: getattr(args, k)
+        for k in (
+            "base_url",
+            "workload",
+            "concurrency",
+            "num_requests",
+            "system_prompt_tokens",
+            "output_tokens",
+            "turns",
+            "turn_tokens",
+            "ignore_eos",
+            "seed",
+        )
+    }
     summary["config"]["model"] = model
     return summary
 
@@ -216,11 +242,13 @@ async def run_async(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> dict:
     summary = asyncio.run(run_async(args))
     t = summary["ttft_ms"]
-    print(f"{summary['num_ok']}/{summary['num_requests']} ok in {summary['duration_s']:.1f} s; "
-          f"TTFT mean {_ms(t['mean'])} p50 {_ms(t['p50'])} p99 {_ms(t['p99'])}; "
-          f"TPOT mean {_ms(summary['tpot_ms']['mean'])}; "
-          f"{summary['output_throughput_tok_s'] or 0:.1f} output tok/s; "
-          f"cached {summary['cached_tokens']}/{summary['prompt_tokens']} prompt tokens")
+    print(
+        f"{summary['num_ok']}/{summary['num_requests']} ok in {summary['duration_s']:.1f} s; "
+        f"TTFT mean {_ms(t['mean'])} p50 {_ms(t['p50'])} p99 {_ms(t['p99'])}; "
+        f"TPOT mean {_ms(summary['tpot_ms']['mean'])}; "
+        f"{summary['output_throughput_tok_s'] or 0:.1f} output tok/s; "
+        f"cached {summary['cached_tokens']}/{summary['prompt_tokens']} prompt tokens"
+    )
     return summary
 
 
@@ -250,8 +278,9 @@ def plot(results: dict, path: str) -> None:
         ax.set_ylabel("ms")
         ax.legend()
     cfg = results.get("config", {})
-    ax.set_title(f"{cfg.get('workload', '')} @ {cfg.get('base_url', '')}, concurrency {cfg.get('concurrency', '')}",
-                 fontsize=9)
+    ax.set_title(
+        f"{cfg.get('workload', '')} @ {cfg.get('base_url', '')}, concurrency {cfg.get('concurrency', '')}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -5,6 +5,7 @@ question only 1/40 of the prompt needs computing). Each repetition empties the c
 (cold), then system + question B (warm: only the question is new). The same pair goes to an engine with caching
 off, which must show no speed-up. TTFT = first_token_time - arrival_time of a max_tokens=1 request.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
 
     samples = {mode: {"cold": [], "warm": [], "cold_cached": [], "warm_cached": []} for mode in llms}
     for rep in range(repeats):
-        for mode in ([on_mode, "off"] if rep % 2 == 0 else ["off", on_mode]):  # alternate to cancel drift
+        for mode in [on_mode, "off"] if rep % 2 == 0 else ["off", on_mode]:  # alternate to cancel drift
             llm, s = llms[mode], samples[mode]
             llm.reset_prefix_cache()
             for phase, question in (("cold", questions[2 * rep]), ("warm", questions[2 * rep + 1])):
@@ -42,21 +43,38 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
                 s[phase].append(ttft)
                 s[f"{phase}_cached"].append(cached)
 
-    ttft = {mode: {"cold_s": median(s["cold"]), "warm_s": median(s["warm"]), "cold_samples_s": s["cold"],
-                   "warm_samples_s": s["warm"], "cold_cached_tokens": s["cold_cached"],
-                   "warm_cached_tokens": s["warm_cached"]} for mode, s in samples.items()}
+    ttft = {
+        mode: {
+            "cold_s": median(s["cold"]),
+            "warm_s": median(s["warm"]),
+            "cold_samples_s": s["cold"],
+            "warm_samples_s": s["warm"],
+            "cold_cached_tokens": s["cold_cached"],
+            "warm_cached_tokens": s["warm_cached"],
+        }
+        for mode, s in samples.items()
+    }
     on, off = ttft[on_mode], ttft["off"]
     results = {
-        "config": common.run_config(args, llms[on_mode], prefix_cache_on=on_mode, system_tokens=args.system_tokens,
-                                    question_tokens=args.question_tokens, repeats=repeats),
+        "config": common.run_config(
+            args,
+            llms[on_mode],
+            prefix_cache_on=on_mode,
+            system_tokens=args.system_tokens,
+            question_tokens=args.question_tokens,
+            repeats=repeats,
+        ),
         "ttft": ttft,
         "speedup_warm_vs_cold_on": ratio(on["cold_s"], on["warm_s"]),
         "speedup_warm_vs_cold_off": ratio(off["cold_s"], off["warm_s"]),
         "speedup_warm_on_vs_off": ratio(off["warm_s"], on["warm_s"]),
         "cold_overhead_on_vs_off": ratio(on["cold_s"], off["cold_s"]),
         "target_speedup": 20.0,
-        "reference": {"label": common.REFERENCE_LABEL, "cold_s": common.REFERENCE["system_prompt_cold_ttft_s"],
-                      "warm_s": common.REFERENCE["system_prompt_warm_ttft_s"]},
+        "reference": {
+            "label": common.REFERENCE_LABEL,
+            "cold_s": common.REFERENCE["system_prompt_cold_ttft_s"],
+            "warm_s": common.REFERENCE["system_prompt_warm_ttft_s"],
+        },
     }
     _print(results, on_mode)
     return results
@@ -69,15 +87,28 @@ def _ttft(llm, prompt: list[int]) -> tuple[float, int]:
 
 def _print(results: dict, on_mode: str) -> None:
     cfg, ttft, ref = results["config"], results["ttft"], results["reference"]
-    rows = [(f"prefixkv cache {mode}", t["cold_s"], t["warm_s"], ratio(t["cold_s"], t["warm_s"]),
-             f"{t['warm_cached_tokens'][0]}") for mode, t in ttft.items()]
+    rows = [
+        (
+            f"prefixkv cache {mode}",
+            t["cold_s"],
+            t["warm_s"],
+            ratio(t["cold_s"], t["warm_s"]),
+            f"{t['warm_cached_tokens'][0]}",
+        )
+        for mode, t in ttft.items()
+    ]
     rows.append((ref["label"], ref["cold_s"], ref["warm_s"], ratio(ref["cold_s"], ref["warm_s"]), "-"))
-    common.print_table(["engine", "cold TTFT s", "warm TTFT s", "cold/warm", "warm cached tokens"], rows,
-                       title=f"system prompt: {cfg['system_tokens']} + {cfg['question_tokens']} tokens, "
-                             f"median of {cfg['repeats']}, {cfg['dtype']}, {cfg['num_threads']} threads")
-    print(f"warm vs cold speed-up with caching ({on_mode}): {results['speedup_warm_vs_cold_on']:.1f}x "
-          f"(target >= {results['target_speedup']:.0f}x); warm TTFT off/on: {results['speedup_warm_on_vs_off']:.1f}x; "
-          f"cold TTFT on/off: {results['cold_overhead_on_vs_off']:.2f}")
+    common.print_table(
+        ["engine", "cold TTFT s", "warm TTFT s", "cold/warm", "warm cached tokens"],
+        rows,
+        title=f"system prompt: {cfg['system_tokens']} + {cfg['question_tokens']} tokens, "
+        f"median of {cfg['repeats']}, {cfg['dtype']}, {cfg['num_threads']} threads",
+    )
+    print(
+        f"warm vs cold speed-up with caching ({on_mode}): {results['speedup_warm_vs_cold_on']:.1f}x "
+        f"(target >= {results['target_speedup']:.0f}x); warm TTFT off/on: {results['speedup_warm_on_vs_off']:.1f}x; "
+        f"cold TTFT on/off: {results['cold_overhead_on_vs_off']:.2f}"
+    )
 
 
 def plot(results: dict, png_path: str) -> None:
@@ -103,8 +134,11 @@ def plot(results: dict, png_path: str) -> None:
     ax.bar_label(bars, labels=[f"{v * 1000:.0f} ms" for v in values], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("TTFT (s, log scale)")
-    ax.set_title(f"TTFT, {cfg['system_tokens']}-token system prompt + {cfg['question_tokens']}-token question "
-                 f"({cfg['dtype']}, {cfg['num_threads']} threads)", fontsize=10)
+    ax.set_title(
+        f"TTFT, {cfg['system_tokens']}-token system prompt + {cfg['question_tokens']}-token question "
+        f"({cfg['dtype']}, {cfg['num_threads']} threads)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(png_path)
     plt.close(fig)

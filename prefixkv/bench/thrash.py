@@ -16,6 +16,7 @@ the first request of each group must compute its prefix (a compulsory miss). Ser
 achieves exactly that with a pool holding one prefix, so (requests - groups) full-prefix hits is both an upper
 bound for any order (Belady's bound with only compulsory misses) and achievable offline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,15 @@ SIMULATED = "simulated: real scheduler and KV manager, no model; step time = ove
 
 
 # -- the thrash workload -----------------------------------------------------------------------------------------
-def thrash_workload(requests_per_group: int = 64, prefix_len: int = 1024, suffix_len: int = 32, output_len: int = 16,
-                    arrival_every: int = 1, groups: int = 2, seed: int = 0) -> list[SimRequest]:
+def thrash_workload(
+    requests_per_group: int = 64,
+    prefix_len: int = 1024,
+    suffix_len: int = 32,
+    output_len: int = 16,
+    arrival_every: int = 1,
+    groups: int = 2,
+    seed: int = 0,
+) -> list[SimRequest]:
     rng = random.Random(seed)
     names = "XYZW"[:groups] if groups <= 4 else [f"G{g}" for g in range(groups)]
     prefixes = {g: [rng.randrange(1, 32000) for _ in range(prefix_len)] for g in names}
@@ -62,8 +70,9 @@ def pool_pages(prefix_len: int, suffix_len: int, output_len: int, max_num_seqs: 
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("thrash", help="two hot prefixes, a pool holding one: hit rate and waits per policy "
-                                             "(simulated, no model)")
+    p = subparsers.add_parser(
+        "thrash", help="two hot prefixes, a pool holding one: hit rate and waits per policy (simulated, no model)"
+    )
     p.add_argument("--requests-per-group", type=int, default=128)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=32)
@@ -76,8 +85,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-wait-steps", type=int, default=128, help="bounded-lpm's bound")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--on-model", action="store_true",
-                   help="also run every policy on the real engine and model (same arrivals, same pool), timing it")
+    p.add_argument(
+        "--on-model",
+        action="store_true",
+        help="also run every policy on the real engine and model (same arrivals, same pool), timing it",
+    )
     p.add_argument("--dtype", default="bfloat16", help="with --on-model")
     p.add_argument("--num-threads", type=int, default=None, help="with --on-model")
     p.set_defaults(func=run)
@@ -87,34 +99,53 @@ def run(args: argparse.Namespace) -> dict:
     from prefixkv.bench.common import print_table
     from prefixkv.bench.workloads import ratio
 
-    workload = thrash_workload(args.requests_per_group, args.prefix_len, args.suffix_len, args.output_len,
-                               args.arrival_every, seed=args.seed)
+    workload = thrash_workload(
+        args.requests_per_group, args.prefix_len, args.suffix_len, args.output_len, args.arrival_every, seed=args.seed
+    )
     num_pages = pool_pages(args.prefix_len, args.suffix_len, args.output_len, args.max_num_seqs, args.page_size)
     optimal = optimal_hit_tokens(workload, args.prefix_len, args.page_size)
     prompt_tokens = sum(len(s.prompt) for s in workload)
     optimal_rate = ratio(optimal, prompt_tokens)
-    results = {"mode": SIMULATED, "config": {k: v for k, v in vars(args).items() if k != "func"},
-               "num_pages": num_pages, "pool_tokens": num_pages * args.page_size,
-               "optimal_token_hit_rate": optimal_rate,
-               "optimal_how": "compulsory misses only: each group's first request computes the prefix, every other "
-                              "request hits it; achieved offline by serving each group contiguously",
-               "policies": {}}
+    results = {
+        "mode": SIMULATED,
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "num_pages": num_pages,
+        "pool_tokens": num_pages * args.page_size,
+        "optimal_token_hit_rate": optimal_rate,
+        "optimal_how": "compulsory misses only: each group's first request computes the prefix, every other "
+        "request hits it; achieved offline by serving each group contiguously",
+        "policies": {},
+    }
     rows = []
     for name in [s.strip() for s in args.policies.split(",") if s.strip()]:
         kv = create_kv_cache_manager(args.cache, num_pages, args.page_size)
         t0 = time.perf_counter()
-        res = simulate(kv, make_policy(name, args.max_wait_steps), workload, args.max_num_seqs,
-                       args.max_num_batched_tokens)
+        res = simulate(
+            kv, make_policy(name, args.max_wait_steps), workload, args.max_num_seqs, args.max_num_batched_tokens
+        )
         kv.check_invariants()
         s = summarize_run(res, kv)
         s["of_optimal"] = ratio(s["token_hit_rate"], optimal_rate)
         s["wall_s"] = time.perf_counter() - t0
         results["policies"][name] = s
-        rows.append([name, s["token_hit_rate"], s["of_optimal"], s["sim_output_tok_s"], s["p99_wait_steps"],
-                     s["max_wait_steps"], s["preemptions"], s["steps"]])
-    print_table(["policy", "hit rate", "of optimal", "sim out tok/s", "p99 wait (steps)", "max wait", "preempt",
-                 "steps"], rows, title=f"thrash ({SIMULATED}); {args.cache} cache, page {args.page_size}, pool "
-                                       f"{num_pages * args.page_size} tokens; optimal hit rate {optimal_rate:.4f}")
+        rows.append(
+            [
+                name,
+                s["token_hit_rate"],
+                s["of_optimal"],
+                s["sim_output_tok_s"],
+                s["p99_wait_steps"],
+                s["max_wait_steps"],
+                s["preemptions"],
+                s["steps"],
+            ]
+        )
+    print_table(
+        ["policy", "hit rate", "of optimal", "sim out tok/s", "p99 wait (steps)", "max wait", "preempt", "steps"],
+        rows,
+        title=f"thrash ({SIMULATED}); {args.cache} cache, page {args.page_size}, pool "
+        f"{num_pages * args.page_size} tokens; optimal hit rate {optimal_rate:.4f}",
+    )
     if args.on_model:
         results["on_model"] = {}
         rows = []
@@ -122,10 +153,12 @@ def run(args: argparse.Namespace) -> dict:
             s = run_on_model(workload, name, args, num_pages)
             s["of_optimal"] = ratio(s["token_hit_rate"], optimal_rate)
             results["on_model"][name] = s
-            rows.append([name, s["token_hit_rate"], s["of_optimal"], s["output_tok_s"], s["p99_wait_s"],
-                         s["wall_s"]])
-        print_table(["policy", "hit rate", "of optimal", "output tok/s", "p99 wait s", "wall s"], rows,
-                    title=f"thrash on the model ({args.dtype}); same arrivals (in engine steps) and pool")
+            rows.append([name, s["token_hit_rate"], s["of_optimal"], s["output_tok_s"], s["p99_wait_s"], s["wall_s"]])
+        print_table(
+            ["policy", "hit rate", "of optimal", "output tok/s", "p99 wait s", "wall s"],
+            rows,
+            title=f"thrash on the model ({args.dtype}); same arrivals (in engine steps) and pool",
+        )
     return results
 
 
@@ -135,10 +168,18 @@ def run_on_model(workload: list[SimRequest], policy: str, args: argparse.Namespa
     from prefixkv.llm import LLM
     from prefixkv.sampling_params import SamplingParams
 
-    llm = LLM(dtype=args.dtype, num_threads=args.num_threads, prefix_cache=args.cache, page_size=args.page_size,
-              kv_cache_tokens=num_pages * args.page_size, schedule_policy=policy, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_wait_steps=args.max_wait_steps,
-              lpm_fallback_threshold=None)
+    llm = LLM(
+        dtype=args.dtype,
+        num_threads=args.num_threads,
+        prefix_cache=args.cache,
+        page_size=args.page_size,
+        kv_cache_tokens=num_pages * args.page_size,
+        schedule_policy=policy,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_wait_steps=args.max_wait_steps,
+        lpm_fallback_threshold=None,
+    )
     engine = llm.llm_engine
     pending = sorted(workload, key=lambda r: r.arrival_step)
     finished = []
@@ -155,9 +196,14 @@ def run_on_model(workload: list[SimRequest], policy: str, args: argparse.Namespa
     prompt = sum(len(o.prompt_token_ids) for o in finished)
     waits = [o.metrics.first_scheduled_time - o.metrics.arrival_time for o in finished]
     output = sum(len(o.outputs[0].token_ids) for o in finished)
-    return {"token_hit_rate": ratio(sum(o.num_cached_tokens for o in finished), prompt), "wall_s": wall,
-            "output_tok_s": ratio(output, wall), "p99_wait_s": percentile(waits, 99), "requests": len(finished),
-            "preemptions": engine.get_stats().num_preemptions}
+    return {
+        "token_hit_rate": ratio(sum(o.num_cached_tokens for o in finished), prompt),
+        "wall_s": wall,
+        "output_tok_s": ratio(output, wall),
+        "p99_wait_s": percentile(waits, 99),
+        "requests": len(finished),
+        "preemptions": engine.get_stats().num_preemptions,
+    }
 
 
 def plot(results: dict, path: str) -> None:

@@ -4,6 +4,7 @@
 Prompts are seeded random token ids, decoding is greedy with EOS ignored, so every engine and every repetition
 does exactly the same number of prompt and output tokens and tok/s numbers are comparable.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,13 +21,24 @@ def register(subparsers) -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1, help="timed runs; the median is reported")
-    p.add_argument("--compare-hf", action="store_true",
-                   help="also time Hugging Face transformers generate() on the same prompts, in this process")
-    p.add_argument("--hf-batch-size", type=int, default=0,
-                   help="prompts per HF generate() call, left-padded (0: all prompts in one batch)")
-    p.add_argument("--hf-gguf", default="dequantize", choices=["dequantize", "packed"],
-                   help="how transformers loads a .gguf: dequantize to dense --dtype weights (the same computation "
-                        "as prefixkv) or keep the packed blocks (transformers' own default, fp32 kernels)")
+    p.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also time Hugging Face transformers generate() on the same prompts, in this process",
+    )
+    p.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=0,
+        help="prompts per HF generate() call, left-padded (0: all prompts in one batch)",
+    )
+    p.add_argument(
+        "--hf-gguf",
+        default="dequantize",
+        choices=["dequantize", "packed"],
+        help="how transformers loads a .gguf: dequantize to dense --dtype weights (the same computation "
+        "as prefixkv) or keep the packed blocks (transformers' own default, fp32 kernels)",
+    )
     common.add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -36,9 +48,12 @@ def register(subparsers) -> None:
     s.add_argument("--output-len", type=int, default=32)
     s.add_argument("--num-prompts", type=int, default=32)
     s.add_argument("--repeats", type=int, default=1, help="off/on pairs, alternating order; medians reported")
-    s.add_argument("--warm-prefix", action="store_true",
-                   help="compute the prefix once (untimed) before each run, as on a server where it is hot; by "
-                        "default each run starts from an empty cache and the first requests compute it")
+    s.add_argument(
+        "--warm-prefix",
+        action="store_true",
+        help="compute the prefix once (untimed) before each run, as on a server where it is hot; by "
+        "default each run starts from an empty cache and the first requests compute it",
+    )
     common.add_engine_args(s)
     s.set_defaults(func=run_shared_prefix)
 
@@ -52,14 +67,28 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
     common.warmup(llm, sampler)
     runs = [common.timed_generate(llm, prompts, args.output_len) for _ in range(max(1, args.repeats))]
     ours = {k: median([r[k] for r in runs]) for k in ("elapsed_s", "output_tok_s", "total_tok_s")}
-    ours.update(prompt_tokens=runs[0]["prompt_tokens"], output_tokens=runs[0]["output_tokens"],
-                cached_tokens=runs[0]["cached_tokens"], runs=[common.drop_token_ids(r) for r in runs])
-    results = {"config": common.run_config(args, llm, prefix_cache=args.prefix_cache, input_len=args.input_len,
-                                           output_len=args.output_len, num_prompts=args.num_prompts,
-                                           repeats=args.repeats),
-               "prefixkv": ours,
-               "reference": {"label": common.REFERENCE_LABEL,
-                             "unrelated_512_output_tok_s": common.REFERENCE["unrelated_512_output_tok_s"]}}
+    ours.update(
+        prompt_tokens=runs[0]["prompt_tokens"],
+        output_tokens=runs[0]["output_tokens"],
+        cached_tokens=runs[0]["cached_tokens"],
+        runs=[common.drop_token_ids(r) for r in runs],
+    )
+    results = {
+        "config": common.run_config(
+            args,
+            llm,
+            prefix_cache=args.prefix_cache,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            num_prompts=args.num_prompts,
+            repeats=args.repeats,
+        ),
+        "prefixkv": ours,
+        "reference": {
+            "label": common.REFERENCE_LABEL,
+            "unrelated_512_output_tok_s": common.REFERENCE["unrelated_512_output_tok_s"],
+        },
+    }
     rows = [("prefixkv", args.prefix_cache, ours["elapsed_s"], ours["output_tok_s"], ours["total_tok_s"])]
     if args.compare_hf:
         hf = run_hf(args, llm, prompts)
@@ -68,14 +97,21 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
         results["ratio_output_tok_s_prefixkv_over_hf"] = ratio(ours["output_tok_s"], hf["output_tok_s"])
         rows.append((f"HF generate ({hf['batching']})", "-", hf["elapsed_s"], hf["output_tok_s"], hf["total_tok_s"]))
     cfg = results["config"]
-    common.print_table(["engine", "cache", "elapsed s", "output tok/s", "total tok/s"], rows,
-                       title=f"throughput: {args.num_prompts} prompts x {args.input_len} in + {args.output_len} out, "
-                             f"{cfg['dtype']}, {cfg['num_threads']} threads")
+    common.print_table(
+        ["engine", "cache", "elapsed s", "output tok/s", "total tok/s"],
+        rows,
+        title=f"throughput: {args.num_prompts} prompts x {args.input_len} in + {args.output_len} out, "
+        f"{cfg['dtype']}, {cfg['num_threads']} threads",
+    )
     if args.compare_hf:
-        print(f"prefixkv / HF output tok/s: {results['ratio_output_tok_s_prefixkv_over_hf']:.2f}x "
-              f"(greedy outputs identical for {results['hf']['token_match']:.0%} of prompts)")
-    print(f"{common.REFERENCE_LABEL}: 32 unrelated 512-token prompts, 32 out: "
-          f"{common.REFERENCE['unrelated_512_output_tok_s']:.0f} output tok/s")
+        print(
+            f"prefixkv / HF output tok/s: {results['ratio_output_tok_s_prefixkv_over_hf']:.2f}x "
+            f"(greedy outputs identical for {results['hf']['token_match']:.0%} of prompts)"
+        )
+    print(
+        f"{common.REFERENCE_LABEL}: 32 unrelated 512-token prompts, 32 out: "
+        f"{common.REFERENCE['unrelated_512_output_tok_s']:.0f} output tok/s"
+    )
     return results
 
 
@@ -91,17 +127,23 @@ def run_hf(args: argparse.Namespace, llm, prompts: list[list[int]]) -> dict:
         start = time.perf_counter()
         out_ids = []
         for i in range(0, len(prompts), batch_size):
-            out_ids += _hf_generate(model, prompts[i:i + batch_size], args.output_len, pad_id)
+            out_ids += _hf_generate(model, prompts[i : i + batch_size], args.output_len, pad_id)
         elapsed = time.perf_counter() - start
     out_tokens = sum(len(o) for o in out_ids)
     in_tokens = sum(len(p) for p in prompts)
     del model
-    return {"model_path": model_path, "gguf_weights": getattr(args, "hf_gguf", None),
-            "dtype": args.dtype,
-            "batching": f"batches of {batch_size}, left padding",
-            "batch_size": batch_size, "elapsed_s": elapsed, "output_tokens": out_tokens,
-            "output_tok_s": ratio(out_tokens, elapsed), "total_tok_s": ratio(in_tokens + out_tokens, elapsed),
-            "output_token_ids": out_ids}
+    return {
+        "model_path": model_path,
+        "gguf_weights": getattr(args, "hf_gguf", None),
+        "dtype": args.dtype,
+        "batching": f"batches of {batch_size}, left padding",
+        "batch_size": batch_size,
+        "elapsed_s": elapsed,
+        "output_tokens": out_tokens,
+        "output_tok_s": ratio(out_tokens, elapsed),
+        "total_tok_s": ratio(in_tokens + out_tokens, elapsed),
+        "output_token_ids": out_ids,
+    }
 
 
 def load_hf_model(args: argparse.Namespace):
@@ -123,8 +165,9 @@ def load_hf_model(args: argparse.Namespace):
                 GgufConfig = None
             if GgufConfig is not None:
                 kwargs["quantization_config"] = GgufConfig(dequantize=True)
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                     gguf_file=os.path.basename(path), dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), dtype=dtype, **kwargs
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.eval(), path
@@ -137,10 +180,16 @@ def _hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: i
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, pad_token_id=pad_id)
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        pad_token_id=pad_id,
+    )
     return [row[width:].tolist() for row in out]
 
 
@@ -166,7 +215,7 @@ def run_shared_prefix(args: argparse.Namespace, llm_factory: common.LLMFactory |
     on_mode, llms = common.on_and_off_engines(args, llm_factory)
     sampler = sampler_for(llms["off"], seed=args.seed)
     prompts = shared_prefix_prompts(sampler, args.num_prompts, args.prefix_len, args.suffix_len)
-    prime = [prompts[0][:args.prefix_len] + sampler.tokens(args.suffix_len)] if args.warm_prefix else []
+    prime = [prompts[0][: args.prefix_len] + sampler.tokens(args.suffix_len)] if args.warm_prefix else []
     for llm in llms.values():
         common.warmup(llm, sampler)
     runs: dict[str, list[dict]] = {mode: [] for mode in llms}
@@ -176,35 +225,58 @@ def run_shared_prefix(args: argparse.Namespace, llm_factory: common.LLMFactory |
             runs[mode].append(common.timed_generate(llms[mode], prompts, args.output_len, prime=prime))
     summary = {}
     for mode, rs in runs.items():
-        summary[mode] = {"output_tok_s": median([r["output_tok_s"] for r in rs]),
-                         "total_tok_s": median([r["total_tok_s"] for r in rs]),
-                         "elapsed_s": median([r["elapsed_s"] for r in rs]),
-                         "cached_tokens": rs[0]["cached_tokens"], "prompt_tokens": rs[0]["prompt_tokens"],
-                         "output_tokens": rs[0]["output_tokens"],
-                         "runs": [common.drop_token_ids(r) for r in rs]}
+        summary[mode] = {
+            "output_tok_s": median([r["output_tok_s"] for r in rs]),
+            "total_tok_s": median([r["total_tok_s"] for r in rs]),
+            "elapsed_s": median([r["elapsed_s"] for r in rs]),
+            "cached_tokens": rs[0]["cached_tokens"],
+            "prompt_tokens": rs[0]["prompt_tokens"],
+            "output_tokens": rs[0]["output_tokens"],
+            "runs": [common.drop_token_ids(r) for r in rs],
+        }
     speedup = ratio(summary[on_mode]["output_tok_s"], summary["off"]["output_tok_s"])
     same = runs["off"][0]["output_token_ids"] == runs[on_mode][0]["output_token_ids"]
-    results = {"config": common.run_config(args, llms["off"], prefix_cache_on=on_mode, prefix_len=args.prefix_len,
-                                           suffix_len=args.suffix_len, output_len=args.output_len,
-                                           num_prompts=args.num_prompts, repeats=args.repeats,
-                                           prefix_state="warm" if args.warm_prefix else "cold"),
-               "modes": summary, "ratio_output_tok_s_on_over_off": speedup, "outputs_identical_on_off": same,
-               "reference": {"label": common.REFERENCE_LABEL,
-                             "output_tok_s_on": common.REFERENCE["shared_prefix_output_tok_s_on"],
-                             "output_tok_s_off": common.REFERENCE["shared_prefix_output_tok_s_off"]}}
+    results = {
+        "config": common.run_config(
+            args,
+            llms["off"],
+            prefix_cache_on=on_mode,
+            prefix_len=args.prefix_len,
+            suffix_len=args.suffix_len,
+            output_len=args.output_len,
+            num_prompts=args.num_prompts,
+            repeats=args.repeats,
+            prefix_state="warm" if args.warm_prefix else "cold",
+        ),
+        "modes": summary,
+        "ratio_output_tok_s_on_over_off": speedup,
+        "outputs_identical_on_off": same,
+        "reference": {
+            "label": common.REFERENCE_LABEL,
+            "output_tok_s_on": common.REFERENCE["shared_prefix_output_tok_s_on"],
+            "output_tok_s_off": common.REFERENCE["shared_prefix_output_tok_s_off"],
+        },
+    }
     cfg = results["config"]
-    rows = [(mode, s["elapsed_s"], s["output_tok_s"], s["total_tok_s"], f"{s['cached_tokens']}/{s['prompt_tokens']}")
-            for mode, s in summary.items()]
+    rows = [
+        (mode, s["elapsed_s"], s["output_tok_s"], s["total_tok_s"], f"{s['cached_tokens']}/{s['prompt_tokens']}")
+        for mode, s in summary.items()
+    ]
     rows.append((common.REFERENCE_LABEL + " on", "-", common.REFERENCE["shared_prefix_output_tok_s_on"], "-", "-"))
     rows.append((common.REFERENCE_LABEL + " off", "-", common.REFERENCE["shared_prefix_output_tok_s_off"], "-", "-"))
-    common.print_table(["cache", "elapsed s", "output tok/s", "total tok/s", "cached/prompt tokens"], rows,
-                       title=f"shared prefix: {args.num_prompts} requests x ({args.prefix_len} shared + "
-                             f"{args.suffix_len} unique) in, {args.output_len} out, {cfg['prefix_state']} prefix, "
-                             f"{cfg['dtype']}, {cfg['num_threads']} threads")
+    common.print_table(
+        ["cache", "elapsed s", "output tok/s", "total tok/s", "cached/prompt tokens"],
+        rows,
+        title=f"shared prefix: {args.num_prompts} requests x ({args.prefix_len} shared + "
+        f"{args.suffix_len} unique) in, {args.output_len} out, {cfg['prefix_state']} prefix, "
+        f"{cfg['dtype']}, {cfg['num_threads']} threads",
+    )
     ref = common.REFERENCE
-    print(f"caching on/off output tok/s: {speedup:.2f}x (reference vLLM CPU: "
-          f"{ref['shared_prefix_output_tok_s_on'] / ref['shared_prefix_output_tok_s_off']:.2f}x)"
-          f"; greedy outputs identical on/off: {same}")
+    print(
+        f"caching on/off output tok/s: {speedup:.2f}x (reference vLLM CPU: "
+        f"{ref['shared_prefix_output_tok_s_on'] / ref['shared_prefix_output_tok_s_off']:.2f}x)"
+        f"; greedy outputs identical on/off: {same}"
+    )
     return results
 
 

@@ -4,6 +4,7 @@ Prompts are random token ids rather than text so their lengths are exact (no tok
 reproduces them bit for bit. Special ids (BOS/EOS/chat markers) are left out: they could end a request early or
 make the model behave unlike on ordinary text.
 """
+
 from __future__ import annotations
 
 import random
@@ -11,8 +12,16 @@ from collections.abc import Iterable
 
 from prefixkv.stats import median, percentile, ratio, summarize
 
-__all__ = ["TokenSampler", "sampler_for", "random_prompts", "shared_prefix_prompts", "median", "percentile", "ratio",
-           "summarize"]  # the statistics live in prefixkv.stats (the simulator uses them too)
+__all__ = [
+    "TokenSampler",
+    "sampler_for",
+    "random_prompts",
+    "shared_prefix_prompts",
+    "median",
+    "percentile",
+    "ratio",
+    "summarize",
+]  # the statistics live in prefixkv.stats (the simulator uses them too)
 
 
 class TokenSampler:

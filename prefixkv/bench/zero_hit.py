@@ -9,6 +9,7 @@ engine work outside the runner (hashing, lookups, block bookkeeping). That time 
 reported as a share of the run, the noise-free view of the same question. The block hash is the per-token work
 caching adds, so its cost is reported too, per 16-token block, for both algorithms.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,30 +51,48 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
             runs[mode].append(common.timed_generate(llms[mode], prompts, args.output_len))
         order = order[1:] + order[:1]  # rotate: every mode runs first, middle and last equally often
 
-    summary = {mode: {"output_tok_s": median([r["output_tok_s"] for r in rs]),
-                      "total_tok_s": median([r["total_tok_s"] for r in rs]),
-                      "elapsed_s": median([r["elapsed_s"] for r in rs]),
-                      "outside_model_s": median([r["outside_model_s"] for r in rs]),
-                      "outside_model_share": median([r["outside_model_s"] / r["elapsed_s"] for r in rs]),
-                      "cached_tokens": max(r["cached_tokens"] for r in rs),
-                      "output_tok_s_runs": [r["output_tok_s"] for r in rs]} for mode, rs in runs.items()}
-    ratios = {mode: median([ratio(on["output_tok_s"], off["output_tok_s"]) for on, off in zip(rs, runs["off"])])
-              for mode, rs in runs.items() if mode != "off"}
+    summary = {
+        mode: {
+            "output_tok_s": median([r["output_tok_s"] for r in rs]),
+            "total_tok_s": median([r["total_tok_s"] for r in rs]),
+            "elapsed_s": median([r["elapsed_s"] for r in rs]),
+            "outside_model_s": median([r["outside_model_s"] for r in rs]),
+            "outside_model_share": median([r["outside_model_s"] / r["elapsed_s"] for r in rs]),
+            "cached_tokens": max(r["cached_tokens"] for r in rs),
+            "output_tok_s_runs": [r["output_tok_s"] for r in rs],
+        }
+        for mode, rs in runs.items()
+    }
+    ratios = {
+        mode: median([ratio(on["output_tok_s"], off["output_tok_s"]) for on, off in zip(rs, runs["off"])])
+        for mode, rs in runs.items()
+        if mode != "off"
+    }
     off_outside = summary["off"]["outside_model_share"]
     added = {mode: s["outside_model_share"] - off_outside for mode, s in summary.items() if mode != "off"}
     hash_cost = hash_cost_us(sampler, args.hash_blocks)
     results = {
-        "config": common.run_config(args, llms["off"], modes=modes, input_len=args.input_len,
-                                    output_len=args.output_len, num_prompts=args.num_prompts, repeats=args.repeats),
+        "config": common.run_config(
+            args,
+            llms["off"],
+            modes=modes,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            num_prompts=args.num_prompts,
+            repeats=args.repeats,
+        ),
         "modes": summary,
         "ratio_output_tok_s_on_over_off": ratios,
         "engine_overhead_added_share": added,
         "target_ratio": 0.99,
         "hash_us_per_block": hash_cost,
-        "hash_us_per_prompt": {algo: c["hash_prompt_blocks"] * (args.input_len // HASH_BLOCK_SIZE)
-                               for algo, c in hash_cost.items()},
-        "reference": {"label": common.REFERENCE_LABEL,
-                      "unrelated_512_output_tok_s": common.REFERENCE["unrelated_512_output_tok_s"]},
+        "hash_us_per_prompt": {
+            algo: c["hash_prompt_blocks"] * (args.input_len // HASH_BLOCK_SIZE) for algo, c in hash_cost.items()
+        },
+        "reference": {
+            "label": common.REFERENCE_LABEL,
+            "unrelated_512_output_tok_s": common.REFERENCE["unrelated_512_output_tok_s"],
+        },
     }
     _print(results, args)
     return results
@@ -110,22 +129,31 @@ def _print(results: dict, args: argparse.Namespace) -> None:
     for mode, s in results["modes"].items():
         r = results["ratio_output_tok_s_on_over_off"].get(mode, 1.0)
         rows.append((mode, s["elapsed_s"], s["output_tok_s"], s["total_tok_s"], r, s["cached_tokens"]))
-    common.print_table(["cache", "elapsed s", "output tok/s", "total tok/s", "on/off", "cached tokens"], rows,
-                       title=f"zero hit: {args.num_prompts} unrelated prompts x {args.input_len} in + "
-                             f"{args.output_len} out, median of {args.repeats} interleaved rounds, {cfg['dtype']}, "
-                             f"{cfg['num_threads']} threads")
+    common.print_table(
+        ["cache", "elapsed s", "output tok/s", "total tok/s", "on/off", "cached tokens"],
+        rows,
+        title=f"zero hit: {args.num_prompts} unrelated prompts x {args.input_len} in + "
+        f"{args.output_len} out, median of {args.repeats} interleaved rounds, {cfg['dtype']}, "
+        f"{cfg['num_threads']} threads",
+    )
     ratios = ", ".join(f"{mode} {r:.3f}" for mode, r in results["ratio_output_tok_s_on_over_off"].items())
     print(f"caching on / off output tok/s, median of per-round ratios: {ratios} (target >= {results['target_ratio']})")
-    outside = ", ".join(f"{mode} {s['outside_model_s'] * 1e3:.0f} ms ({s['outside_model_share']:.2%})"
-                        for mode, s in results["modes"].items())
+    outside = ", ".join(
+        f"{mode} {s['outside_model_s'] * 1e3:.0f} ms ({s['outside_model_share']:.2%})"
+        for mode, s in results["modes"].items()
+    )
     added = ", ".join(f"{mode} {a:+.2%}" for mode, a in results["engine_overhead_added_share"].items())
     print(f"engine time outside the model per run: {outside}; added by caching: {added} of the run")
-    costs = ", ".join(f"{algo} {c['hash_prompt_blocks']:.2f} us/block (hash alone {c['hash_fn_only']:.2f}; "
-                      f"{results['hash_us_per_prompt'][algo]:.0f} us per {args.input_len}-token prompt)"
-                      for algo, c in results["hash_us_per_block"].items())
+    costs = ", ".join(
+        f"{algo} {c['hash_prompt_blocks']:.2f} us/block (hash alone {c['hash_fn_only']:.2f}; "
+        f"{results['hash_us_per_prompt'][algo]:.0f} us per {args.input_len}-token prompt)"
+        for algo, c in results["hash_us_per_block"].items()
+    )
     print(f"block hash ({HASH_BLOCK_SIZE} tokens): {costs}")
-    print(f"{common.REFERENCE_LABEL}: 32 unrelated 512-token prompts, 32 out: "
-          f"{common.REFERENCE['unrelated_512_output_tok_s']:.0f} output tok/s")
+    print(
+        f"{common.REFERENCE_LABEL}: 32 unrelated 512-token prompts, 32 out: "
+        f"{common.REFERENCE['unrelated_512_output_tok_s']:.0f} output tok/s"
+    )
 
 
 def plot(results: dict, png_path: str) -> None:

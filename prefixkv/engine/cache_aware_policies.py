@@ -9,6 +9,7 @@ just before it is needed again (thrashing). Serving the requests that hit first 
 LPM's flaw is starvation: a request whose prefix is cold is passed over as long as hot requests keep coming.
 bounded-lpm keeps LPM's order but no request waits more than `max_wait_steps` steps behind it.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -145,9 +146,13 @@ class BoundedLPMPolicy(LPMPolicy):
         tokens = request.token_ids
         for other in admitted:
             theirs = other.token_ids
-            if (other.extra_keys == request.extra_keys and len(theirs) >= end
-                    and theirs[start:end] == tokens[start:end] and theirs[:start] == tokens[:start]
-                    and _same_mm(other, request, end)):
+            if (
+                other.extra_keys == request.extra_keys
+                and len(theirs) >= end
+                and theirs[start:end] == tokens[start:end]
+                and theirs[:start] == tokens[:start]
+                and _same_mm(other, request, end)
+            ):
                 return True
         return False
 

@@ -6,6 +6,7 @@ multi-byte character decodes to U+FFFD; that text is held back until the charact
 except that a stop string is cut off once it is complete: its first characters may already be in the text
 (see holdback).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -33,12 +34,12 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str | None:
         """Append one token; return the stop string that now ends the text, if any."""
         self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip_special)
-        full_text = self._decode(self.ids[self._prefix:], skip_special_tokens=self.skip_special)
+        prefix_text = self._decode(self.ids[self._prefix : self._read], skip_special_tokens=self.skip_special)
+        full_text = self._decode(self.ids[self._prefix :], skip_special_tokens=self.skip_special)
         if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
             return None  # incomplete character, or nothing visible yet
         start = len(self.text)
-        self.text += full_text[len(prefix_text):]
+        self.text += full_text[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self.ids)
         return self._check_stop(start)
 

@@ -7,6 +7,7 @@ merged back into one RequestOutput.
 The engine is handed its model runner and tokenizer (prefixkv.llm.build_engine builds them), so this package
 loads neither torch nor the model package: the scheduler, the caches and the engine loop run without them.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -46,8 +47,9 @@ class EngineTokenizer(Protocol):
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    allow_special_tokens_in_content: bool = False) -> list[int]: ...
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False
+    ) -> list[int]: ...
 
 
 class ModelShape(Protocol):
@@ -86,8 +88,14 @@ class _Parent:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, runner: ModelExecutor, tokenizer: EngineTokenizer,
-                 model_config: ModelShape, model_name: str = "") -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelExecutor,
+        tokenizer: EngineTokenizer,
+        model_config: ModelShape,
+        model_name: str = "",
+    ) -> None:
         """runner: a model runner over a pool of runner.num_pages pages of config.page_size tokens (the KV
         manager gets the same pool); tokenizer and model_config: the model's."""
         if runner.page_size != config.page_size:
@@ -97,10 +105,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.model_name = model_name
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
-        self.kv = create_kv_cache_manager(config.prefix_cache, runner.num_pages, runner.page_size,
-                                          config.prefix_caching_hash_algo)
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+        )
+        self.kv = create_kv_cache_manager(
+            config.prefix_cache, runner.num_pages, runner.page_size, config.prefix_caching_hash_algo
+        )
         self.policy = create_policy(config)
         self.scheduler = Scheduler(config, self.kv, self.policy)
         self._parents: dict[str, _Parent] = {}
@@ -113,10 +123,19 @@ class Engine:
         self._aborted_outputs: list[RequestOutput] = []
 
     # -- requests in -----------------------------------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt: str | list[int] | dict, sampling_params: SamplingParams
-                    | None = None, *, priority: int = 0, cache_salt: str | None = None, lora_id: str | None = None,
-                    mm_hashes=None, arrival_time: float | None = None,
-                    output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int] | dict,
+        sampling_params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_id: str | None = None,
+        mm_hashes=None,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
+    ) -> str:
         """Validate and queue a request; raise ValueError (and queue nothing) when it is bad.
 
         output_kind (vLLM's RequestOutputKind): "cumulative" outputs carry everything generated so far, "delta"
@@ -136,13 +155,28 @@ class Engine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         sequences = []
         for i in range(params.n):
-            child_params = params if params.n == 1 else replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
+            child_params = (
+                params if params.n == 1 else replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            )
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, list(token_ids), child_params, arrival_time=arrival, prompt=text, priority=priority,
-                          cache_salt=cache_salt, lora_id=lora_id, mm_hashes=mm, max_tokens=max_tokens)
-            detok = IncrementalDetokenizer(self.tokenizer, child_params.stop or (),
-                                           child_params.include_stop_str_in_output, child_params.skip_special_tokens)
+            req = Request(
+                rid,
+                list(token_ids),
+                child_params,
+                arrival_time=arrival,
+                prompt=text,
+                priority=priority,
+                cache_salt=cache_salt,
+                lora_id=lora_id,
+                mm_hashes=mm,
+                max_tokens=max_tokens,
+            )
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                child_params.stop or (),
+                child_params.include_stop_str_in_output,
+                child_params.skip_special_tokens,
+            )
             seq = _Sequence(req, request_id, i, detok, logprobs=[] if params.logprobs is not None else None)
             sequences.append(seq)
         parent = _Parent(request_id, text, list(token_ids), sequences, arrival, kind)
@@ -156,8 +190,14 @@ class Engine:
     def _parse_prompt(self, prompt, cache_salt, lora_id, mm_hashes):
         text = None
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "lora_id", "adapter_id",
-                                     "multi_modal_hashes"}
+            unknown = set(prompt) - {
+                "prompt",
+                "prompt_token_ids",
+                "cache_salt",
+                "lora_id",
+                "adapter_id",
+                "multi_modal_hashes",
+            }
             if unknown:
                 raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
             cache_salt = prompt.get("cache_salt", cache_salt)
@@ -194,16 +234,21 @@ class Engine:
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
         n = len(token_ids)
         if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens but the model's context length (max_model_len) is "
-                             f"{self.max_model_len}; at least one token must be left to generate")
+            raise ValueError(
+                f"the prompt has {n} tokens but the model's context length (max_model_len) is "
+                f"{self.max_model_len}; at least one token must be left to generate"
+            )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens={max_tokens} with a {n}-token prompt exceeds max_model_len="
-                             f"{self.max_model_len}; ask for at most {self.max_model_len - n} tokens")
+            raise ValueError(
+                f"max_tokens={max_tokens} with a {n}-token prompt exceeds max_model_len="
+                f"{self.max_model_len}; ask for at most {self.max_model_len - n} tokens"
+            )
         capacity = self.kv.num_pages * self.kv.page_size
         if n + max_tokens > capacity:
-            raise ValueError(f"prompt plus max_tokens ({n + max_tokens} tokens) cannot fit the KV cache "
-                             f"({capacity} tokens)")
+            raise ValueError(
+                f"prompt plus max_tokens ({n + max_tokens} tokens) cannot fit the KV cache ({capacity} tokens)"
+            )
         return max_tokens
 
     def abort(self, request_id: str) -> None:
@@ -229,8 +274,17 @@ class Engine:
         items = []
         for req, n in sched.scheduled:
             start = req.num_computed_tokens
-            items.append(BatchItem(req.request_id, req.token_ids[start:start + n], start, kv.page_table(req),
-                                   start + n == req.num_tokens, req.sampling_params, req.num_output_tokens))
+            items.append(
+                BatchItem(
+                    req.request_id,
+                    req.token_ids[start : start + n],
+                    start,
+                    kv.page_table(req),
+                    start + n == req.num_tokens,
+                    req.sampling_params,
+                    req.num_output_tokens,
+                )
+            )
         started = time.perf_counter()
         samples = self.runner.execute(items)
         self._model_seconds += time.perf_counter() - started
@@ -289,21 +343,34 @@ class Engine:
             req = seq.request
             tokens = req.output_token_ids
             if not delta:
-                completions.append(CompletionOutput(
-                    index=seq.index, text=seq.detok.text, token_ids=tokens, finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason, logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                    cumulative_logprob=None if seq.logprobs is None else seq.cumulative_logprob))
+                completions.append(
+                    CompletionOutput(
+                        index=seq.index,
+                        text=seq.detok.text,
+                        token_ids=tokens,
+                        finish_reason=seq.finish_reason,
+                        stop_reason=seq.stop_reason,
+                        logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                        cumulative_logprob=None if seq.logprobs is None else seq.cumulative_logprob,
+                    )
+                )
                 continue
             finished_now = seq.finish_reason is not None and not seq.sent_finished
             if len(tokens) == seq.sent_tokens and not finished_now:
                 continue  # nothing new for this sibling
             text = seq.detok.text
             shown = len(text) if seq.finish_reason is not None else max(seq.sent_text, len(text) - seq.detok.holdback)
-            completions.append(CompletionOutput(
-                index=seq.index, text=text[seq.sent_text:shown], token_ids=tokens[seq.sent_tokens:],
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=None if seq.logprobs is None else seq.logprobs[seq.sent_tokens:],
-                cumulative_logprob=None if seq.logprobs is None else seq.cumulative_logprob))
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text[seq.sent_text : shown],
+                    token_ids=tokens[seq.sent_tokens :],
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=None if seq.logprobs is None else seq.logprobs[seq.sent_tokens :],
+                    cumulative_logprob=None if seq.logprobs is None else seq.cumulative_logprob,
+                )
+            )
             seq.sent_tokens, seq.sent_text = len(tokens), shown
             seq.sent_finished = seq.finish_reason is not None
         reqs = [s.request for s in parent.sequences]
@@ -313,25 +380,39 @@ class Engine:
             arrival_time=parent.arrival_time,
             first_scheduled_time=min((r.first_scheduled_time for r in reqs if r.first_scheduled_time), default=None),
             first_token_time=min((r.first_token_time for r in reqs if r.first_token_time), default=None),
-            finish_time=max((r.finish_time or 0 for r in reqs), default=None) if finished else None)
-        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
-                             prompt_token_ids=parent.prompt_token_ids,
-                             outputs=completions, finished=finished,
-                             num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics)
+            finish_time=max((r.finish_time or 0 for r in reqs), default=None) if finished else None,
+        )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=metrics,
+        )
 
     # -- introspection ---------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         kv = self.kv
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_pages_total=kv.num_pages, num_pages_used=kv.num_used_pages(), kv_usage=kv.usage(),
-            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
-            prefix_cache_hit_rate=kv.stats.hit_rate, num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self.scheduler.step_count, prompt_tokens_total=self._prompt_tokens,
-            generation_tokens_total=self._generation_tokens, computed_tokens_total=self._computed_tokens,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_pages_total=kv.num_pages,
+            num_pages_used=kv.num_used_pages(),
+            kv_usage=kv.usage(),
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            prefix_cache_hit_rate=kv.stats.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.scheduler.step_count,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+            computed_tokens_total=self._computed_tokens,
             model_seconds_total=self._model_seconds,
             prefix_cache_readmission_queries=kv.stats.readmission_queries,
-            prefix_cache_readmission_hits=kv.stats.readmission_hits)
+            prefix_cache_readmission_hits=kv.stats.readmission_hits,
+        )
 
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         """Drop cached KV no request holds; salt_filter limits it to the namespaces (tenants) it accepts."""
@@ -342,5 +423,6 @@ class Engine:
 
     def render_cache_tree(self, max_depth: int = 3, max_children: int = 5) -> str:
         """The top of the radix tree as text (ValueError for caches that are not a tree)."""
-        return self.kv.render_tree(tokenizer_decode=self.tokenizer.decode, max_depth=max_depth,
-                                   max_children=max_children)
+        return self.kv.render_tree(
+            tokenizer_decode=self.tokenizer.decode, max_depth=max_depth, max_children=max_children
+        )

@@ -1,4 +1,5 @@
 """Counters the engine keeps so the server, the CLI and benchmarks can report them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

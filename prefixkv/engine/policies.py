@@ -1,4 +1,5 @@
 """Orders the waiting queue. The scheduler admits requests in the order a policy returns."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -14,8 +15,9 @@ class SchedulingPolicy(ABC):
     def order(self, waiting: list[Request], kv: KVCacheManager, step: int) -> list[Request]:
         """Waiting requests in the order the scheduler should try to admit them this step."""
 
-    def should_defer(self, request: Request, num_cached_tokens: int, admitted: list[Request],
-                     kv: KVCacheManager) -> bool:
+    def should_defer(
+        self, request: Request, num_cached_tokens: int, admitted: list[Request], kv: KVCacheManager
+    ) -> bool:
         """True to skip `request` this step (e.g. its new prefix is being computed by an admitted one)."""
         return False
 
@@ -39,4 +41,3 @@ class PriorityPolicy(SchedulingPolicy):
 
     def preemption_victim(self, running):
         return max(running, key=lambda r: (r.priority, r.arrival_time))
-

@@ -1,5 +1,6 @@
 """Builds the scheduling policy an EngineConfig names: the one module that knows every policy, so the base
 classes in policies.py import none of the policies built on them."""
+
 from __future__ import annotations
 
 from prefixkv.config import EngineConfig

@@ -9,6 +9,7 @@ The scheduler is the only writer of a request's progress: it counts the prefix h
 manager has taken it (admit_request), and advances the request after each step (update), whoever ran the step
 (the engine with the model, or the simulator with a cost model).
 """
+
 from __future__ import annotations
 
 import time

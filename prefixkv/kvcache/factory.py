@@ -1,5 +1,6 @@
 """Builds the KV manager an EngineConfig names: the one module that knows every kind, so manager.py (the
 interface) imports none of them."""
+
 from __future__ import annotations
 
 from prefixkv.kvcache.hash_cache import HashPrefixCache

@@ -3,6 +3,7 @@
 The order is the eviction order: the head is the least recently freed block. A prefix hit on a free cached block
 takes it out of the middle in O(1) through its own prev/next pointers, with no Python list scan.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

@@ -5,6 +5,7 @@ hashing.py) and goes into one flat map key -> block. A new request walks its cha
 stops at the first miss; the hit blocks are shared (ref_cnt) instead of recomputed. Freed blocks keep their key
 and sit in the free queue, least recently used at the head; allocation takes the head and evicts its key then.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -68,7 +69,7 @@ class HashPrefixCache(KVCacheManager):
         parent = hashes[-1] if hashes else ROOT_KEY
         for i in range(len(hashes), num_blocks):
             extra = block_extra_keys(i, bs, request.lora_id, request.cache_salt, request.mm_hashes)
-            parent = hash_block(self._hash_fn, parent, tokens[i * bs:(i + 1) * bs], extra)
+            parent = hash_block(self._hash_fn, parent, tokens[i * bs : (i + 1) * bs], extra)
             hashes.append(parent)
         return hashes
 
@@ -127,7 +128,7 @@ class HashPrefixCache(KVCacheManager):
             self._evict(b)
             b.ref_cnt = 1
             blocks.append(b)
-        held.page_ids.extend(b.block_id for b in blocks[len(held.page_ids):])
+        held.page_ids.extend(b.block_id for b in blocks[len(held.page_ids) :])
         return True
 
     def commit(self, request: Request) -> None:
@@ -197,8 +198,10 @@ class HashPrefixCache(KVCacheManager):
         tokens: dict[str | None, int] = {}
         for b in self.cached.values():
             tokens[b.cache_salt] = tokens.get(b.cache_salt, 0) + self.page_size
-        return [{"cache_salt": salt, "cached_tokens": n}
-                for salt, n in sorted(tokens.items(), key=lambda kv: (-kv[1], str(kv[0])))]
+        return [
+            {"cache_salt": salt, "cached_tokens": n}
+            for salt, n in sorted(tokens.items(), key=lambda kv: (-kv[1], str(kv[0])))
+        ]
 
     def check_invariants(self) -> None:
         free = list(self.free_queue)

@@ -5,6 +5,7 @@ stands for the whole prefix up to its block. The serialisation is canonical (lit
 length-prefixed UTF-8 extra keys), so two processes compute the same keys for the same prompt: routers and logs
 rely on that.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,8 +45,9 @@ def _extra_bytes(extra_keys: Sequence[str]) -> bytes:
     return bytes(out)
 
 
-def block_extra_keys(block_index: int, block_size: int, lora_id: str | None, cache_salt: str | None,
-                     mm_hashes: Sequence = ()) -> tuple[str, ...]:
+def block_extra_keys(
+    block_index: int, block_size: int, lora_id: str | None, cache_salt: str | None, mm_hashes: Sequence = ()
+) -> tuple[str, ...]:
     """Extra keys of one block: adapter id (every block), overlapping multimodal input hashes, salt (block 0)."""
     keys: list[str] = []
     if lora_id is not None:
@@ -59,20 +61,27 @@ def block_extra_keys(block_index: int, block_size: int, lora_id: str | None, cac
     return tuple(keys)
 
 
-def hash_block(hash_fn: Callable[[bytes], bytes], parent_key: bytes, token_ids: Sequence[int],
-               extra_keys: Sequence[str] = ()) -> bytes:
+def hash_block(
+    hash_fn: Callable[[bytes], bytes], parent_key: bytes, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+) -> bytes:
     tokens = _token_bytes(token_ids)
     return hash_fn(parent_key + struct.pack("<I", len(token_ids)) + tokens + _extra_bytes(extra_keys))
 
 
-def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, algo: str = "sha256", lora_id: str | None = None,
-                       cache_salt: str | None = None, mm_hashes: Sequence = ()) -> list[bytes]:
+def hash_prompt_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    algo: str = "sha256",
+    lora_id: str | None = None,
+    cache_salt: str | None = None,
+    mm_hashes: Sequence = (),
+) -> list[bytes]:
     """Keys of every full block of token_ids (what the cache would store for this prompt)."""
     fn = HASH_FUNCTIONS[algo]
     keys: list[bytes] = []
     parent = ROOT_KEY
     for i in range(len(token_ids) // block_size):
         extra = block_extra_keys(i, block_size, lora_id, cache_salt, mm_hashes)
-        parent = hash_block(fn, parent, token_ids[i * block_size:(i + 1) * block_size], extra)
+        parent = hash_block(fn, parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         keys.append(parent)
     return keys

@@ -12,6 +12,7 @@ The manager never writes a request: the scheduler owns its progress (it sets num
 successful allocate and advances it after each step) and records the admissions in `stats`. What a manager
 remembers per request (pages, memoised keys and matches) lives inside the manager, typed, until free().
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -125,11 +126,11 @@ class KVCacheManager(ABC):
         (dfs-weight lays the waiting queue out on these). Empty without a cache."""
         return []
 
-    def render_tree(self, tokenizer_decode: Callable[[list[int]], str] | None = None, max_depth: int = 3,
-                    max_children: int = 5) -> str:
+    def render_tree(
+        self, tokenizer_decode: Callable[[list[int]], str] | None = None, max_depth: int = 3, max_children: int = 5
+    ) -> str:
         """The top of the cache's tree as text; ValueError for caches that are not a tree."""
         raise ValueError(f"the {self.name!r} prefix cache has no tree to render; use prefix_cache='radix'")
 
     def check_invariants(self) -> None:  # noqa: B027 - optional: a manager with no accounting has nothing to check
         """Raise AssertionError when the accounting is broken (tests call this after every operation)."""
-

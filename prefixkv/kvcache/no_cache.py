@@ -1,4 +1,5 @@
 """Prefix caching off: the same block pool and accounting as the hash cache, with no keys and no hits."""
+
 from __future__ import annotations
 
 from prefixkv.kvcache.hash_cache import HashPrefixCache

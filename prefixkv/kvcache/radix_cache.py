@@ -14,6 +14,7 @@ the same KV).
 Keys: (lora_id, cache_salt) select separate roots; prompt positions covered by a multimodal input are keyed by
 (input hash, offset) instead of the placeholder token, so two images never match each other.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
@@ -86,7 +87,7 @@ class RadixPrefixCache(KVCacheManager):
                 for k in range(mm.offset, min(mm.offset + mm.length, len(prompt))):
                     prompt[k] = (mm.hash, k - mm.offset)
             known.mm_prompt_keys = prompt
-        return prompt + request.token_ids[len(prompt):]
+        return prompt + request.token_ids[len(prompt) :]
 
     # -- queries -------------------------------------------------------------------------------------------
     def lookup(self, request: Request) -> int:
@@ -112,8 +113,12 @@ class RadixPrefixCache(KVCacheManager):
         else:
             node, start, inside = tree.roots.get(self._namespace(request)), 0, None
         keys = self._keys(request)
-        if memo is not None and inside is not None and node is not None \
-                and node.children.get(tree.key(keys, start)) is inside:
+        if (
+            memo is not None
+            and inside is not None
+            and node is not None
+            and node.children.get(tree.key(keys, start)) is inside
+        ):
             known.memo = memo._replace(version=tree.version)
             return memo.hit
         hit, inside = 0, None
@@ -152,7 +157,7 @@ class RadixPrefixCache(KVCacheManager):
         if len(self._free) < n:
             self._free.extend(self.tree.evict(n - len(self._free)))
         taken = self._free[-n:] if n else []
-        del self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n :]
         return taken
 
     def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
@@ -199,7 +204,8 @@ class RadixPrefixCache(KVCacheManager):
             return
         first = state.committed // ps
         node, tree_pages = self.tree.insert(
-            state.node, self._keys(request), state.committed, full, state.pages[first:full // ps])
+            state.node, self._keys(request), state.committed, full, state.pages[first : full // ps]
+        )
         for j, tree_page in enumerate(tree_pages):
             mine = state.pages[first + j]
             if mine != tree_page:  # someone cached these tokens first: share theirs, return ours
@@ -213,7 +219,7 @@ class RadixPrefixCache(KVCacheManager):
         if state is None:
             return
         # tail first, so the next allocations reuse the pages least likely to matter
-        self._free.extend(reversed(state.pages[state.committed // self.page_size:]))
+        self._free.extend(reversed(state.pages[state.committed // self.page_size :]))
         self.tree.touch(state.node)
         self.tree.unlock(state.node)
         root = state.node
@@ -275,12 +281,19 @@ class RadixPrefixCache(KVCacheManager):
             listed.append(node)
             if len(listed) == k:
                 break
-        return [{"tokens": self.tree.depth(n), "hits": n.hits, "locks": n.lock_ref,
-                 "namespace": list(n.namespace) if isinstance(n.namespace, tuple) else n.namespace}
-                for n in listed]
+        return [
+            {
+                "tokens": self.tree.depth(n),
+                "hits": n.hits,
+                "locks": n.lock_ref,
+                "namespace": list(n.namespace) if isinstance(n.namespace, tuple) else n.namespace,
+            }
+            for n in listed
+        ]
 
     def render_tree(self, tokenizer_decode=None, max_depth: int = 3, max_children: int = 5) -> str:
         """The top of the tree as text: per node its tokens, hits, locks and the start of its run."""
+
         def label(node: RadixNode) -> str:
             run = node.tokens
             if tokenizer_decode is not None:
@@ -292,8 +305,10 @@ class RadixPrefixCache(KVCacheManager):
                 text = " ".join(map(str, run[:8])) + (" ..." if len(run) > 8 else "")
             return f"+{len(run)} tok  hits={node.hits} locks={node.lock_ref}  {text}"
 
-        lines = [f"radix cache: {self.tree.num_nodes} nodes, {self.tree.evictable_tokens + self.tree.protected_tokens}"
-                 f" cached tokens ({self.tree.protected_tokens} locked), page_size={self.page_size}"]
+        lines = [
+            f"radix cache: {self.tree.num_nodes} nodes, {self.tree.evictable_tokens + self.tree.protected_tokens}"
+            f" cached tokens ({self.tree.protected_tokens} locked), page_size={self.page_size}"
+        ]
 
         def walk(node: RadixNode, prefix: str, depth: int) -> None:
             kids = sorted(node.children.values(), key=lambda c: (-c.hits, -c.last_access))
@@ -309,8 +324,11 @@ class RadixPrefixCache(KVCacheManager):
                 lines.append(f"{prefix}└─ ... {len(kids) - max_children} more")
 
         for namespace, root in sorted(self.tree.roots.items(), key=lambda kv: str(kv[0])):
-            lines.append(f"namespace lora={namespace[0]!r} salt={namespace[1]!r}" if isinstance(namespace, tuple)
-                         else f"namespace {namespace!r}")
+            lines.append(
+                f"namespace lora={namespace[0]!r} salt={namespace[1]!r}"
+                if isinstance(namespace, tuple)
+                else f"namespace {namespace!r}"
+            )
             walk(root, "", 0)
         return "\n".join(lines)
 

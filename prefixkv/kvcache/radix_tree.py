@@ -12,6 +12,7 @@ up to date on every lock change, so a free-page count never scans the tree.
 
 The tree knows nothing about requests or the free list: eviction hands freed page ids back to the caller.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -42,12 +43,12 @@ class RadixNode:
 def common_prefix_len(run: Sequence, seq: Sequence, start: int, end: int) -> int:
     """Length of the common prefix of run and seq[start:end]; slice compares in chunks keep it in C mostly."""
     limit = min(len(run), end - start)
-    if run[:limit] == seq[start:start + limit]:  # the common case: one comparison in C
+    if run[:limit] == seq[start : start + limit]:  # the common case: one comparison in C
         return limit
     n, step = 0, 64
     while n < limit:
         m = min(step, limit - n)
-        if run[n:n + m] == seq[start + n:start + n + m]:
+        if run[n : n + m] == seq[start + n : start + n + m]:
             n += m
             continue
         for k in range(n, n + m):
@@ -73,7 +74,7 @@ class RadixTree:
 
     # -- keys and roots ------------------------------------------------------------------------------------
     def key(self, tokens: Sequence, i: int) -> Hashable:
-        return tokens[i] if self.page_size == 1 else tuple(tokens[i:i + self.page_size])
+        return tokens[i] if self.page_size == 1 else tuple(tokens[i : i + self.page_size])
 
     def root(self, namespace: Namespace, create: bool = False) -> RadixNode | None:
         node = self.roots.get(namespace)
@@ -82,8 +83,13 @@ class RadixTree:
         return node
 
     def drop_root_if_unused(self, root: RadixNode | None) -> None:
-        if (root is not None and root.parent is None and not root.children and root.lock_ref == 0
-                and self.roots.get(root.namespace) is root):
+        if (
+            root is not None
+            and root.parent is None
+            and not root.children
+            and root.lock_ref == 0
+            and self.roots.get(root.namespace) is root
+        ):
             del self.roots[root.namespace]
 
     # -- matching ------------------------------------------------------------------------------------------
@@ -98,8 +104,9 @@ class RadixTree:
         path, matched, _, _ = self.walk(node, tokens, 0, limit)
         return path, matched
 
-    def walk(self, node: RadixNode, tokens: Sequence, i: int,
-             limit: int) -> tuple[list[RadixNode], int, RadixNode, int]:
+    def walk(
+        self, node: RadixNode, tokens: Sequence, i: int, limit: int
+    ) -> tuple[list[RadixNode], int, RadixNode, int]:
         """Continue a match from `node`, which ends at token i. Returns the nodes entered, the match length, and
         the deepest node matched in full with the token where it ends. Without evictions that node stays in
         the tree (splits keep the lower part's identity and end), so a later match can resume there: only
@@ -143,10 +150,10 @@ class RadixTree:
         assert 0 < n < len(node.tokens) and n % self.page_size == 0
         parent = node.parent
         assert parent is not None, "a root is never split"
-        upper = RadixNode(node.tokens[:n], node.pages[:n // self.page_size], parent, node.namespace)
+        upper = RadixNode(node.tokens[:n], node.pages[: n // self.page_size], parent, node.namespace)
         upper.lock_ref, upper.last_access, upper.hits = node.lock_ref, node.last_access, node.hits
         node.tokens = node.tokens[n:]
-        node.pages = node.pages[n // self.page_size:]
+        node.pages = node.pages[n // self.page_size :]
         parent.children[self.key(upper.tokens, 0)] = upper
         upper.children[self.key(node.tokens, 0)] = node
         node.parent = upper
@@ -154,8 +161,9 @@ class RadixTree:
         return upper
 
     # -- insertion -----------------------------------------------------------------------------------------
-    def insert(self, node: RadixNode, tokens: Sequence, start: int, end: int,
-               pages: list[int]) -> tuple[RadixNode, list[int]]:
+    def insert(
+        self, node: RadixNode, tokens: Sequence, start: int, end: int, pages: list[int]
+    ) -> tuple[RadixNode, list[int]]:
         """Add tokens[start:end] (KV in `pages`) below `node`, which ends at token `start` and is locked by the
         caller. Returns the new deepest node, now locked in place of `node` (the lock moves down), and the
         tree's page ids for the range: where the tokens were already cached these are the tree's pages, and
@@ -166,7 +174,7 @@ class RadixTree:
         while i < end:
             child = node.children.get(self.key(tokens, i))
             if child is None:
-                new = RadixNode(list(tokens[i:end]), list(pages[(i - start) // ps:]), node, node.namespace)
+                new = RadixNode(list(tokens[i:end]), list(pages[(i - start) // ps :]), node, node.namespace)
                 new.last_access = next(self._clock)
                 node.children[self.key(new.tokens, 0)] = new
                 self.num_nodes += 1
@@ -249,7 +257,7 @@ class RadixTree:
             if len(node.pages) > need:
                 freed.extend(node.pages[-need:])
                 del node.pages[-need:]
-                del node.tokens[-need * ps:]
+                del node.tokens[-need * ps :]
                 self.evictable_tokens -= need * ps
                 heapq.heappush(self._heap, (stamp, seq, node))
                 break
@@ -296,8 +304,9 @@ class RadixTree:
 
     def _maybe_compact_heap(self) -> None:
         if len(self._heap) > 4 * self.num_nodes + 64:
-            self._heap = [(n.last_access, next(self._seq), n) for n in self.nodes()
-                          if n.lock_ref == 0 and not n.children]
+            self._heap = [
+                (n.last_access, next(self._seq), n) for n in self.nodes() if n.lock_ref == 0 and not n.children
+            ]
             heapq.heapify(self._heap)
 
     def evictable_leaf_entries(self) -> set[tuple[int, int]]:

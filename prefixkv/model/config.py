@@ -1,4 +1,5 @@
 """The few numbers that define a decoder, independent of where the weights came from (HF dir or GGUF)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,8 +45,9 @@ class ModelConfig:
         model_type = cfg.get("model_type", "")
         arch = _ARCH_ALIASES.get(model_type)
         if arch is None:
-            raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
-                             f"supported: {sorted(_ARCH_ALIASES)}")
+            raise ValueError(
+                f"unsupported model_type {model_type!r} in config.json; supported: {sorted(_ARCH_ALIASES)}"
+            )
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos: list[int] = []

@@ -4,6 +4,7 @@ Why not gguf.GGUFReader: it builds a numpy memmap view per array element, so a 4
 ~3-6 s to parse. Here string arrays are decoded with struct in one pass (~50 ms) and tensors are plain slices of
 one memmap. Dequantisation is still done by the `gguf` package.
 """
+
 from __future__ import annotations
 
 import struct

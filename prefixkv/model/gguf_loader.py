@@ -1,4 +1,5 @@
 """GGUF -> (ModelConfig, HF-named float tensors). One canonical naming (HF's) so the model has one load path."""
+
 from __future__ import annotations
 
 import re

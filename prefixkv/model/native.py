@@ -18,6 +18,7 @@ leftover torch `lock` is stale and removes it. Waiting for another builder and t
 ($PREFIXKV_NATIVE_LOCK_TIMEOUT, $PREFIXKV_NATIVE_BUILD_TIMEOUT, seconds); past them, the torch paths are used.
 A finished build leaves a BUILT marker, after which a start only imports the library.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,6 +75,7 @@ def fused_ops():
 
 # -- where -------------------------------------------------------------------------------------------------
 
+
 def _cpu_identity() -> str:
     """What -march=native compiles for: the CPU's feature flags (Linux), else the machine name."""
     with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -99,7 +101,8 @@ def build_directory() -> str:
     import torch
 
     base = os.environ.get("PREFIXKV_NATIVE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "prefixkv", "native")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "prefixkv", "native"
+    )
     csrc_files = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")) + glob.glob(os.path.join(_CSRC, "*.h")))
     installation = f"{sys.prefix}\0{sys.executable}"  # a venv's python is often a symlink to a shared one
     key = build_key(csrc_files, torch.__version__, installation, _FLAGS, _cpu_identity())
@@ -120,6 +123,7 @@ def is_built(directory: str) -> bool:
 
 
 # -- build and load ------------------------------------------------------------------------------------------
+
 
 def _seconds(variable: str) -> float:
     value = os.environ.get(variable)
@@ -157,11 +161,13 @@ def _build_lock(directory: str, timeout: float) -> Iterator[int]:
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise NativeBuildError(f"another process has been building the native kernels in {directory} "
-                                           f"for over {timeout:.0f} s") from None
+                    raise NativeBuildError(
+                        f"another process has been building the native kernels in {directory} for over {timeout:.0f} s"
+                    ) from None
                 if not told:
-                    logger.warning("waiting up to %.0f s for another process building native kernels in %s",
-                                   timeout, directory)
+                    logger.warning(
+                        "waiting up to %.0f s for another process building native kernels in %s", timeout, directory
+                    )
                     told = True
                 time.sleep(0.1)
         yield fd
@@ -178,21 +184,33 @@ def _build(directory: str, lock_fd: int, timeout: float) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(directory, _BUILT))
     logger.warning("building native kernels in %s (first start, ~1 min)", directory)
-    args = {"name": module_name(directory), "sources": _SOURCES, "build_directory": directory, "verbose": False,
-            **_FLAGS}
+    args = {
+        "name": module_name(directory),
+        "sources": _SOURCES,
+        "build_directory": directory,
+        "verbose": False,
+        **_FLAGS,
+    }
     env = dict(os.environ)
     bin_dir = os.path.dirname(sys.executable)  # pip's ninja lives beside python in a venv that is not activated
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     log_path = os.path.join(directory, "build.log")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(args)], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, pass_fds=(lock_fd,), start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(args)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            pass_fds=(lock_fd,),
+            start_new_session=True,
+        )
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             _kill(proc)
-            raise NativeBuildError(f"the native build in {directory} did not finish within {timeout:.0f} s "
-                                   f"(log: {log_path})") from None
+            raise NativeBuildError(
+                f"the native build in {directory} did not finish within {timeout:.0f} s (log: {log_path})"
+            ) from None
         except BaseException:  # interrupted: stop the compiler too
             _kill(proc)
             raise

@@ -14,6 +14,7 @@ Two kinds of paths, and why the defaults differ by dtype:
 
 Tests parametrize these options (`dataclasses.replace(options, in_place_decodes=False)`) instead of patching.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,8 +59,9 @@ class KernelOptions:
     cascade_max_gather: float = 0.75
 
     @staticmethod
-    def choose(device: torch.device | str, dtype: torch.dtype, config: ModelConfig | None = None,
-               **overrides) -> KernelOptions:
+    def choose(
+        device: torch.device | str, dtype: torch.dtype, config: ModelConfig | None = None, **overrides
+    ) -> KernelOptions:
         """The defaults for this device, dtype and model shape, with `overrides` (field=value) applied.
 
         An override asking for a path that cannot run here (e.g. fused_ops on float32) is a ValueError.
@@ -72,7 +74,9 @@ class KernelOptions:
             cascade_decodes=below_fp32,
             split_prefill=below_fp32,
             flash_lse=cpu and FLASH_WITH_LSE is not None,
-            fused_ops=cpu and dtype == torch.bfloat16 and native.fused_ops() is not None
+            fused_ops=cpu
+            and dtype == torch.bfloat16
+            and native.fused_ops() is not None
             and (config is None or fused_ops_fit(config)),
             packed_weights=packed_linear.can_pack(device, dtype),
         )
@@ -102,4 +106,3 @@ class KernelOptions:
 def fused_ops_fit(config: ModelConfig) -> bool:
     """The native elementwise kernels cover these widths only."""
     return config.hidden_size % 16 == 0 and config.intermediate_size % 16 == 0 and config.head_dim % 32 == 0
-

@@ -6,6 +6,7 @@ into the blocked (AMX/VNNI) layout on every call. For the small row counts of de
 results are bit-identical to `F.linear` (same kernel, same accumulation order), measured on SmolLM2's shapes.
 Used only for bfloat16 on CPUs where oneDNN supports it; float32 stays on `F.linear` (the exactness mode).
 """
+
 from __future__ import annotations
 
 import torch

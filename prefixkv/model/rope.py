@@ -2,6 +2,7 @@
 
 Computed the same way as Hugging Face (fp32, rotate_half layout) so fp32 outputs match token for token.
 """
+
 from __future__ import annotations
 
 import math

@@ -4,6 +4,7 @@ It sees only page tables: which prefix cache (if any) produced them is invisible
 forward pass's kernel choices are made, once: the KernelOptions it starts with configure the model (fused ops,
 packed weights) and the step planner (which attention path each row takes).
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -5,6 +5,7 @@ whatever batch it lands in and after preemption. Unseeded requests share one run
 Random draws use the exponential-race trick (argmax of p / Exp(1) noise == a multinomial draw) so each row
 needs only one noise vector from its own generator; everything else is batched.
 """
+
 from __future__ import annotations
 
 import torch

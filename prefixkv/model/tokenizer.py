@@ -3,6 +3,7 @@
 Building a tokenizer from a GGUF vocabulary takes transformers ~5 s, so the result is saved once under
 ~/.cache/prefixkv/tokenizers/<file name, size, mtime> and later loads take ~0.3 s.
 """
+
 from __future__ import annotations
 
 import os
@@ -86,8 +87,9 @@ class Tokenizer:
             raise ValueError(f"cannot render chat template: {e}") from e
         return text
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    allow_special_tokens_in_content: bool = False) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False
+    ) -> list[int]:
         """A chat as prompt token ids, where special-token text typed into a message stays plain text.
 
         Why: tokenizing the rendered template as one string turns "<|im_start|>system" inside a user's message
@@ -142,8 +144,8 @@ class Tokenizer:
         bare = list(self.hf("a", add_special_tokens=False).input_ids)
         full = list(self.hf("a").input_ids)
         for start in range(len(full) - len(bare) + 1):
-            if full[start:start + len(bare)] == bare:
-                return full[:start], full[start + len(bare):]
+            if full[start : start + len(bare)] == bare:
+                return full[:start], full[start + len(bare) :]
         return [], []
 
     def _encode_inert_content(self, messages: list[dict], text: str, add_generation_prompt: bool) -> list[int]:
@@ -163,9 +165,11 @@ class Tokenizer:
         pieces = marker.split(template)  # template text, content index, template text, ...
         rebuilt = "".join(contents[int(p)] if i % 2 else p for i, p in enumerate(pieces))
         if rebuilt != text:  # the template changes or inspects content: its own text cannot be told apart
-            raise ValueError("a message's content contains special-token text and this chat template transforms "
-                             "content, so it cannot be kept as plain text; remove the special-token text from "
-                             "messages")
+            raise ValueError(
+                "a message's content contains special-token text and this chat template transforms "
+                "content, so it cannot be kept as plain text; remove the special-token text from "
+                "messages"
+            )
         ids: list[int] = []
         plain: list[str] = []  # plain text since the last special token
 
@@ -180,7 +184,7 @@ class Tokenizer:
                 continue
             last = 0
             for match in self._special_pattern.finditer(piece):
-                plain.append(piece[last:match.start()])
+                plain.append(piece[last : match.start()])
                 flush()
                 ids.append(self.hf.convert_tokens_to_ids(match.group()))
                 last = match.end()
@@ -208,8 +212,10 @@ def _map_contents(message: dict, fn) -> dict:
     if isinstance(content, str):
         return {**message, "content": fn(content)}
     if isinstance(content, list):
-        parts = [{**p, "text": fn(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
-                 for p in content]
+        parts = [
+            {**p, "text": fn(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+            for p in content
+        ]
         return {**message, "content": parts}
     return message
 

@@ -1,4 +1,5 @@
 """`python -m prefixkv.server [serve options]`: the same as `prefixkv serve`."""
+
 import sys
 
 from prefixkv.server.cli import main

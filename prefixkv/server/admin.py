@@ -5,6 +5,7 @@ vLLM exposes them, no prompt text and nothing per tenant) and read /cache/summar
 whole and a tenant key gets cut down to its own namespaces. Resetting the cache and the radix tree (it shows
 prompt text) need an admin key. Without keys every caller is an admin, as before keys existed.
 """
+
 from __future__ import annotations
 
 import time
@@ -51,8 +52,13 @@ async def health(raw: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(raw: Request) -> dict:
     state = server_state(raw)
-    card = {"id": state.served_model_name, "object": "model", "created": _STARTED, "owned_by": "prefixkv",
-            "max_model_len": state.max_model_len}
+    card = {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": _STARTED,
+        "owned_by": "prefixkv",
+        "max_model_len": state.max_model_len,
+    }
     return {"object": "list", "data": [card]}
 
 
@@ -74,8 +80,9 @@ async def reset_prefix_cache(raw: Request, tenant: str | None = None) -> Respons
     ok = await state.engine.call(lambda engine: engine.reset_prefix_cache(only))
     scope = {} if tenant is None else {"tenant": tenant}
     if not ok:
-        return JSONResponse({"reset": False, **scope, "reason": "running requests still hold cached pages"},
-                            status_code=409)
+        return JSONResponse(
+            {"reset": False, **scope, "reason": "running requests still hold cached pages"}, status_code=409
+        )
     return JSONResponse({"reset": True, **scope})
 
 
@@ -83,11 +90,14 @@ def _owner_named(state: ServerState, tenant: str) -> str:
     """The owner string behind ?tenant=NAME, or a 400 saying why the name means nothing on this server."""
     owner = named_owner(state.tenant_isolation, state.keys, tenant)
     if owner is None:
-        why = ("tenants do not have separate caches here (--tenant-isolation none)"
-               if state.tenant_isolation == "none" else
-               "without --api-key-file, api-key isolation has no tenant names")
-        raise APIError(f"Cannot reset one tenant: {why}; reset the whole cache instead", param="tenant",
-                       code="invalid_value")
+        why = (
+            "tenants do not have separate caches here (--tenant-isolation none)"
+            if state.tenant_isolation == "none"
+            else "without --api-key-file, api-key isolation has no tenant names"
+        )
+        raise APIError(
+            f"Cannot reset one tenant: {why}; reset the whole cache instead", param="tenant", code="invalid_value"
+        )
     if state.keys is not None and tenant not in state.keys.tenants():
         raise APIError(f"Unknown tenant {tenant!r}: no API key belongs to it", param="tenant", code="invalid_value")
     return owner
@@ -107,8 +117,9 @@ async def cache_summary(raw: Request) -> dict:
     summary = await state.engine.call(read)
     principal = principal_of(raw)
     if not principal.is_admin:
-        return tenant_view(state, tenant_owner(state.tenant_isolation, principal, bearer_token(raw), None),
-                           principal.tenant, summary)
+        return tenant_view(
+            state, tenant_owner(state.tenant_isolation, principal, bearer_token(raw), None), principal.tenant, summary
+        )
     stats = summary["engine"]
     summary.setdefault("hit_rate", stats.get("prefix_cache_hit_rate", 0.0))
     summary["kv_pages_used"] = stats.get("num_pages_used")

@@ -4,6 +4,7 @@ The engine is built before the app (loading weights takes seconds), so uvicorn o
 connections once /health can answer ok. The engine thread starts and stops with the app's lifespan.
 The app carries its ServerLimits (app.state.limits); serving.make_server reads the connection-level ones there.
 """
+
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
@@ -23,10 +24,18 @@ from prefixkv.server.request_body import BoundedRequestBody
 from prefixkv.server.state import ServerState
 
 
-def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
-              api_key_file: str | None = None, tenant_isolation: str | None = None,
-              max_n: int = DEFAULT_MAX_N, max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-              allow_special_tokens_in_content: bool = False, limits: ServerLimits | None = None) -> FastAPI:
+def build_app(
+    engine: Any,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    api_key_file: str | None = None,
+    tenant_isolation: str | None = None,
+    max_n: int = DEFAULT_MAX_N,
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    allow_special_tokens_in_content: bool = False,
+    limits: ServerLimits | None = None,
+) -> FastAPI:
     """tenant_isolation None means `api-key` when a key file gives tenants, else `none` (as before key files)."""
     keys = KeyRing.build(api_key, api_key_file)
     if tenant_isolation is None:
@@ -39,13 +48,24 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
     name = served_model_name or engine.model_name
     metrics = ServerMetrics(name)
     limits = limits or ServerLimits()
-    async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished, on_aborted=metrics.observe_aborted,
-                               max_backlog=limits.max_stream_queue)
-    state = ServerState(engine=async_engine, tokenizer=engine.tokenizer, served_model_name=name,
-                        max_model_len=engine.max_model_len, metrics=metrics, keys=keys,
-                        tenant_isolation=tenant_isolation, max_n=max_n,
-                        max_prompts_per_request=max_prompts_per_request,
-                        allow_special_tokens_in_content=allow_special_tokens_in_content)
+    async_engine = AsyncEngine(
+        engine,
+        on_finished=metrics.observe_finished,
+        on_aborted=metrics.observe_aborted,
+        max_backlog=limits.max_stream_queue,
+    )
+    state = ServerState(
+        engine=async_engine,
+        tokenizer=engine.tokenizer,
+        served_model_name=name,
+        max_model_len=engine.max_model_len,
+        metrics=metrics,
+        keys=keys,
+        tenant_isolation=tenant_isolation,
+        max_n=max_n,
+        max_prompts_per_request=max_prompts_per_request,
+        allow_special_tokens_in_content=allow_special_tokens_in_content,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

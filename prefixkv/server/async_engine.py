@@ -12,6 +12,7 @@ The engine never builds cumulative outputs for the server (each would copy all t
 step: O(n^2) in the output length). A stream asks for `delta` outputs (only what each step added), a plain
 request for `final_only` (one whole output at the end); both add up the same way (see _coalesce, _Sink.count).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -65,8 +66,11 @@ class _Sink:
                 self.finish_reasons[c.index] = c.finish_reason
 
     def finished(self, output: RequestOutput) -> FinishedRequest:
-        return FinishedRequest(output.metrics, [self.finish_reasons[i] for i in sorted(self.finish_reasons)],
-                               max(self.num_generated.values(), default=0))
+        return FinishedRequest(
+            output.metrics,
+            [self.finish_reasons[i] for i in sorted(self.finish_reasons)],
+            max(self.num_generated.values(), default=0),
+        )
 
 
 class StreamBacklogError(RuntimeError):
@@ -106,8 +110,9 @@ class RequestGroup:
         behind = self._behind[index] = self._behind.get(index, 0) + 1
         self._ready.set()
         if self.max_backlog is not None and behind > self.max_backlog and not output.finished:
-            logger.warning("aborting %s: its client is %d outputs behind (--max-stream-queue)",
-                           self.request_ids[index], behind)
+            logger.warning(
+                "aborting %s: its client is %d outputs behind (--max-stream-queue)", self.request_ids[index], behind
+            )
             self.fail(StreamBacklogError(f"the client fell {behind} outputs behind; request aborted"), abort=True)
 
     def fail(self, exc: BaseException, *, abort: bool) -> None:
@@ -166,10 +171,15 @@ def _coalesce(unread: RequestOutput | None, newer: RequestOutput) -> RequestOutp
     for c in newer.outputs:
         old = merged.get(c.index)
         if old is not None:
-            c = CompletionOutput(index=c.index, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
-                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                 logprobs=None if c.logprobs is None else (old.logprobs or []) + c.logprobs,
-                                 cumulative_logprob=c.cumulative_logprob)
+            c = CompletionOutput(
+                index=c.index,
+                text=old.text + c.text,
+                token_ids=old.token_ids + c.token_ids,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=None if c.logprobs is None else (old.logprobs or []) + c.logprobs,
+                cumulative_logprob=c.cumulative_logprob,
+            )
         merged[c.index] = c
     return replace(newer, outputs=[merged[i] for i in sorted(merged)])
 
@@ -177,8 +187,14 @@ def _coalesce(unread: RequestOutput | None, newer: RequestOutput) -> RequestOutp
 class AsyncEngine:
     """Wraps a (not thread-safe) Engine for asyncio callers. Start with start(), end with shutdown()."""
 
-    def __init__(self, engine: Any, *, on_finished: Callable[[FinishedRequest], None] | None = None,
-                 on_aborted: Callable[[int], None] | None = None, max_backlog: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        on_finished: Callable[[FinishedRequest], None] | None = None,
+        on_aborted: Callable[[int], None] | None = None,
+        max_backlog: int | None = None,
+    ) -> None:
         self.engine = engine
         self.max_backlog = max_backlog  # see RequestGroup
         self._groups: weakref.WeakSet[RequestGroup] = weakref.WeakSet()  # live groups, touched on the event loop
@@ -210,8 +226,15 @@ class AsyncEngine:
         self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
 
-    async def submit(self, request_ids: list[str], prompts: Sequence[str | list[int] | dict], params: SamplingParams,
-                     *, stream: bool, **kwargs: Any) -> RequestGroup:
+    async def submit(
+        self,
+        request_ids: list[str],
+        prompts: Sequence[str | list[int] | dict],
+        params: SamplingParams,
+        *,
+        stream: bool,
+        **kwargs: Any,
+    ) -> RequestGroup:
         """Add one engine request per prompt, atomically: if any is rejected (ValueError), none stays.
         stream: the group yields each step's delta; else only each request's final output."""
         loop = asyncio.get_running_loop()

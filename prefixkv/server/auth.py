@@ -16,6 +16,7 @@ server says the caller is, never from a field the client picks alone:
 A salt is 32 hex digits: 16 naming the tenant, 16 binding the rest (user, client salt). The first half lets an
 admin reset or list one tenant's namespaces by prefix without the server remembering every salt it handed out.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -105,8 +106,10 @@ def read_key_file(path: str) -> list[tuple[str, Principal]]:
             continue
         where = f"API key file {path}, line {number}"
         if len(fields) not in (2, 3):
-            raise KeyFileError(f"{where}: expected 'KEY TENANT [ROLE]' (2 or 3 fields separated by spaces), "
-                               f"got {len(fields)} field{'s' if len(fields) != 1 else ''}")
+            raise KeyFileError(
+                f"{where}: expected 'KEY TENANT [ROLE]' (2 or 3 fields separated by spaces), "
+                f"got {len(fields)} field{'s' if len(fields) != 1 else ''}"
+            )
         key, tenant = fields[0], fields[1]
         role = fields[2] if len(fields) == 3 else "user"
         if role not in ROLES:
@@ -122,6 +125,7 @@ def read_key_file(path: str) -> list[tuple[str, Principal]]:
 
 # -- the FastAPI dependencies -------------------------------------------------------------------------------
 
+
 def bearer_token(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
@@ -134,8 +138,9 @@ async def authenticate(request: Request) -> Principal:
     keys: KeyRing | None = request.app.state.server.keys
     principal = OPEN if keys is None else keys.identify(bearer_token(request))
     if principal is None:
-        raise APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'", status=401,
-                       code="invalid_api_key")
+        raise APIError(
+            "Invalid or missing API key: send 'Authorization: Bearer <key>'", status=401, code="invalid_api_key"
+        )
     request.state.principal = principal
     return principal
 

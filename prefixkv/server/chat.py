@@ -4,6 +4,7 @@ The engine gets token ids (Tokenizer.encode_chat): a repeated system prompt toke
 every time, so its KV is found in the prefix cache; and special-token text a client types into a message stays
 plain text (it cannot forge a turn) unless the server runs with --allow-special-tokens-in-content.
 """
+
 from __future__ import annotations
 
 import time
@@ -33,32 +34,71 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     group = await submit(state, raw, request_id, [prompt], params, body)
     created = int(time.time())
     events = _stream(state, body, group, request_id, model, created) if body.stream else None
-    return await answer(raw, group, events,
-                        lambda finals: _response(state, body, finals[0], request_id, model, created))
+    return await answer(
+        raw, group, events, lambda finals: _response(state, body, finals[0], request_id, model, created)
+    )
 
 
-def _response(state: ServerState, body: ChatCompletionRequest, final: RequestOutput, request_id: str, model: str,
-              created: int) -> dict:
+def _response(
+    state: ServerState, body: ChatCompletionRequest, final: RequestOutput, request_id: str, model: str, created: int
+) -> dict:
     choices = []
     for c in sorted(final.outputs, key=lambda c: c.index):
         logprobs = chat_logprobs(state.tokenizer, list(c.logprobs or [])) if body.logprobs else None
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage([final])}
+        choices.append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage([final]),
+    }
 
 
-async def _stream(state: ServerState, body: ChatCompletionRequest, group, request_id: str, model: str,
-                  created: int) -> AsyncIterator[str]:
+async def _stream(
+    state: ServerState, body: ChatCompletionRequest, group, request_id: str, model: str, created: int
+) -> AsyncIterator[str]:
     tally = UsageTally()
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     for index in range(body.n):  # OpenAI opens every choice with the role
-        yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]})
+        yield sse(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+        )
     async for d in choice_deltas(group, body.n, tally):
         delta = {"content": d.text} if d.text else {}
         logprobs = chat_logprobs(state.tokenizer, d.logprobs) if body.logprobs else None
-        yield sse({**base, "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]})
+        yield sse(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": d.index,
+                        "delta": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": d.finish_reason,
+                        "stop_reason": d.stop_reason,
+                    }
+                ],
+            }
+        )
     if body.include_usage:
         yield sse({**base, "choices": [], "usage": tally.usage()})

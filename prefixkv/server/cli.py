@@ -1,4 +1,5 @@
 """`prefixkv serve`: load the engine, then serve the OpenAI-compatible API with uvicorn."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,24 +18,42 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (an admin key of "
-                        f"tenant '{DEFAULT_TENANT}')")
-    p.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="many keys, one 'KEY TENANT [ROLE]' per line (ROLE user by default, or admin; '#' starts a "
-                        "comment); only admin keys may reset the cache or read /cache/tree")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (an admin key of "
+        f"tenant '{DEFAULT_TENANT}')",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="many keys, one 'KEY TENANT [ROLE]' per line (ROLE user by default, or admin; '#' starts a "
+        "comment); only admin keys may reset the cache or read /cache/tree",
+    )
     p.add_argument("--served-model-name", default=None, help="the model name clients must send (default: the model's)")
-    p.add_argument("--tenant-isolation", choices=TENANT_ISOLATION, default=None,
-                   help="who shares prefix-cache pages: 'api-key' = the tenant of the caller's key (the default "
-                        "with --api-key-file); 'user' = the request's `user` field, trusted as sent, so only "
-                        "behind a proxy that sets it (with keys, scoped by the key's tenant); 'none' = everyone, "
-                        "split only by the client's cache_salt (the default otherwise)")
+    p.add_argument(
+        "--tenant-isolation",
+        choices=TENANT_ISOLATION,
+        default=None,
+        help="who shares prefix-cache pages: 'api-key' = the tenant of the caller's key (the default "
+        "with --api-key-file); 'user' = the request's `user` field, trusted as sent, so only "
+        "behind a proxy that sets it (with keys, scoped by the key's tenant); 'none' = everyone, "
+        "split only by the client's cache_salt (the default otherwise)",
+    )
     p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="most completions per prompt (n) in a request")
-    p.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                   help="most prompts in one /v1/completions request (also the most completions, prompts x n)")
-    p.add_argument("--allow-special-tokens-in-content", action="store_true",
-                   help="parse special-token text in chat message content as control tokens (lets a client "
-                        "forge turns; off by default)")
+    p.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        help="most prompts in one /v1/completions request (also the most completions, prompts x n)",
+    )
+    p.add_argument(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="parse special-token text in chat message content as control tokens (lets a client "
+        "forge turns; off by default)",
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_limit_arguments(p)
 
@@ -54,10 +73,17 @@ def serve(args: argparse.Namespace) -> int:
     limits = limits_from_args(args)
     raise_open_files_limit(limits)
     engine = build_engine(engine_config(args))
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                    api_key_file=args.api_key_file, tenant_isolation=args.tenant_isolation, max_n=args.max_n,
-                    max_prompts_per_request=args.max_prompts_per_request,
-                    allow_special_tokens_in_content=args.allow_special_tokens_in_content, limits=limits)
+    app = build_app(
+        engine,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        api_key_file=args.api_key_file,
+        tenant_isolation=args.tenant_isolation,
+        max_n=args.max_n,
+        max_prompts_per_request=args.max_prompts_per_request,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+        limits=limits,
+    )
     make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0
 

@@ -1,4 +1,5 @@
 """POST /v1/completions: raw prompts (text or token ids, one or many) in, text completions out."""
+
 from __future__ import annotations
 
 import time
@@ -32,31 +33,51 @@ async def create_completion(body: CompletionRequest, raw: Request):
     return await answer(raw, group, events, lambda finals: _response(state, body, finals, request_id, model, created))
 
 
-def _response(state: ServerState, body: CompletionRequest, finals: list[RequestOutput], request_id: str,
-              model: str, created: int) -> dict:
+def _response(
+    state: ServerState, body: CompletionRequest, finals: list[RequestOutput], request_id: str, model: str, created: int
+) -> dict:
     choices: list[dict[str, Any]] = []
     for prompt_index, output in enumerate(finals):
         for c in output.outputs:
             logprobs = None
             if body.logprobs is not None:
                 logprobs = completion_logprobs(state.tokenizer, list(c.logprobs or []), 0)
-            choices.append({"index": prompt_index * body.n + c.index, "text": c.text, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choices.append(
+                {
+                    "index": prompt_index * body.n + c.index,
+                    "text": c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
     choices.sort(key=lambda ch: ch["index"])
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(finals)}
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(finals),
+    }
 
 
-async def _stream(state: ServerState, body: CompletionRequest, group, request_id: str, model: str,
-                  created: int) -> AsyncIterator[str]:
+async def _stream(
+    state: ServerState, body: CompletionRequest, group, request_id: str, model: str, created: int
+) -> AsyncIterator[str]:
     tally = UsageTally()
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
     async for d in choice_deltas(group, body.n, tally):
         logprobs = None
         if body.logprobs is not None:
             logprobs = completion_logprobs(state.tokenizer, d.logprobs, d.text_offset)
-        choice = {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason,
-                  "stop_reason": d.stop_reason}
+        choice = {
+            "index": d.index,
+            "text": d.text,
+            "logprobs": logprobs,
+            "finish_reason": d.finish_reason,
+            "stop_reason": d.stop_reason,
+        }
         yield sse({**base, "choices": [choice]})
     if body.include_usage:
         yield sse({**base, "choices": [], "usage": tally.usage()})

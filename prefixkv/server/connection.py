@@ -10,6 +10,7 @@
   closes transports gracefully, which waits for the unsent buffer to drain, i.e. forever for such a client.
   The app finds `abort_connection()` under `scope["extensions"]["prefixkv.connection"]`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,18 +29,22 @@ EXTENSION = "prefixkv.connection"
 
 
 def _canned_503() -> bytes:
-    body = json.dumps(APIError("Too many open connections; retry later", status=503,
-                               code="too_many_connections").body()).encode()
-    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    body = json.dumps(
+        APIError("Too many open connections; retry later", status=503, code="too_many_connections").body()
+    ).encode()
+    head = (
+        f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
 class GuardedH11Protocol(H11Protocol):
     """One instance per connection (asyncio's protocol model). `limits` is bound with functools.partial."""
 
-    def __init__(self, config: Any, server_state: Any, app_state: dict, _loop: Any = None, *,
-                 limits: ServerLimits) -> None:
+    def __init__(
+        self, config: Any, server_state: Any, app_state: dict, _loop: Any = None, *, limits: ServerLimits
+    ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self.limits = limits
         self.header_deadline: asyncio.TimerHandle | None = None
@@ -89,8 +94,9 @@ class GuardedH11Protocol(H11Protocol):
     def _header_deadline_passed(self) -> None:
         self.header_deadline = None
         if not self.transport.is_closing():
-            logger.info("closed a connection whose request headers took over %gs (--header-timeout)",
-                        self.limits.header_timeout)
+            logger.info(
+                "closed a connection whose request headers took over %gs (--header-timeout)", self.limits.header_timeout
+            )
             self.transport.abort()
 
     # -- for the app ----------------------------------------------------------------------------------------

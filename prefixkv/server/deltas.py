@@ -6,6 +6,7 @@ increment is the delta's own text; what is kept per choice is a count (character
 text offsets), never the text. Choice index = prompt number * n + completion index, as OpenAI numbers the
 choices of a multi-prompt request.
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -49,5 +50,11 @@ async def choice_deltas(group: RequestGroup, n: int, tally: UsageTally) -> Async
             sent_chars[index] = chars + len(completion.text)
             if done:
                 finished.add(index)
-            yield ChoiceDelta(index, completion.text, logprobs, chars, completion.finish_reason,
-                              completion.stop_reason if done else None)
+            yield ChoiceDelta(
+                index,
+                completion.text,
+                logprobs,
+                chars,
+                completion.finish_reason,
+                completion.stop_reason if done else None,
+            )

@@ -3,6 +3,7 @@
 Shape: {"error": {"message", "type", "param", "code"}}. FastAPI's own 422 for body validation is replaced by
 a 400 naming the offending field, as OpenAI and vLLM answer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,15 +18,29 @@ from prefixkv.server.async_engine import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 500: "server_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "server_error",
+    500: "server_error",
+}
 
 
 class APIError(Exception):
     """Raised anywhere in a handler; becomes the JSON error response with its status."""
 
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -41,8 +56,24 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-_PARAMS = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-           "n", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "priority", "cache_salt"}
+_PARAMS = {
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "top_logprobs",
+    "priority",
+    "cache_salt",
+}
 
 
 def from_value_error(exc: ValueError) -> APIError:
@@ -54,8 +85,17 @@ def from_value_error(exc: ValueError) -> APIError:
 
 
 # pydantic error types for a value of the right type outside its range (NaN and infinities included)
-_OUT_OF_RANGE = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number",
-                 "too_short", "too_long", "string_too_short", "string_too_long"}
+_OUT_OF_RANGE = {
+    "greater_than",
+    "greater_than_equal",
+    "less_than",
+    "less_than_equal",
+    "finite_number",
+    "too_short",
+    "too_long",
+    "string_too_short",
+    "string_too_long",
+}
 
 
 def from_validation_error(exc: RequestValidationError) -> APIError:
@@ -77,8 +117,9 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     if kind == "missing":
         return APIError(f"Missing required field '{param}'", param=param, code="missing_field")
     if sum(1 for e in errors if tuple(e.get("loc", ()))[1:2] == (param,)) > 1:  # no member of a union fits
-        return APIError(f"Invalid value for '{param}': it matches none of the accepted types", param=param,
-                        code="invalid_type")
+        return APIError(
+            f"Invalid value for '{param}': it matches none of the accepted types", param=param, code="invalid_type"
+        )
     code = "invalid_value" if kind in _OUT_OF_RANGE else "invalid_type"
     return APIError(f"Invalid value for '{'.'.join(loc)}': {err.get('msg', 'invalid')}", param=param, code=code)
 

@@ -9,6 +9,7 @@ argparse group so every limit is an option. Where each limit is enforced:
 - async_engine.py / sse.py: max_stream_queue, stream_write_timeout (a stream whose client stopped reading);
 - serving.py: shutdown_timeout (SIGTERM).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,7 @@ _HELP = {
     "timeout_keep_alive": "close an idle keep-alive connection after this many seconds",
     "max_connections": "answer 503 and close connections beyond this many open ones",
     "shutdown_timeout": "on SIGTERM, let in-flight requests finish for this many seconds, then cut them "
-                        "(streams end with an error event and [DONE])",
+    "(streams end with an error event and [DONE])",
     "max_stream_queue": "abort a request and drop its connection when its client is this many outputs behind",
     "stream_write_timeout": "abort a stream whose client has not accepted a write for this many seconds",
 }
@@ -53,8 +54,12 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     defaults = ServerLimits()
     for f in fields(ServerLimits):
         default = getattr(defaults, f.name)
-        group.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default,
-                           help=f"{_HELP[f.name]} (default: {default})")
+        group.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(default),
+            default=default,
+            help=f"{_HELP[f.name]} (default: {default})",
+        )
 
 
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:

@@ -1,6 +1,7 @@
 """CompletionOutput.logprobs entries ({"token_id", "logprob", "top_logprobs": [(id, lp), ...]}) in the two
 shapes OpenAI uses: the legacy completions one and the chat one. Token strings are decoded one id at a time.
 """
+
 from __future__ import annotations
 
 from typing import Any

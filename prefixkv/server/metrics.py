@@ -5,6 +5,7 @@ thread, via AsyncEngine.on_finished); engine-wide state and totals (queues, page
 token counters) are read from Engine.get_stats() at scrape time by a custom collector. Each app gets its own
 CollectorRegistry so several servers (or tests) in one process do not collide.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,11 +15,29 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from prefixkv.server.async_engine import FinishedRequest
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                120.0, 240.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 
 
 class _EngineStatsCollector:
@@ -50,26 +69,41 @@ class _EngineStatsCollector:
             return
         yield gauge("prefixkv:num_requests_running", "Requests in the running batch.", self._get("num_running"))
         yield gauge("prefixkv:num_requests_waiting", "Requests waiting to be scheduled.", self._get("num_waiting"))
-        yield gauge("prefixkv:kv_pages_used", "KV pages held by requests (cached-but-free pages excluded).",
-                    self._get("num_pages_used"))
+        yield gauge(
+            "prefixkv:kv_pages_used",
+            "KV pages held by requests (cached-but-free pages excluded).",
+            self._get("num_pages_used"),
+        )
         yield gauge("prefixkv:kv_pages_total", "KV pages in the pool.", self._get("num_pages_total"))
-        yield gauge("prefixkv:kv_cache_usage_perc", "Fraction of KV pages held by requests (0-1).",
-                    self._get("kv_usage"))
-        yield gauge("prefixkv:prefix_cache_hit_rate",
-                    "Prefix-cache hits / queries, in tokens, over first admissions since start.",
-                    self._get("prefix_cache_hit_rate"))
-        yield counter("prefixkv:prefix_cache_queries",
-                      "Prompt tokens looked up in the prefix cache at first admission.",
-                      self._get("prefix_cache_queries"))
-        yield counter("prefixkv:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                      self._get("prefix_cache_hits"))
-        yield counter("prefixkv:prefix_cache_readmission_queries",
-                      "Prompt tokens looked up when a preempted request was admitted again (not in the hit rate).",
-                      self._get("prefix_cache_readmission_queries"))
-        yield counter("prefixkv:prefix_cache_readmission_hits",
-                      "Of those, tokens served from the prefix cache.", self._get("prefix_cache_readmission_hits"))
-        yield counter("prefixkv:num_preemptions", "Requests preempted (recomputed later).",
-                      self._get("num_preemptions"))
+        yield gauge(
+            "prefixkv:kv_cache_usage_perc", "Fraction of KV pages held by requests (0-1).", self._get("kv_usage")
+        )
+        yield gauge(
+            "prefixkv:prefix_cache_hit_rate",
+            "Prefix-cache hits / queries, in tokens, over first admissions since start.",
+            self._get("prefix_cache_hit_rate"),
+        )
+        yield counter(
+            "prefixkv:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache at first admission.",
+            self._get("prefix_cache_queries"),
+        )
+        yield counter(
+            "prefixkv:prefix_cache_hits", "Prompt tokens served from the prefix cache.", self._get("prefix_cache_hits")
+        )
+        yield counter(
+            "prefixkv:prefix_cache_readmission_queries",
+            "Prompt tokens looked up when a preempted request was admitted again (not in the hit rate).",
+            self._get("prefix_cache_readmission_queries"),
+        )
+        yield counter(
+            "prefixkv:prefix_cache_readmission_hits",
+            "Of those, tokens served from the prefix cache.",
+            self._get("prefix_cache_readmission_hits"),
+        )
+        yield counter(
+            "prefixkv:num_preemptions", "Requests preempted (recomputed later).", self._get("num_preemptions")
+        )
         yield counter("prefixkv:prompt_tokens", "Prompt tokens processed.", self._get("prompt_tokens_total"))
         yield counter("prefixkv:generation_tokens", "Tokens generated.", self._get("generation_tokens_total"))
 
@@ -80,14 +114,33 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
-        self.ttft = Histogram("prefixkv:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.tpot = Histogram("prefixkv:time_per_output_token_seconds", "Mean time between output tokens.",
-                              labels, buckets=_TPOT_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("prefixkv:e2e_request_latency_seconds", "Arrival to last token.", labels,
-                             buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
-        self.request_success = Counter("prefixkv:request_success", "Finished sequences by finish reason.",
-                                       labels + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            "prefixkv:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            "prefixkv:time_per_output_token_seconds",
+            "Mean time between output tokens.",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "prefixkv:e2e_request_latency_seconds",
+            "Arrival to last token.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_success = Counter(
+            "prefixkv:request_success",
+            "Finished sequences by finish reason.",
+            labels + ["finished_reason"],
+            registry=self.registry,
+        )
         self._stats = _EngineStatsCollector(model_name)
         self.registry.register(self._stats)
 

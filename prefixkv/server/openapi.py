@@ -4,6 +4,7 @@ FastAPI's generated schema declares a 422 the server never sends (errors.py turn
 OpenAI's 400), knows nothing of the API key's 401, the unknown model's 404 or the body limit's 413, and cannot
 see the caps that are server options (n, prompts per request). This fills those in from the running server.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,18 +18,26 @@ _ERROR_BODY = {
     "type": "object",
     "description": "OpenAI's error body: every non-2xx answer of this server has this shape",
     "required": ["error"],
-    "properties": {"error": {
-        "type": "object",
-        "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": _NULLABLE_STRING,
-                       "code": _NULLABLE_STRING},
-    }},
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": _NULLABLE_STRING,
+                "code": _NULLABLE_STRING,
+            },
+        }
+    },
 }
-_WHY = {400: "Invalid request: the message names the field (`param`)",
-        401: "Missing or invalid API key",
-        403: "The endpoint needs an admin API key",
-        404: "Unknown model",
-        413: "Request body too large"}
+_WHY = {
+    400: "Invalid request: the message names the field (`param`)",
+    401: "Missing or invalid API key",
+    403: "The endpoint needs an admin API key",
+    404: "Unknown model",
+    413: "Request body too large",
+}
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # what ChatCompletionRequest.template_messages accepts (the model keeps it a plain dict, so a bad message
 # gets that method's 400 naming messages[i])
@@ -37,16 +46,29 @@ _MESSAGE = {
     "required": ["role"],
     "properties": {
         "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"anyOf": [
-            {"type": "string"}, {"type": "null"},
-            {"type": "array", "items": {"type": "object", "required": ["type", "text"],
-                                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}},
-        ]},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "null"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                    },
+                },
+            ]
+        },
     },
 }
 # one server-sent event (stream: true): a JSON chunk, an error body, or [DONE], in `data`
-_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
-              "description": "one server-sent event of a streamed answer"}
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}},
+    "description": "one server-sent event of a streamed answer",
+}
 _TEXT_PATHS = {"/metrics": "text/plain", "/cache/tree": "text/plain"}
 
 
@@ -69,8 +91,10 @@ def install_openapi(app: FastAPI, state: Any) -> None:
 
 
 def _error_response(status: int) -> dict:
-    return {"description": _WHY[status],
-            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_SCHEMA}"}}}}
+    return {
+        "description": _WHY[status],
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_SCHEMA}"}}},
+    }
 
 
 def _declare_errors(schema: dict, public_paths: set[str], admin_paths: set[str], api_key: bool) -> None:

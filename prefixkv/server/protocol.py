@@ -6,6 +6,7 @@ Unknown fields are ignored, as OpenAI-compatible servers usually do. Types are s
 a client what is accepted; SamplingParams checks them again for the Python API. Each bad field gets a 400 that
 names it.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any
@@ -61,8 +62,7 @@ class _GenerationRequest(BaseModel):
     def check_n(self, max_n: int) -> None:
         """The server's cap on n: each completion is a sequence the engine schedules, so n is a work multiplier."""
         if self.n > max_n:
-            raise APIError(f"n must be at most {max_n} on this server, got {self.n}", param="n",
-                           code="invalid_value")
+            raise APIError(f"n must be at most {max_n} on this server, got {self.n}", param="n", code="invalid_value")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
@@ -88,9 +88,11 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str | list[int]] = Field(
         description="a string, a list of token ids, or a list of either; at most the server's "
-                    "--max-prompts-per-request prompts (default 1024)")
-    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1,
-                                   description="null means OpenAI's default for completions, 16")
+        "--max-prompts-per-request prompts (default 1024)"
+    )
+    max_tokens: int | None = Field(
+        DEFAULT_COMPLETION_MAX_TOKENS, ge=1, description="null means OpenAI's default for completions, 16"
+    )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -108,13 +110,19 @@ class CompletionRequest(_GenerationRequest):
         if not prompts:
             raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
         if len(prompts) > max_prompts:
-            raise APIError(f"prompt holds {len(prompts)} prompts; this server takes at most {max_prompts} per "
-                           "request", param="prompt", code="invalid_value")
+            raise APIError(
+                f"prompt holds {len(prompts)} prompts; this server takes at most {max_prompts} per request",
+                param="prompt",
+                code="invalid_value",
+            )
         max_completions = max(max_prompts, max_n)
         if len(prompts) * self.n > max_completions:
-            raise APIError(f"{len(prompts)} prompts with n={self.n} ask for {len(prompts) * self.n} completions; "
-                           f"this server makes at most {max_completions} per request", param="n",
-                           code="invalid_value")
+            raise APIError(
+                f"{len(prompts)} prompts with n={self.n} ask for {len(prompts) * self.n} completions; "
+                f"this server makes at most {max_completions} per request",
+                param="n",
+                code="invalid_value",
+            )
         for x in prompts:
             if len(x) == 0:
                 raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
@@ -149,8 +157,11 @@ class ChatCompletionRequest(_GenerationRequest):
         for i, m in enumerate(self.messages):
             role = m.get("role")
             if not isinstance(role, str) or role not in ("system", "developer", "user", "assistant", "tool"):
-                raise APIError(f"messages[{i}].role must be one of system, developer, user, assistant, tool; "
-                               f"got {role!r}", param="messages", code="invalid_value")
+                raise APIError(
+                    f"messages[{i}].role must be one of system, developer, user, assistant, tool; got {role!r}",
+                    param="messages",
+                    code="invalid_value",
+                )
             content = m.get("content")
             if content is None:
                 content = ""
@@ -159,12 +170,18 @@ class ChatCompletionRequest(_GenerationRequest):
                 for part in content:
                     is_text = isinstance(part, dict) and part.get("type") == "text"
                     if not is_text or not isinstance(part.get("text"), str):
-                        raise APIError(f"messages[{i}].content: only text parts are supported",
-                                       param="messages", code="invalid_value")
+                        raise APIError(
+                            f"messages[{i}].content: only text parts are supported",
+                            param="messages",
+                            code="invalid_value",
+                        )
                     parts.append(part["text"])
                 content = "".join(parts)
             elif not isinstance(content, str):
-                raise APIError(f"messages[{i}].content must be a string or a list of text parts",
-                               param="messages", code="invalid_value")
+                raise APIError(
+                    f"messages[{i}].content must be a string or a list of text parts",
+                    param="messages",
+                    code="invalid_value",
+                )
             out.append({"role": "system" if role == "developer" else role, "content": content})
         return out

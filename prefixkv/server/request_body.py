@@ -9,6 +9,7 @@ and the connection is held open for a bounded time (`_LINGER_SECONDS`, `_LINGER_
 upload is read and thrown away: closing a socket with unread data makes the kernel send a reset, which can
 destroy the 413 before a client that is still uploading reads it (nginx's "lingering close").
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +60,9 @@ class BoundedRequestBody:
             async with asyncio.timeout(self.timeout):
                 body = await self._read(receive)
         except TimeoutError:
-            error = APIError(f"The request body was not received within {self.timeout:g} seconds",
-                             status=408, code="request_timeout")
+            error = APIError(
+                f"The request body was not received within {self.timeout:g} seconds", status=408, code="request_timeout"
+            )
             return await self._refuse(scope, receive, send, error, drain=False)
         except _TooLarge:
             return await self._refuse(scope, receive, send, self._too_large(), drain=True)
@@ -69,8 +71,11 @@ class BoundedRequestBody:
         return await self.app(scope, _replay(body, receive), send)
 
     def _too_large(self) -> APIError:
-        return APIError(f"The request body is larger than the limit of {self.max_bytes} bytes "
-                        "(--max-request-body-bytes)", status=413, code="request_too_large")
+        return APIError(
+            f"The request body is larger than the limit of {self.max_bytes} bytes (--max-request-body-bytes)",
+            status=413,
+            code="request_too_large",
+        )
 
     async def _read(self, receive) -> bytes:
         chunks: list[bytes] = []
@@ -90,9 +95,17 @@ class BoundedRequestBody:
     async def _refuse(self, scope, receive, send, error: APIError, *, drain: bool) -> None:
         """Send the error with `Connection: close`; with drain, read and drop the upload before closing."""
         payload = json.dumps(error.body()).encode()
-        await send({"type": "http.response.start", "status": error.status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": error.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         expects_continue = (_header(scope, b"expect") or b"").lower() == b"100-continue"
         if drain and not expects_continue:  # such a client waits for our answer instead of uploading
             await send({"type": "http.response.body", "body": payload, "more_body": True})

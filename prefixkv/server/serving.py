@@ -7,6 +7,7 @@ requests; DrainingServer first tells the app, which cuts whatever still runs `sh
 stays as a backstop a few seconds after that. A drained shutdown exits 0: uvicorn would re-raise the signal
 after its shutdown, which kills the process with "terminated by SIGTERM" instead.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,11 +47,16 @@ def make_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_leve
     """A uvicorn server for an app from build_app(); its limits come from the app (app.state.limits)."""
     limits: ServerLimits = app.state.limits
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level,
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
         http=functools.partial(GuardedH11Protocol, limits=limits),  # type: ignore[arg-type]
         timeout_keep_alive=limits.timeout_keep_alive,  # type: ignore[arg-type]  # uvicorn takes floats too
         timeout_graceful_shutdown=limits.shutdown_timeout + _BACKSTOP_SECONDS,  # type: ignore[arg-type]
-        ws="none", lifespan="on")
+        ws="none",
+        lifespan="on",
+    )
     return DrainingServer(config, on_shutdown=lambda: app.state.server.begin_shutdown(limits.shutdown_timeout))
 
 
@@ -66,5 +72,9 @@ def raise_open_files_limit(limits: ServerLimits) -> None:
         except (ValueError, OSError) as exc:
             logger.warning("could not raise the open-files limit from %d: %s", soft, exc)
     if soft < limits.max_connections + 128:
-        logger.warning("the open-files limit (%d) is below --max-connections (%d) plus 128 for the server's own "
-                       "files; lower --max-connections or raise `ulimit -n`", soft, limits.max_connections)
+        logger.warning(
+            "the open-files limit (%d) is below --max-connections (%d) plus 128 for the server's own "
+            "files; lower --max-connections or raise `ulimit -n`",
+            soft,
+            limits.max_connections,
+        )

@@ -4,6 +4,7 @@ Starlette cancels a streaming body when the client goes away (the generator's `f
 engine request). A plain JSON handler gets no such signal, so until_disconnected() races the work against
 the ASGI `http.disconnect` message.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,8 +58,14 @@ class EventStreamResponse(StreamingResponse):
     since a graceful close would wait for that client to read what is still buffered.
     """
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], *, group=None,
-                 write_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        on_close: Callable[[], None],
+        *,
+        group=None,
+        write_timeout: float | None = None,
+    ) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
         self._stopped: asyncio.Event | None = getattr(group, "stopped", None)
@@ -89,8 +96,7 @@ class EventStreamResponse(StreamingResponse):
                 stopped = asyncio.ensure_future(self._stopped.wait())
                 waiters.add(stopped)
             try:
-                done, _ = await asyncio.wait(waiters, timeout=self._write_timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(waiters, timeout=self._write_timeout, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if stopped is not None:
                     stopped.cancel()
@@ -137,8 +143,9 @@ async def answer(raw: Request, group, events: AsyncIterator[str] | None, build: 
     Either way the engine requests of `group` end with the HTTP request (499 when the client left first)."""
     if events is not None:
         write_timeout = raw.app.state.limits.stream_write_timeout
-        return EventStreamResponse(guarded_events(events, group), on_close=group.close, group=group,
-                                   write_timeout=write_timeout)
+        return EventStreamResponse(
+            guarded_events(events, group), on_close=group.close, group=group, write_timeout=write_timeout
+        )
     try:
         finals = await until_disconnected(raw, group.collect())
     except ClientDisconnected:

@@ -5,6 +5,7 @@ Why a worker thread: tokenizing (and chat templating) a long text takes time pro
 On the engine thread it stalls every running stream; on the event loop it stalls every connection. Text far
 longer than any prompt that could fit the context is refused before it is tokenized at all (max_prompt_chars).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,8 +48,11 @@ class ServerState:
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # prompts in one /v1/completions request
     allow_special_tokens_in_content: bool = False  # chat content may contain control tokens (unsafe)
     max_prompt_chars: int = 0  # longer prompt text cannot fit max_model_len tokens: refused untokenized
-    tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(default_factory=lambda: (
-        concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixkv-tokenizer")))
+    tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="prefixkv-tokenizer"
+        )
+    )
 
     def __post_init__(self) -> None:
         if not self.max_prompt_chars:
@@ -56,16 +60,22 @@ class ServerState:
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
-            raise APIError(f"{param} is {chars} characters long; no text over {self.max_prompt_chars} characters "
-                           f"can fit the model's context of {self.max_model_len} tokens", param=param,
-                           code="context_length_exceeded")
+            raise APIError(
+                f"{param} is {chars} characters long; no text over {self.max_prompt_chars} characters "
+                f"can fit the model's context of {self.max_model_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def check_prompt_tokens(self, n: int, param: str) -> None:
         """The engine's own first length check, made here so a long prompt's ids never reach its thread."""
         if n >= self.max_model_len:
-            raise APIError(f"the prompt has {n} tokens but the model's context length (max_model_len) is "
-                           f"{self.max_model_len}; at least one token must be left to generate", param=param,
-                           code="context_length_exceeded")
+            raise APIError(
+                f"the prompt has {n} tokens but the model's context length (max_model_len) is "
+                f"{self.max_model_len}; at least one token must be left to generate",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     async def tokenize(self, prompts: list[str | list[int] | dict]) -> list[dict | list[int]]:
         """Engine prompts: text becomes {prompt, prompt_token_ids}; token ids and engine prompts pass as given."""
@@ -98,8 +108,9 @@ class ServerState:
         asyncio.get_running_loop().call_later(timeout, self._cut_in_flight, timeout)
 
     def _cut_in_flight(self, timeout: float) -> None:
-        error = APIError(f"The server is shutting down; the request was cut after {timeout:g}s",
-                         status=503, code="server_shutdown")
+        error = APIError(
+            f"The server is shutting down; the request was cut after {timeout:g}s", status=503, code="server_shutdown"
+        )
         cut = self.engine.cut_all(error)
         if cut:
             logger.warning("cut %d request(s) still running %gs after shutdown began", cut, timeout)
@@ -107,8 +118,12 @@ class ServerState:
     def check_model(self, model: str | None) -> str:
         """OpenAI answers an unknown model with 404; an omitted model means the one being served."""
         if model is not None and model != self.served_model_name:
-            raise APIError(f"The model '{model}' does not exist; this server serves '{self.served_model_name}'",
-                           status=404, param="model", code="model_not_found")
+            raise APIError(
+                f"The model '{model}' does not exist; this server serves '{self.served_model_name}'",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
         return self.served_model_name
 
 
@@ -120,23 +135,27 @@ def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]], allow_special_t
     """Chat messages -> the engine prompt's token ids (the engine needs no text). Runs in the tokenizer
     worker thread; special-token text in message content stays text unless the server allows it."""
     try:
-        ids = tokenizer.encode_chat(messages, add_generation_prompt=True,
-                                    allow_special_tokens_in_content=allow_special_tokens_in_content)
+        ids = tokenizer.encode_chat(
+            messages, add_generation_prompt=True, allow_special_tokens_in_content=allow_special_tokens_in_content
+        )
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
-        raise APIError(f"messages could not be rendered by the chat template: {exc}", param="messages",
-                       code="invalid_value") from None
+        raise APIError(
+            f"messages could not be rendered by the chat template: {exc}", param="messages", code="invalid_value"
+        ) from None
     return ids
 
 
-async def submit(state: ServerState, raw: Request, request_id: str, prompts: list, params: Any,
-                 body: Any) -> RequestGroup:
+async def submit(
+    state: ServerState, raw: Request, request_id: str, prompts: list, params: Any, body: Any
+) -> RequestGroup:
     """Add one engine request per prompt; engine rejections (too long, bad ids, ...) become 400s.
     Text prompts are tokenized here, off the engine thread; chat handlers pass state.tokenize_chat's result."""
     salt = cache_salt_for(state.tenant_isolation, raw, body.user, body.cache_salt)
     prompts = await state.tokenize(prompts)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     try:
-        return await state.engine.submit(ids, prompts, params, stream=bool(body.stream), priority=body.priority,
-                                         cache_salt=salt)
+        return await state.engine.submit(
+            ids, prompts, params, stream=bool(body.stream), priority=body.priority, cache_salt=salt
+        )
     except ValueError as exc:
         raise from_value_error(exc) from None

@@ -4,6 +4,7 @@ Prompt tokens and cached tokens count once per prompt (n completions share one p
 count every completion. A stream counts them as its delta outputs pass (UsageTally), so it keeps numbers,
 not texts; a plain answer counts its final outputs the same way.
 """
+
 from __future__ import annotations
 
 from prefixkv.outputs import RequestOutput

@@ -4,6 +4,7 @@ Used for traces at scale (benchmarks of scheduling policies, tests of starvation
 is "computed" instantly and charged overhead + per-token time, so a thousand-request trace runs in seconds. Hit
 rates, waits in steps and preemptions are exact for the scheduler and cache as implemented; times are not.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -56,9 +57,16 @@ def make_policy(name: str, max_wait_steps: int = 128) -> SchedulingPolicy:
     return create_policy(EngineConfig(schedule_policy=name, lpm_fallback_threshold=None, max_wait_steps=max_wait_steps))
 
 
-def simulate(kv: KVCacheManager, policy: SchedulingPolicy, workload: list[SimRequest], max_num_seqs: int = 8,
-             max_num_batched_tokens: int = 2048, cost: CostModel | None = None, max_steps: int = 100_000,
-             check_every: int = 0) -> SimResult:
+def simulate(
+    kv: KVCacheManager,
+    policy: SchedulingPolicy,
+    workload: list[SimRequest],
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 2048,
+    cost: CostModel | None = None,
+    max_steps: int = 100_000,
+    check_every: int = 0,
+) -> SimResult:
     """Drive the real Scheduler over a workload: each scheduled chunk is computed at once (the scheduler's
     update advances and commits it, as after a model step), a request whose sequence is fully computed samples a
     fresh token, and finishes after output_len of them."""
@@ -75,8 +83,13 @@ def simulate(kv: KVCacheManager, policy: SchedulingPolicy, workload: list[SimReq
             raise RuntimeError(f"simulation did not finish in {max_steps} steps")
         while i < len(pending) and pending[i].arrival_step <= sched.step_count:
             spec = pending[i]
-            req = Request(f"{spec.group}{i}", list(spec.prompt), SamplingParams(max_tokens=spec.output_len),
-                          lora_id=spec.lora_id, cache_salt=spec.cache_salt)
+            req = Request(
+                f"{spec.group}{i}",
+                list(spec.prompt),
+                SamplingParams(max_tokens=spec.output_len),
+                lora_id=spec.lora_id,
+                cache_salt=spec.cache_salt,
+            )
             req.max_tokens = spec.output_len
             sched.add(req)
             res.requests.append(req)

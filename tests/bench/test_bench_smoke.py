@@ -5,6 +5,7 @@ No speed assertions: timings on a shared CI machine mean nothing. Each benchmark
 engines through its llm_factory argument; the reference figures it prints come from common.REFERENCE, which
 agrees with README.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,9 @@ def test_throughput(factory):
 
 
 def test_throughput_compare_hf(factory):
-    args = parse(throughput, ["throughput", "--input-len", "32", "--output-len", "2", "--num-prompts", "2",
-                              "--compare-hf"])
+    args = parse(
+        throughput, ["throughput", "--input-len", "32", "--output-len", "2", "--num-prompts", "2", "--compare-hf"]
+    )
     res = throughput.run(args, llm_factory=factory)
     json.dumps(res)
     hf = res["hf"]
@@ -67,8 +69,21 @@ def test_throughput_compare_hf(factory):
 
 
 def test_shared_prefix(factory):
-    args = parse(throughput, ["shared-prefix", "--prefix-len", "64", "--suffix-len", "8", "--output-len", "2",
-                              "--num-prompts", "3", "--warm-prefix"])
+    args = parse(
+        throughput,
+        [
+            "shared-prefix",
+            "--prefix-len",
+            "64",
+            "--suffix-len",
+            "8",
+            "--output-len",
+            "2",
+            "--num-prompts",
+            "3",
+            "--warm-prefix",
+        ],
+    )
     res = throughput.run_shared_prefix(args, llm_factory=factory)
     json.dumps(res)
     assert set(res["modes"]) == {"off", "hash"} and res["config"]["prefix_state"] == "warm"
@@ -80,8 +95,7 @@ def test_shared_prefix(factory):
 
 
 def test_system_prompt(factory):
-    args = parse(system_prompt, ["system-prompt", "--system-tokens", "64", "--question-tokens", "8",
-                                 "--repeats", "2"])
+    args = parse(system_prompt, ["system-prompt", "--system-tokens", "64", "--question-tokens", "8", "--repeats", "2"])
     res = system_prompt.run(args, llm_factory=factory)
     json.dumps(res)
     on, off = res["ttft"]["hash"], res["ttft"]["off"]
@@ -95,8 +109,9 @@ def test_system_prompt(factory):
 
 
 def test_multi_turn(factory):
-    args = parse(multi_turn, ["multi-turn", "--turns", "3", "--turn-tokens", "20", "--output-len", "2",
-                              "--repeats", "1"])
+    args = parse(
+        multi_turn, ["multi-turn", "--turns", "3", "--turn-tokens", "20", "--output-len", "2", "--repeats", "1"]
+    )
     res = multi_turn.run(args, llm_factory=factory)
     json.dumps(res)
     turns = res["turns"]
@@ -108,8 +123,22 @@ def test_multi_turn(factory):
 
 
 def test_zero_hit(factory):
-    args = parse(zero_hit, ["zero-hit", "--input-len", "32", "--output-len", "2", "--num-prompts", "2",
-                            "--repeats", "2", "--hash-blocks", "16"])
+    args = parse(
+        zero_hit,
+        [
+            "zero-hit",
+            "--input-len",
+            "32",
+            "--output-len",
+            "2",
+            "--num-prompts",
+            "2",
+            "--repeats",
+            "2",
+            "--hash-blocks",
+            "16",
+        ],
+    )
     res = zero_hit.run(args, llm_factory=factory)
     json.dumps(res)
     assert set(res["modes"]) == {"off", "hash", "radix"}
@@ -127,8 +156,18 @@ def test_cli_writes_json_and_plot(factory, tmp_path, monkeypatch):
     from prefixkv.cli import main
 
     monkeypatch.setattr(common, "make_llm", lambda args, prefix_cache=None, **kw: factory(prefix_cache, **kw))
-    argv = ["bench", "system-prompt", "--system-tokens", "32", "--question-tokens", "4", "--repeats", "1",
-            "--output-dir", str(tmp_path)]
+    argv = [
+        "bench",
+        "system-prompt",
+        "--system-tokens",
+        "32",
+        "--question-tokens",
+        "4",
+        "--repeats",
+        "1",
+        "--output-dir",
+        str(tmp_path),
+    ]
     assert main(argv) == 0
     res = json.loads((tmp_path / "system-prompt.json").read_text())
     assert res["benchmark"] == "system-prompt" and res["ttft"]["hash"]["warm_cached_tokens"] == [32]
@@ -137,27 +176,53 @@ def test_cli_writes_json_and_plot(factory, tmp_path, monkeypatch):
 
 def test_plots_render(tmp_path):
     """Every plot() draws from a hand-made result, so a plotting bug cannot hide behind a slow benchmark."""
-    cfg = {"dtype": "float32", "num_threads": 2, "system_tokens": 8, "question_tokens": 2, "turn_tokens": 4,
-           "output_len": 2}
-    ref = {"label": common.REFERENCE_LABEL, "cold_s": 0.98, "warm_s": 0.055, "output_tok_s_on": 426.0,
-           "output_tok_s_off": 65.0, "unrelated_512_output_tok_s": 150.0}
+    cfg = {
+        "dtype": "float32",
+        "num_threads": 2,
+        "system_tokens": 8,
+        "question_tokens": 2,
+        "turn_tokens": 4,
+        "output_len": 2,
+    }
+    ref = {
+        "label": common.REFERENCE_LABEL,
+        "cold_s": 0.98,
+        "warm_s": 0.055,
+        "output_tok_s_on": 426.0,
+        "output_tok_s_off": 65.0,
+        "unrelated_512_output_tok_s": 150.0,
+    }
     cases = {
-        system_prompt: {"config": cfg, "reference": ref,
-                        "ttft": {"hash": {"cold_s": 0.5, "warm_s": 0.02}, "off": {"cold_s": 0.5, "warm_s": 0.5}}},
-        multi_turn: {"config": cfg, "modes": ["hash", "off"],
-                     "turns": [{"turn": i, "ttft_hash_s": 0.1, "ttft_off_s": 0.1 * i} for i in (1, 2, 3)]},
-        zero_hit: {"config": cfg, "modes": {m: {"output_tok_s": 100.0, "output_tok_s_runs": [99.0, 101.0]}
-                                            for m in ("off", "hash", "radix")}},
-        throughput: {"config": cfg, "reference": ref, "prefixkv": {"output_tok_s": 120.0},
-                     "hf": {"output_tok_s": 60.0}},
+        system_prompt: {
+            "config": cfg,
+            "reference": ref,
+            "ttft": {"hash": {"cold_s": 0.5, "warm_s": 0.02}, "off": {"cold_s": 0.5, "warm_s": 0.5}},
+        },
+        multi_turn: {
+            "config": cfg,
+            "modes": ["hash", "off"],
+            "turns": [{"turn": i, "ttft_hash_s": 0.1, "ttft_off_s": 0.1 * i} for i in (1, 2, 3)],
+        },
+        zero_hit: {
+            "config": cfg,
+            "modes": {m: {"output_tok_s": 100.0, "output_tok_s_runs": [99.0, 101.0]} for m in ("off", "hash", "radix")},
+        },
+        throughput: {
+            "config": cfg,
+            "reference": ref,
+            "prefixkv": {"output_tok_s": 120.0},
+            "hf": {"output_tok_s": 60.0},
+        },
     }
     for i, (module, results) in enumerate(cases.items()):
         png = tmp_path / f"{i}.png"
         module.plot(results, str(png))
         assert png.stat().st_size > 0
     png = tmp_path / "shared.png"
-    throughput.plot({"config": cfg, "reference": ref, "modes": {"off": {"output_tok_s": 60.0},
-                                                                "hash": {"output_tok_s": 300.0}}}, str(png))
+    throughput.plot(
+        {"config": cfg, "reference": ref, "modes": {"off": {"output_tok_s": 60.0}, "hash": {"output_tok_s": 300.0}}},
+        str(png),
+    )
     assert png.stat().st_size > 0
 
 

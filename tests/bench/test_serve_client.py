@@ -1,4 +1,5 @@
 """The HTTP benchmark client against a real server on the default model: both workloads, tiny sizes."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,22 @@ from tests.server.live_server import running_server
 def _args(base: str, *extra: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_arguments(p)
-    return p.parse_args(["--base-url", base + "/v1", "--api-key", "k", "--system-prompt-tokens", "20",
-                         "--output-tokens", "4", "--concurrency", "3", "--ignore-eos", *extra])
+    return p.parse_args(
+        [
+            "--base-url",
+            base + "/v1",
+            "--api-key",
+            "k",
+            "--system-prompt-tokens",
+            "20",
+            "--output-tokens",
+            "4",
+            "--concurrency",
+            "3",
+            "--ignore-eos",
+            *extra,
+        ]
+    )
 
 
 def test_bench_serve_workloads(tmp_path, new_engine):
@@ -24,8 +39,7 @@ def test_bench_serve_workloads(tmp_path, new_engine):
         assert res["config"]["model"] == engine.model_name
         assert res["cached_tokens"] > 0
 
-        res = run(_args(base, "--workload", "multi-turn", "--num-requests", "6", "--turns", "3",
-                        "--turn-tokens", "5"))
+        res = run(_args(base, "--workload", "multi-turn", "--num-requests", "6", "--turns", "3", "--turn-tokens", "5"))
         assert res["num_ok"] == 6
         assert sorted(res["per_turn"]) == [1, 2, 3]
         assert res["per_turn"][3]["prompt_tokens"] > res["per_turn"][1]["prompt_tokens"]

@@ -15,8 +15,10 @@ def parse(module, argv):
 
 @pytest.mark.parametrize("cache", ["radix", "hash"])
 def test_thrash_targets_hold_in_a_small_simulation(cache):
-    args = parse(thrash, ["thrash", "--requests-per-group", "40", "--arrival-every", "3",
-                          "--max-wait-steps", "24", "--cache", cache])
+    args = parse(
+        thrash,
+        ["thrash", "--requests-per-group", "40", "--arrival-every", "3", "--max-wait-steps", "24", "--cache", cache],
+    )
     r = args.func(args)
     p = r["policies"]
     assert r["mode"].startswith("simulated")
@@ -29,12 +31,17 @@ def test_thrash_targets_hold_in_a_small_simulation(cache):
 
 
 def test_page_size_and_schedule_cost_run():
-    r = page_size.run(parse(page_size, ["page-size", "--num-conversations", "4", "--turns", "3", "--system-len",
-                                        "200"]))
+    r = page_size.run(
+        parse(page_size, ["page-size", "--num-conversations", "4", "--turns", "3", "--system-len", "200"])
+    )
     hits = [r["page_sizes"][s]["hit_tokens"] for s in ("1", "16", "64")]
     assert hits[0] >= hits[1] >= hits[2] > 0
-    r = schedule_cost.run(parse(schedule_cost, ["schedule-cost", "--sizes", "64", "--prefix-len", "64",
-                                                "--num-prefixes", "4", "--repeats", "1"]))
+    r = schedule_cost.run(
+        parse(
+            schedule_cost,
+            ["schedule-cost", "--sizes", "64", "--prefix-len", "64", "--num-prefixes", "4", "--repeats", "1"],
+        )
+    )
     assert len(r["cases"]) == 2 * 4 and all(c["step_ms"] >= 0 for c in r["cases"])
 
 

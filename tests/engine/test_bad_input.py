@@ -1,4 +1,5 @@
 """Bad input gets a clear ValueError and loses nothing: other requests finish and no page leaks."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,11 +7,20 @@ import pytest
 from prefixkv.sampling_params import SamplingParams
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -5}, "top_k"), ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"),
-    ({"stop": [""]}, "stop"), ({"seed": "x"}, "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"stop": [""]}, "stop"),
+        ({"seed": "x"}, "seed"),
+    ],
+)
 def test_invalid_sampling_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -63,10 +73,14 @@ def test_stop_strings_and_stop_token_ids_end_generation(llm_factory):
     stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[0]
     out = stopped.outputs[0]
     assert (out.text, out.finish_reason, out.stop_reason) == (text[:cut], "stop", stop)  # stop text not included
-    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop],
-                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
-    assert kept.text == text[:cut + len(stop)]
-    by_id = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[4]]),
-                         use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == text[: cut + len(stop)]
+    by_id = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[4]]), use_tqdm=False)[
+        0
+    ].outputs[0]
     first = ids.index(ids[4])
-    assert by_id.token_ids == ids[:first + 1] and by_id.finish_reason == "stop" and by_id.stop_reason == ids[4]
+    assert by_id.token_ids == ids[: first + 1] and by_id.finish_reason == "stop" and by_id.stop_reason == ids[4]

@@ -117,8 +117,14 @@ def hot_stream_and_one_cold(steps=400):
 def test_lpm_starves_a_cold_request_and_bounded_lpm_admits_it_within_its_bound(cache):
     def run(policy):
         kv = (RadixPrefixCache if cache == "radix" else HashPrefixCache)(pool_pages(256, 3, 8, 8, 16), 16)
-        res = simulate(kv, make_policy(policy, max_wait_steps=20), hot_stream_and_one_cold(), max_num_seqs=8,
-                       max_num_batched_tokens=512, check_every=7)
+        res = simulate(
+            kv,
+            make_policy(policy, max_wait_steps=20),
+            hot_stream_and_one_cold(),
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            check_every=7,
+        )
         kv.check_invariants()
         cold = next(r for r in res.requests if res.groups[r.request_id] == "cold")
         return res, res.wait_steps[cold.request_id]

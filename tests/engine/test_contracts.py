@@ -1,4 +1,5 @@
 """The package contracts as checked facts: an acyclic import graph, and an engine core that runs without torch."""
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,9 @@ def test_import_graph_script_reports_a_cycle(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "x.py").write_text("def f():\n    from prefixkv.a import y\n")
     (pkg / "y.py").write_text("from prefixkv.a.x import f\n")
-    proc = subprocess.run([sys.executable, str(tmp_path / "scripts" / "import_graph.py")], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "scripts" / "import_graph.py")], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 1 and "CYCLE in the module graph" in proc.stderr
 
 

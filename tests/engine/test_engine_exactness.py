@@ -1,4 +1,5 @@
 """Greedy fp32 outputs must not depend on batching, chunking, preemption or the prefix cache."""
+
 from __future__ import annotations
 
 import random
@@ -13,8 +14,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 def _prompts(tok) -> list[list[int]]:
     """16 prompts of mixed lengths (5..300 tokens), some sharing prefixes."""
     rng = random.Random(0)
-    base = tok.encode("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-                      "combined movable metal type, oil-based ink and a screw press. ") * 3
+    base = (
+        tok.encode(
+            "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+            "combined movable metal type, oil-based ink and a screw press. "
+        )
+        * 3
+    )
     out = []
     for i in range(16):
         if i % 3 == 0:
@@ -84,7 +90,10 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch_and_n_fans_out(llm
     alone = llm.generate({"prompt_token_ids": prompts[1]}, seeded, use_tqdm=False)[0].outputs[0].token_ids
     batch = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], seeded, use_tqdm=False)
     assert batch[1].outputs[0].token_ids == alone
-    two = llm.generate({"prompt_token_ids": prompts[1]}, SamplingParams(
-        temperature=0.9, seed=1234, n=2, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    two = llm.generate(
+        {"prompt_token_ids": prompts[1]},
+        SamplingParams(temperature=0.9, seed=1234, n=2, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.index for c in two.outputs] == [0, 1]
     assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in two.outputs)

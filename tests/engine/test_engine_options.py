@@ -1,5 +1,6 @@
 """Engine options are defined once (EngineConfig) and the command line is generated from them, vLLM's names
 included. No model is loaded here: these test EngineConfig and the argparse layer."""
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,22 @@ def test_defaults_are_the_config_defaults():
 
 
 def test_flags_reach_the_config():
-    config = engine_config(parse(["--lpm-fallback-threshold", "none", "--max-wait-steps", "7", "--seed", "3",
-                                  "--schedule-policy", "bounded-lpm", "--kv-cache-tokens", "4096"]))
+    config = engine_config(
+        parse(
+            [
+                "--lpm-fallback-threshold",
+                "none",
+                "--max-wait-steps",
+                "7",
+                "--seed",
+                "3",
+                "--schedule-policy",
+                "bounded-lpm",
+                "--kv-cache-tokens",
+                "4096",
+            ]
+        )
+    )
     assert config.lpm_fallback_threshold is None and config.max_wait_steps == 7 and config.seed == 3
     assert config.schedule_policy == "bounded-lpm" and config.kv_cache_tokens == 4096
     assert engine_config(parse(["--seed", "none"])).seed is None

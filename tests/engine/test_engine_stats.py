@@ -1,5 +1,6 @@
 """EngineStats on the real engine: the prefix-cache counters count first admissions; preempted requests that
 come back are counted apart."""
+
 from __future__ import annotations
 
 import random
@@ -15,8 +16,11 @@ def test_readmissions_are_counted_apart(llm_factory):
     shared = [rng.randrange(100, 40000) for _ in range(64)]
     prompts = [shared + [rng.randrange(100, 40000) for _ in range(40 + 9 * i)] for i in range(12)]
     before = engine.get_stats()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        use_tqdm=False,
+    )
     after = engine.get_stats()
     assert after.num_preemptions > before.num_preemptions, "the pool was meant to be too small"
     assert after.prefix_cache_queries - before.prefix_cache_queries == sum(map(len, prompts))
@@ -28,6 +32,8 @@ def test_readmissions_are_counted_apart(llm_factory):
     assert engine.kv.num_used_pages() == 0
     # and so on the server's /metrics (the page is rendered from these stats)
     page = ServerMetrics("m").render(after).decode()
-    assert f'prefixkv:prefix_cache_readmission_queries_total{{model_name="m"}} ' \
-           f'{float(after.prefix_cache_readmission_queries)}' in page
+    assert (
+        f'prefixkv:prefix_cache_readmission_queries_total{{model_name="m"}} '
+        f"{float(after.prefix_cache_readmission_queries)}" in page
+    )
     assert f'prefixkv:prefix_cache_hits_total{{model_name="m"}} {float(after.prefix_cache_hits)}' in page

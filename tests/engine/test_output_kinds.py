@@ -1,5 +1,6 @@
 """Output kinds (vLLM's RequestOutputKind): cumulative outputs grow, delta outputs carry only what is new, and
 final-only requests produce one output; all three generate the same tokens."""
+
 from __future__ import annotations
 
 import pytest
@@ -88,7 +89,7 @@ def test_delta_outputs_never_send_what_a_stop_string_cuts(llm_factory):
     params = SamplingParams(temperature=0, max_tokens=12, stop=[stop], logprobs=0)
     whole = _run(engine, "whole", "cumulative", params)[-1].outputs[0]
     deltas = _run(engine, "parts", "delta", params)
-    assert whole.finish_reason == "stop" and len(whole.text) < len("".join(pieces[:i + 2]))
+    assert whole.finish_reason == "stop" and len(whole.text) < len("".join(pieces[: i + 2]))
     parts = [c for o in deltas for c in o.outputs]
     assert "".join(c.text for c in parts) == whole.text
     assert [t for c in parts for t in c.token_ids] == whole.token_ids

@@ -1,4 +1,5 @@
 """Prefix caching end to end on the real model: same tokens as caching off, and the hits it promises."""
+
 from __future__ import annotations
 
 import random
@@ -9,8 +10,10 @@ from prefixkv.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
-SYSTEM = ("You are a meticulous support agent for Northwind Bikes. Always answer in two sentences, mention the "
-          "warranty when relevant, and never invent part numbers. ")
+SYSTEM = (
+    "You are a meticulous support agent for Northwind Bikes. Always answer in two sentences, mention the "
+    "warranty when relevant, and never invent part numbers. "
+)
 
 
 def hit_heavy_workload(tok) -> list[list[int]]:
@@ -35,17 +38,22 @@ def hit_heavy_workload(tok) -> list[list[int]]:
 def workload_and_expected(llm_factory):
     llm = llm_factory(prefix_cache="off")
     prompts = hit_heavy_workload(llm.get_tokenizer())
-    expected = [o.outputs[0].token_ids
-                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    ]
     return prompts, expected
 
 
-@pytest.mark.parametrize("options", [
-    dict(prefix_cache="hash"),
-    dict(prefix_cache="hash", prefix_caching_hash_algo="xxhash", max_num_batched_tokens=40),
-    dict(prefix_cache="radix", page_size=1),
-    dict(prefix_cache="radix", page_size=16, max_num_batched_tokens=40, schedule_policy="bounded-lpm"),
-], ids=["hash", "hash-xxhash-chunked", "radix-page1", "radix-page16-chunked-bounded"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(prefix_cache="hash"),
+        dict(prefix_cache="hash", prefix_caching_hash_algo="xxhash", max_num_batched_tokens=40),
+        dict(prefix_cache="radix", page_size=1),
+        dict(prefix_cache="radix", page_size=16, max_num_batched_tokens=40, schedule_policy="bounded-lpm"),
+    ],
+    ids=["hash", "hash-xxhash-chunked", "radix-page1", "radix-page16-chunked-bounded"],
+)
 def test_caching_on_equals_off_sequential_and_batched(llm_factory, workload_and_expected, options):
     prompts, expected = workload_and_expected
     llm = llm_factory(**options)

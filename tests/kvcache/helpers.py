@@ -1,4 +1,5 @@
 """Requests for cache tests without a model: the KV managers only look at token ids and counters."""
+
 from __future__ import annotations
 
 import itertools

@@ -179,11 +179,21 @@ def test_off_never_hits_and_keeps_exact_accounting():
 @pytest.mark.parametrize("algo", ["sha256", "xxhash"])
 def test_two_processes_compute_the_same_keys(algo):
     tokens = list(range(1000, 1100))
-    code = ("from prefixkv.kvcache.hashing import hash_prompt_blocks;"
-            f"print(','.join(k.hex() for k in hash_prompt_blocks(list(range(1000, 1100)), 16, {algo!r}, "
-            "lora_id='x', cache_salt='s')))")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": str(seed), "PATH": ""}).stdout.strip() for seed in (1, 2)}
+    code = (
+        "from prefixkv.kvcache.hashing import hash_prompt_blocks;"
+        f"print(','.join(k.hex() for k in hash_prompt_blocks(list(range(1000, 1100)), 16, {algo!r}, "
+        "lora_id='x', cache_salt='s')))"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": str(seed), "PATH": ""},
+        ).stdout.strip()
+        for seed in (1, 2)
+    }
     here = ",".join(k.hex() for k in hash_prompt_blocks(tokens, 16, algo, lora_id="x", cache_salt="s"))
     assert outs == {here}
 
@@ -195,9 +205,12 @@ class HashCacheMachine(RuleBasedStateMachine):
         self.kv = HashPrefixCache(num_pages=12, page_size=4)
         self.running = []
 
-    @rule(prefix=st.sampled_from([(), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8), (9, 9, 9, 9)]),
-          tail=st.lists(st.integers(0, 5), min_size=1, max_size=14),
-          budget=st.integers(1, 16), salt=st.sampled_from([None, "a"]))
+    @rule(
+        prefix=st.sampled_from([(), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8), (9, 9, 9, 9)]),
+        tail=st.lists(st.integers(0, 5), min_size=1, max_size=14),
+        budget=st.integers(1, 16),
+        salt=st.sampled_from([None, "a"]),
+    )
     def add(self, prefix, tail, budget, salt):
         req = make_request(list(prefix) + tail, cache_salt=salt)
         cached = self.kv.lookup(req)

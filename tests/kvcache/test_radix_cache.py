@@ -270,10 +270,13 @@ class RadixMachine(RuleBasedStateMachine):
         self.next_token = 1000
 
     def _ns_keys(self, req, i):
-        return (req.extra_keys, tuple(req.token_ids[:i + 1]))
+        return (req.extra_keys, tuple(req.token_ids[: i + 1]))
 
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 3), min_size=1, max_size=6),
-          salt=st.sampled_from([None, None, "t"]))
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+        salt=st.sampled_from([None, None, "t"]),
+    )
     def arrive(self, prefix, suffix, salt):
         self.waiting.append(make_request(prefix + suffix, cache_salt=salt))
 
@@ -355,8 +358,9 @@ class RadixMachine(RuleBasedStateMachine):
         ps = self.kv.page_size
         table = self.kv.page_table(req)
         for pos in range(req.num_computed_tokens):
-            assert self.slot_content.get(table[pos // ps] * ps + pos % ps) == self._ns_keys(req, pos), \
+            assert self.slot_content.get(table[pos // ps] * ps + pos % ps) == self._ns_keys(req, pos), (
                 "computed KV of a running request was overwritten or never written"
+            )
 
     @invariant()
     def accounting(self):
@@ -372,6 +376,7 @@ class RadixMachine(RuleBasedStateMachine):
             assert self.kv.num_free_pages() == self.kv.num_pages
 
 
-RadixMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+RadixMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestRadixMachine = RadixMachine.TestCase

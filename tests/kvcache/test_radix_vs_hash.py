@@ -1,6 +1,7 @@
 """With no eviction pressure, a radix tree with 16-token pages and a hash chain with 16-token blocks are the same
 index: every request of any workload sees the same hit. Both managers get the same admissions, chunks, decodes,
 preemptions and frees, and must agree on every lookup and every admission's cached-token count."""
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -21,8 +22,13 @@ class SameHits(RuleBasedStateMachine):
         self.waiting: list[tuple] = []
         self.running: list[tuple] = []
 
-    @rule(base=st.sampled_from(BASES), cut=st.integers(0, 50), suffix=st.lists(st.integers(0, 2), max_size=25),
-          salt=st.sampled_from([None, None, None, "t"]), copies=st.integers(1, 3))
+    @rule(
+        base=st.sampled_from(BASES),
+        cut=st.integers(0, 50),
+        suffix=st.lists(st.integers(0, 2), max_size=25),
+        salt=st.sampled_from([None, None, None, "t"]),
+        copies=st.integers(1, 3),
+    )
     def arrive(self, base, cut, suffix, salt, copies):
         tokens = base[:cut] + suffix or [1]
         for _ in range(copies):
@@ -85,8 +91,9 @@ class SameHits(RuleBasedStateMachine):
         self.radix.check_invariants()
 
 
-SameHits.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
-                                      suppress_health_check=[HealthCheck.too_slow])
+SameHits.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestSameHits = SameHits.TestCase
 
 

@@ -3,6 +3,7 @@
 Everything expensive is loaded once: our loads are the session's shared ones (tests/conftest.py), HF's own GGUF
 load (~25 s) once per module that needs it.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ CHAT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 RAW_PROMPTS = [
     "The quick brown fox jumps over the lazy dog. Once upon a time,",
     (
-        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+        'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
         "    a, b = 0, 1\n    for _ in range(n - 1):\n        a, b = b, a + b\n    return b\n\n\ndef is_prime(n):\n"
     ),
 ]
@@ -63,10 +64,14 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF generate(do_sample=False) with eos disabled, so it always produces max_new_tokens tokens."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="session")
@@ -81,14 +86,29 @@ def _tiny_config(arch: str):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = {
-        "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-        "initializer_range": 0.2, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": None, "pad_token_id": 0,
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.2,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": None,
+        "pad_token_id": 0,
         "tie_word_embeddings": False,
     }
     if arch == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
         return LlamaConfig(**common, rope_parameters=rope)
     if arch == "llama-linear":
         rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
@@ -100,8 +120,11 @@ def _tiny_config(arch: str):
         return Qwen2Config(**common, rope_parameters=rope)
     if arch == "qwen3":
         # explicit head_dim different from hidden / heads, as in real Qwen3 checkpoints
-        return Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32,
-                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        return Qwen3Config(
+            **{**common, "tie_word_embeddings": True},
+            head_dim=32,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
     raise ValueError(arch)
 
 

@@ -1,4 +1,5 @@
 """Drive a ModelRunner the way the engine will: page tables from a (shuffled) free list, chunked prefill."""
+
 from __future__ import annotations
 
 import random
@@ -27,8 +28,15 @@ class PagePool:
 class Sequence:
     """One request: its tokens, page table and the next BatchItem to run."""
 
-    def __init__(self, rid: str, prompt: list[int], pool: PagePool, page_size: int, chunk: int | None = None,
-                 params: SamplingParams = GREEDY) -> None:
+    def __init__(
+        self,
+        rid: str,
+        prompt: list[int],
+        pool: PagePool,
+        page_size: int,
+        chunk: int | None = None,
+        params: SamplingParams = GREEDY,
+    ) -> None:
         self.rid, self.prompt, self.pool, self.page_size = rid, list(prompt), pool, page_size
         self.chunk = chunk or len(prompt)
         self.params = params
@@ -67,8 +75,14 @@ def run_batch(runner: ModelRunner, seqs: list[Sequence], max_new_tokens: int) ->
             s.advance(item, sample)
 
 
-def greedy_generate(runner: ModelRunner, prompt: list[int], max_new_tokens: int, *, chunk: int | None = None,
-                    shuffle_seed: int | None = 0) -> list[int]:
+def greedy_generate(
+    runner: ModelRunner,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    chunk: int | None = None,
+    shuffle_seed: int | None = 0,
+) -> list[int]:
     pool = PagePool(runner.num_pages, shuffle_seed)
     seq = Sequence("r0", prompt, pool, runner.page_size, chunk)
     run_batch(runner, [seq], max_new_tokens)

@@ -1,5 +1,6 @@
 """Tiny random Llama / Qwen2 / Qwen3 checkpoints: fp32 greedy must equal HF generate token for token,
 whatever the page size, page order or prefill chunking."""
+
 from __future__ import annotations
 
 import pytest

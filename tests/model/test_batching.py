@@ -1,5 +1,6 @@
 """A step mixing decodes and prefill chunks of several requests gives each request exactly the tokens it
 gets when run alone (on a tiny checkpoint, so the test is fast)."""
+
 from __future__ import annotations
 
 from dataclasses import replace

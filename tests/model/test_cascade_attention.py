@@ -5,6 +5,7 @@ with prefill chunks in the same step, with the CPU flash kernel and with the flo
 the fp32 default model gives the same greedy tokens with cascade forced on and off (cascade is off by default in
 fp32, on in bf16/fp16).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -85,8 +86,9 @@ def test_cascade_equals_plain(page_size, dtype, atol, kernel):
     kv = torch.randn(t, 2, KVH, D, generator=gen).to(dtype)
     outs, metas = [], []
     for cascade in (False, True):
-        meta = plan_step(counts, starts, tables, page_size, dtype, 2 * KVH * D,
-                         replace(options, cascade_decodes=cascade))
+        meta = plan_step(
+            counts, starts, tables, page_size, dtype, 2 * KVH * D, replace(options, cascade_decodes=cascade)
+        )
         layer = pool.clone()
         outs.append(paged_attention(q, kv, layer, meta, D**-0.5))
         metas.append((meta, layer))

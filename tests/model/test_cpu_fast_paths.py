@@ -4,6 +4,7 @@
 - A prefill chunk whose context pages are back to back reads a view of the pool; scattered pages are gathered.
   Both give the same attention output, in one masked call and split into cached part + own part (merged).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,10 @@ from prefixkv.model.options import KernelOptions
 KVH, GROUP, D = 3, 3, 64
 
 
-@pytest.mark.skipif(not packed_linear.can_pack(torch.device("cpu"), torch.bfloat16),
-                    reason="oneDNN bf16 matmul not supported on this CPU")
+@pytest.mark.skipif(
+    not packed_linear.can_pack(torch.device("cpu"), torch.bfloat16),
+    reason="oneDNN bf16 matmul not supported on this CPU",
+)
 @pytest.mark.parametrize("rows", [1, 50, 300])
 def test_packed_linear_is_bit_identical(rows):
     gen = torch.Generator().manual_seed(rows)
@@ -68,6 +71,7 @@ def test_back_to_back_pages_read_a_view(dtype, atol, split):
     k_all = torch.cat((pool_a[0, :, 48 : 48 + start], kv[:, 0].transpose(0, 1)), dim=1).float()
     v_all = torch.cat((pool_a[1, :, 48 : 48 + start], kv[:, 1].transpose(0, 1)), dim=1).float()
     mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
-    expected = F.scaled_dot_product_attention(q.float().transpose(0, 1), k_all, v_all, attn_mask=mask,
-                                              scale=D**-0.5, enable_gqa=True).transpose(0, 1)
+    expected = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k_all, v_all, attn_mask=mask, scale=D**-0.5, enable_gqa=True
+    ).transpose(0, 1)
     torch.testing.assert_close(out_a.float(), expected, atol=atol, rtol=0)

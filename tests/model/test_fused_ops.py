@@ -4,6 +4,7 @@ They round to bf16 wherever torch's ops do, so outputs match bit for bit except 
 differ in order (RMSNorm's sum of squares, SiLU's exp): then by at most one bf16 step, on a tiny share of values.
 Model level: SmolLM2 in bf16 gives the same greedy tokens with the kernels and with torch's ops.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """GGUF round trip: write tiny checkpoints the way llama.cpp's converter does (names, metadata, Llama q/k
 row permutation, quantised types), read them back with our parser and compare with the HF weights."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,10 +15,17 @@ from prefixkv.model.gguf_loader import load_gguf
 from prefixkv.model.hf_loader import load_hf_dir
 
 _TO_GGUF = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
@@ -85,8 +93,19 @@ def test_gguf_round_trip(tiny_checkpoint, tmp_path, arch):
     file = str(tmp_path / "tiny.gguf")
     expected = write_gguf(file, hf_cfg, state, [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.F32])
     cfg, got, _ = load_gguf(file)
-    for field in ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
-                  "intermediate_size", "vocab_size", "tie_word_embeddings", "attention_bias", "qk_norm"):
+    for field in (
+        "architecture",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "hidden_size",
+        "intermediate_size",
+        "vocab_size",
+        "tie_word_embeddings",
+        "attention_bias",
+        "qk_norm",
+    ):
         assert getattr(cfg, field) == getattr(hf_cfg, field), field
     assert cfg.rope_theta == pytest.approx(hf_cfg.rope_theta) and cfg.eos_token_ids == [2]
     assert sorted(got) == sorted(expected)

@@ -1,5 +1,6 @@
 """KernelOptions: the defaults follow device / dtype / build, impossible choices are refused up front, and the
 model's fused-ops and packed-weights switches follow the runner's options."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
 """Loader and tokenizer: errors name the problem, the GGUF q/k un-permutation, tokenizer behaviour."""
+
 from __future__ import annotations
 
 import numpy as np

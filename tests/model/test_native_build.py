@@ -5,6 +5,7 @@ At most one real compile runs here (the module's own build, usually already done
 and timeout cases reuse copies of that build, or stop a fresh compile after a second. Each load runs in a fresh
 subprocess (module() is cached per process), with a generous timeout that only guards against a hang.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,9 +25,15 @@ _LOAD = "from prefixkv.model import native; m = native.module(); print('LOADED',
 def _load_in_subprocess(base: str, **env: str) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PREFIXKV_NATIVE_DIR": base, **env}
     full_env.pop("PREFIXKV_NO_NATIVE", None)
-    return subprocess.run([sys.executable, "-c", _LOAD], check=False, capture_output=True, text=True,
-                          timeout=HANG_GUARD_S,
-                          env=full_env, cwd=os.getcwd())
+    return subprocess.run(
+        [sys.executable, "-c", _LOAD],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        env=full_env,
+        cwd=os.getcwd(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +115,19 @@ def test_live_builder_is_waited_for_with_a_deadline(built, tmp_path):
     back to the torch paths with a warning that says so."""
     base, directory = _copy_of(built, tmp_path)
     os.remove(os.path.join(directory, "BUILT"))
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"fd = os.open({os.path.join(directory, 'prefixkv-build.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(600)\n")],
-        stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import fcntl, os, sys, time\n"
+                f"fd = os.open({os.path.join(directory, 'prefixkv-build.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+                "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(600)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         start = time.monotonic()

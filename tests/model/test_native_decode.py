@@ -4,6 +4,7 @@ Kernel level: random pools, scattered pages (page size 16 and 1), context length
 AVX-512 path (head_dim 64) and the generic one (32, 128), GQA groups of 1, 3 and 7, three dtypes. Step level:
 paged_attention with in-place decodes equals the gathered padded path, alone and next to cascade groups.
 """
+
 from __future__ import annotations
 
 import platform
@@ -70,8 +71,9 @@ def test_in_place_decodes_equal_gathered(page_size, cascade, dtype):
     kv = torch.randn(sum(counts), 2, KVH, D, generator=gen).to(dtype)
     outs = []
     for in_place in (False, True):
-        options = KernelOptions.choose("cpu", dtype, cascade_decodes=cascade, split_prefill=False,
-                                       in_place_decodes=in_place)
+        options = KernelOptions.choose(
+            "cpu", dtype, cascade_decodes=cascade, split_prefill=False, in_place_decodes=in_place
+        )
         meta = StepPlanner(options, page_size, dtype, 2 * KVH * D).plan(counts, starts, tables)
         assert bool(meta.groups_of(InPlaceDecodes)) == in_place and (not in_place or not meta.groups_of(PaddedDecodes))
         outs.append(paged_attention(q.clone(), kv.clone(), pool.clone(), meta, D**-0.5))

@@ -1,4 +1,5 @@
 """Sampler: greedy is argmax, top_k=1 equals greedy, seeded draws depend only on (seed, step), logprobs."""
+
 from __future__ import annotations
 
 import math

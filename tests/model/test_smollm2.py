@@ -3,6 +3,7 @@
 A divergence is accepted only where HF's own top-2 logits are within 1e-4 (a numerical tie); anything else
 is a bug (a classic one: forgetting to undo llama.cpp's q/k permutation).
 """
+
 from __future__ import annotations
 
 import torch

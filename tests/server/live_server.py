@@ -3,6 +3,7 @@
 In-process, so a test can reach the engine behind the server (to inject a fault into its real parts, or to
 see what a request handed it). The engine thread starts and stops with the app's lifespan.
 """
+
 from __future__ import annotations
 
 import socket
@@ -19,8 +20,9 @@ from prefixkv.server.serving import make_server
 
 
 @contextmanager
-def running_server(engine: Any, *, send_buffer_bytes: int | None = None,
-                   **app_kwargs) -> Iterator[tuple[str, Any, Any]]:
+def running_server(
+    engine: Any, *, send_buffer_bytes: int | None = None, **app_kwargs
+) -> Iterator[tuple[str, Any, Any]]:
     """Yield (base_url, engine, app) while uvicorn serves build_app(engine, **app_kwargs); pass
     limits=ServerLimits(...) to change a limit (shutdown at exit waits up to limits.shutdown_timeout).
 

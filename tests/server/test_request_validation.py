@@ -7,6 +7,7 @@ finishes normally and no KV page is left held. Raw httpx where the official clie
 One engine (small pool) and one in-process server for the module, with non-default caps (max_n=8, four prompts
 per request) so the test also shows the options reach the server.
 """
+
 from __future__ import annotations
 
 import json
@@ -80,8 +81,13 @@ class _RunningStream:
 
     def __init__(self, base: str) -> None:
         self.chunks: list[dict] = []
-        body = {"prompt": "Count slowly: one, two,", "max_tokens": 12, "ignore_eos": True, "stream": True,
-                "temperature": 0}
+        body = {
+            "prompt": "Count slowly: one, two,",
+            "max_tokens": 12,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0,
+        }
 
         def run() -> None:
             with httpx.stream("POST", base + "/v1/completions", headers=AUTH, json=body, timeout=120) as r:
@@ -101,18 +107,22 @@ class _RunningStream:
 
 # -- item 1: n and the number of prompts ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("path, fields, param", [
-    ("/v1/completions", {"n": MAX_N + 1}, "n"),
-    ("/v1/completions", {"n": 5000}, "n"),
-    ("/v1/completions", {"n": 6_200_466}, "n"),
-    ("/v1/completions", {"n": 0}, "n"),
-    ("/v1/completions", {"n": -1}, "n"),
-    ("/v1/chat/completions", {"n": MAX_N + 1}, "n"),
-    ("/v1/chat/completions", {"n": 0}, "n"),
-    ("/v1/completions", {"prompt": ["Hi"] * (MAX_PROMPTS + 1)}, "prompt"),
-    ("/v1/completions", {"prompt": ["Hi"] * 100_000}, "prompt"),
-    ("/v1/completions", {"prompt": ["Hi", "Ho", "Ha"], "n": 3}, "n"),  # 9 completions > max(4, 8)
-])
+
+@pytest.mark.parametrize(
+    "path, fields, param",
+    [
+        ("/v1/completions", {"n": MAX_N + 1}, "n"),
+        ("/v1/completions", {"n": 5000}, "n"),
+        ("/v1/completions", {"n": 6_200_466}, "n"),
+        ("/v1/completions", {"n": 0}, "n"),
+        ("/v1/completions", {"n": -1}, "n"),
+        ("/v1/chat/completions", {"n": MAX_N + 1}, "n"),
+        ("/v1/chat/completions", {"n": 0}, "n"),
+        ("/v1/completions", {"prompt": ["Hi"] * (MAX_PROMPTS + 1)}, "prompt"),
+        ("/v1/completions", {"prompt": ["Hi"] * 100_000}, "prompt"),
+        ("/v1/completions", {"prompt": ["Hi", "Ho", "Ha"], "n": 3}, "n"),  # 9 completions > max(4, 8)
+    ],
+)
 def test_n_and_prompt_count_are_capped(server, path, fields, param):
     stream = _RunningStream(server)
     _assert_400_naming(_post(server, path, _body(path, **fields)), param)
@@ -163,16 +173,32 @@ def test_non_finite_floats_are_400s(server, path, field, spelling):
     _assert_400_naming(_post(server, path, body), field)
 
 
-@pytest.mark.parametrize("field, value, param", [
-    ("temperature", 1e308, None), ("temperature", 5e-324, "greedy"), ("temperature", 1e-39, "greedy"),
-    ("temperature", 9.9e-6, "greedy"), ("temperature", -5e-324, "temperature"),
-    ("top_p", 5e-324, "greedy"), ("top_p", 1e-39, "greedy"), ("top_p", 1e308, "top_p"), ("top_p", -5e-324, "top_p"),
-    ("min_p", 5e-324, None), ("min_p", 1e308, "min_p"), ("min_p", -5e-324, "min_p"),
-    ("top_k", 10 ** 30, None), ("top_k", -(10 ** 30), "top_k"),
-    ("seed", 10 ** 30, None), ("seed", -(10 ** 30), None),
-    ("max_tokens", 10 ** 30, "max_tokens"), ("logprobs", 10 ** 30, "logprobs"),
-    ("priority", 10 ** 30, None), ("priority", -(10 ** 30), None), ("stop_token_ids", [10 ** 30], None),
-])
+@pytest.mark.parametrize(
+    "field, value, param",
+    [
+        ("temperature", 1e308, None),
+        ("temperature", 5e-324, "greedy"),
+        ("temperature", 1e-39, "greedy"),
+        ("temperature", 9.9e-6, "greedy"),
+        ("temperature", -5e-324, "temperature"),
+        ("top_p", 5e-324, "greedy"),
+        ("top_p", 1e-39, "greedy"),
+        ("top_p", 1e308, "top_p"),
+        ("top_p", -5e-324, "top_p"),
+        ("min_p", 5e-324, None),
+        ("min_p", 1e308, "min_p"),
+        ("min_p", -5e-324, "min_p"),
+        ("top_k", 10**30, None),
+        ("top_k", -(10**30), "top_k"),
+        ("seed", 10**30, None),
+        ("seed", -(10**30), None),
+        ("max_tokens", 10**30, "max_tokens"),
+        ("logprobs", 10**30, "logprobs"),
+        ("priority", 10**30, None),
+        ("priority", -(10**30), None),
+        ("stop_token_ids", [10**30], None),
+    ],
+)
 def test_huge_and_denormal_values(server, client, engine, field, value, param):
     """Each either a 400 naming the field, or a correct answer: "greedy" means the greedy text exactly
     (temperature 1 with a top_p that keeps only the top token is greedy too), None a full-length answer."""
@@ -187,8 +213,9 @@ def test_huge_and_denormal_values(server, client, engine, field, value, param):
     out = r.json()
     assert out["usage"]["completion_tokens"] == 3 and out["choices"][0]["finish_reason"] == "length"
     if param == "greedy":
-        want = client.completions.create(model=engine.model_name, prompt=body["prompt"], max_tokens=3,
-                                         temperature=0, extra_body={"ignore_eos": True})
+        want = client.completions.create(
+            model=engine.model_name, prompt=body["prompt"], max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert out["choices"][0]["text"] == want.choices[0].text
 
 
@@ -208,26 +235,30 @@ def test_python_api_rejects_non_finite_floats():
 
 # -- strict types ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path, fields, param", [
-    ("/v1/completions", {"max_tokens": "2"}, "max_tokens"),
-    ("/v1/completions", {"stream": "yes"}, "stream"),
-    ("/v1/completions", {"n": "3"}, "n"),
-    ("/v1/completions", {"n": 2.0}, "n"),
-    ("/v1/completions", {"n": True}, "n"),
-    ("/v1/completions", {"temperature": "1"}, "temperature"),
-    ("/v1/completions", {"temperature": True}, "temperature"),
-    ("/v1/completions", {"top_p": "0.5"}, "top_p"),
-    ("/v1/completions", {"seed": "1"}, "seed"),
-    ("/v1/completions", {"logprobs": "1"}, "logprobs"),
-    ("/v1/completions", {"ignore_eos": 1}, "ignore_eos"),
-    ("/v1/completions", {"prompt": [1.0, 2.0]}, "prompt"),
-    ("/v1/completions", {"stop_token_ids": ["7"]}, "stop_token_ids"),
-    ("/v1/completions", {"stream_options": {"include_usage": "yes"}}, "stream_options"),
-    ("/v1/chat/completions", {"max_completion_tokens": "2"}, "max_completion_tokens"),
-    ("/v1/chat/completions", {"logprobs": "true"}, "logprobs"),
-    ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-    ("/v1/chat/completions", {"stream": 1}, "stream"),
-])
+
+@pytest.mark.parametrize(
+    "path, fields, param",
+    [
+        ("/v1/completions", {"max_tokens": "2"}, "max_tokens"),
+        ("/v1/completions", {"stream": "yes"}, "stream"),
+        ("/v1/completions", {"n": "3"}, "n"),
+        ("/v1/completions", {"n": 2.0}, "n"),
+        ("/v1/completions", {"n": True}, "n"),
+        ("/v1/completions", {"temperature": "1"}, "temperature"),
+        ("/v1/completions", {"temperature": True}, "temperature"),
+        ("/v1/completions", {"top_p": "0.5"}, "top_p"),
+        ("/v1/completions", {"seed": "1"}, "seed"),
+        ("/v1/completions", {"logprobs": "1"}, "logprobs"),
+        ("/v1/completions", {"ignore_eos": 1}, "ignore_eos"),
+        ("/v1/completions", {"prompt": [1.0, 2.0]}, "prompt"),
+        ("/v1/completions", {"stop_token_ids": ["7"]}, "stop_token_ids"),
+        ("/v1/completions", {"stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ("/v1/chat/completions", {"max_completion_tokens": "2"}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"logprobs": "true"}, "logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ("/v1/chat/completions", {"stream": 1}, "stream"),
+    ],
+)
 def test_strict_types(server, path, fields, param):
     _assert_400_naming(_post(server, path, _body(path, **fields)), param)
 
@@ -240,9 +271,14 @@ def test_an_integer_is_a_valid_float(client, engine):
 
 # -- item 11: max_tokens null -----------------------------------------------------------------------------------
 
+
 def test_completions_max_tokens_null_means_16(server):
-    r = _post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": None, "ignore_eos": True,
-                                          "temperature": 0}, timeout=120)
+    r = _post(
+        server,
+        "/v1/completions",
+        {"prompt": "Once upon a time", "max_tokens": None, "ignore_eos": True, "temperature": 0},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 16
     r = _post(server, "/v1/completions", {"prompt": "Once upon a time", "ignore_eos": True}, timeout=120)
@@ -256,6 +292,7 @@ def test_chat_keeps_its_default():
 
 
 # -- item 9: special tokens in chat content, through the server -------------------------------------------------
+
 
 def test_chat_content_special_tokens_stay_text(server, app, engine, monkeypatch):
     received: list = []
@@ -291,6 +328,7 @@ def test_chat_content_special_tokens_stay_text(server, app, engine, monkeypatch)
 
 # -- the OpenAPI schema -------------------------------------------------------------------------------------------
 
+
 def test_openapi_declares_errors_and_limits(server):
     schema = httpx.get(server + "/openapi.json").json()
     dumped = json.dumps(schema)
@@ -307,8 +345,10 @@ def test_openapi_declares_errors_and_limits(server):
     assert "401" not in schema["paths"]["/health"]["get"]["responses"]
     assert "401" in schema["paths"]["/v1/models"]["get"]["responses"]
 
-    props = {name: schema["components"]["schemas"][name]["properties"]
-             for name in ("CompletionRequest", "ChatCompletionRequest")}
+    props = {
+        name: schema["components"]["schemas"][name]["properties"]
+        for name in ("CompletionRequest", "ChatCompletionRequest")
+    }
     for p in props.values():
         assert (p["n"]["minimum"], p["n"]["maximum"]) == (1, MAX_N)  # the server's option, not a constant
         assert p["temperature"]["anyOf"][0]["minimum"] == 0

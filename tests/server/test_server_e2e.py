@@ -4,6 +4,7 @@ One server for the whole module, in this process (uvicorn on a free port, the en
 weights); each test leaves it idle with no page held by a request, and checks that itself where it matters. The
 last test starts the real `python -m prefixkv.server` process once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,21 @@ from tests.server.live_server import cache_summary, running_server, wait_no_page
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "My favourite colour is",
-           "The quick brown fox", "In 1492, Columbus", "To make a cake you need", "The sun is a"]
-SYSTEM = ("You are a meticulous assistant for a small bakery. You answer questions about opening hours, "
-          "ingredients, allergens, prices and custom orders. Keep every answer short, friendly and accurate, "
-          "and never invent products that the bakery does not sell.")
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at",
+    "My favourite colour is",
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "To make a cake you need",
+    "The sun is a",
+]
+SYSTEM = (
+    "You are a meticulous assistant for a small bakery. You answer questions about opening hours, "
+    "ingredients, allergens, prices and custom orders. Keep every answer short, friendly and accurate, "
+    "and never invent products that the bakery does not sell."
+)
 
 
 def _free_port() -> int:
@@ -81,8 +92,16 @@ def test_greedy_http_matches_llm_generate(client, model, llm_factory):
 def test_streaming_chat_with_usage(client, model):
     messages = [{"role": "user", "content": "Say hello in French."}]
     plain = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
-    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
@@ -95,8 +114,12 @@ def test_streaming_chat_with_usage(client, model):
 def test_cached_tokens_for_repeated_system_prompt(server, client, model):
     def ask(question: str, **extra):
         return client.chat.completions.create(
-            model=model, max_tokens=4, temperature=0, extra_body=extra or None,
-            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+            model=model,
+            max_tokens=4,
+            temperature=0,
+            extra_body=extra or None,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        )
 
     first = ask("When do you open?")
     assert first.usage.prompt_tokens > 32
@@ -106,8 +129,13 @@ def test_cached_tokens_for_repeated_system_prompt(server, client, model):
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
 
     stream = client.chat.completions.create(
-        model=model, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True},
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Any vegan cakes?"}])
+        model=model,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Any vegan cakes?"}],
+    )
     assert list(stream)[-1].usage.prompt_tokens_details.cached_tokens >= 32
 
     assert httpx.post(server + "/reset_prefix_cache", headers=AUTH).json() == {"reset": True}
@@ -117,15 +145,18 @@ def test_cached_tokens_for_repeated_system_prompt(server, client, model):
 
 def test_64_concurrent_streams(server, client, model):
     """Many connections, one engine: all finish with the sequential greedy text, and no page stays held."""
-    reference = {p: client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
-                 for p in PROMPTS}  # one at a time
+    reference = {
+        p: client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
+        for p in PROMPTS
+    }  # one at a time
     before = httpx.get(server + "/metrics", headers=AUTH).text
     aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=300)
 
     async def one(prompt: str, sem: asyncio.Semaphore) -> tuple[str, str, str | None]:
         async with sem:
-            stream = await aclient.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
-                                                      stream=True)
+            stream = await aclient.completions.create(
+                model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True
+            )
             parts, finish = [], None
             async for chunk in stream:
                 for choice in chunk.choices:
@@ -148,8 +179,11 @@ def test_64_concurrent_streams(server, client, model):
     _wait_no_pages_held(server)
 
     def done_count(metrics: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                   if line.startswith("prefixkv:request_success_total{"))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("prefixkv:request_success_total{")
+        )
 
     after = httpx.get(server + "/metrics", headers=AUTH).text
     assert done_count(after) - done_count(before) >= 64
@@ -158,24 +192,28 @@ def test_64_concurrent_streams(server, client, model):
     assert "prefixkv:prefix_cache_hits_total" in after
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/completions", b"{oops", 400, None),
-    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "temperature": "warm"}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
-    ("/v1/completions", {"prompt": "hello " * 9000}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "top_p": 1.2}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
-    ("/v1/completions", {"prompt": [10 ** 9]}, 400, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}, {"content": "x"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", b"{oops", 400, None),
+        ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "temperature": "warm"}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+        ("/v1/completions", {"prompt": "hello " * 9000}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 1.2}, 400, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+        ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}, {"content": "x"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ],
+)
 def test_bad_input_then_good(server, client, model, path, body, status, param):
-    r = httpx.post(server + path, headers=AUTH, timeout=60,
-                   **({"content": body} if isinstance(body, bytes) else {"json": body}))
+    r = httpx.post(
+        server + path, headers=AUTH, timeout=60, **({"content": body} if isinstance(body, bytes) else {"json": body})
+    )
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"] and error["type"]
@@ -198,8 +236,13 @@ def test_disconnect_aborts_and_frees_pages(server):
 
 def test_api_key_enforced(server):
     assert httpx.get(server + "/health").status_code == 200
-    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/cache/summary"),
-                         ("POST", "/reset_prefix_cache"), ("POST", "/v1/completions")]:
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("GET", "/cache/summary"),
+        ("POST", "/reset_prefix_cache"),
+        ("POST", "/v1/completions"),
+    ]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):  # none, wrong, no scheme
             r = httpx.request(method, server + path, json={"prompt": "x"}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -212,8 +255,25 @@ def test_bench_client_against_server(server):
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    res = run(p.parse_args(["--base-url", server, "--api-key", KEY, "--num-requests", "4", "--concurrency", "2",
-                            "--system-prompt-tokens", "64", "--output-tokens", "4", "--ignore-eos"]))
+    res = run(
+        p.parse_args(
+            [
+                "--base-url",
+                server,
+                "--api-key",
+                KEY,
+                "--num-requests",
+                "4",
+                "--concurrency",
+                "2",
+                "--system-prompt-tokens",
+                "64",
+                "--output-tokens",
+                "4",
+                "--ignore-eos",
+            ]
+        )
+    )
     assert res["num_ok"] == 4 and res["output_tokens"] == 16
     assert res["cached_tokens"] > 0 and res["ttft_ms"]["p99"] > 0
 
@@ -226,9 +286,24 @@ def test_the_server_command_serves_greedy_text(tmp_path, llm_factory):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
-        proc = subprocess.Popen([sys.executable, "-m", "prefixkv.server", "--port", str(port), "--api-key", KEY,
-                                 "--log-level", "warning", "--kv-cache-tokens", "8192"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "prefixkv.server",
+                "--port",
+                str(port),
+                "--api-key",
+                KEY,
+                "--log-level",
+                "warning",
+                "--kv-cache-tokens",
+                "8192",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + 900
             while True:
@@ -244,8 +319,11 @@ def test_the_server_command_serves_greedy_text(tmp_path, llm_factory):
             client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=600)
             model = client.models.list().data[0].id
             got = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0)
-            want = llm_factory(prefix_cache="off").generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8),
-                                                            use_tqdm=False)[0].outputs[0]
+            want = (
+                llm_factory(prefix_cache="off")
+                .generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+                .outputs[0]
+            )
             assert got.choices[0].text == want.text
         finally:
             proc.terminate()

@@ -6,6 +6,7 @@ pass in a second or two. Raw sockets play the clients the official client cannot
 body, a reader that never reads. Timings are printed for the report, never asserted; deadlines only guard
 against hangs.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,9 +72,14 @@ class _Stream(threading.Thread):
 
     def run(self) -> None:
         try:
-            stream = self.client.completions.create(model=self.model, prompt="Once upon a time", stream=True,
-                                                    max_tokens=self.max_tokens, temperature=0,
-                                                    extra_body={"ignore_eos": True})
+            stream = self.client.completions.create(
+                model=self.model,
+                prompt="Once upon a time",
+                stream=True,
+                max_tokens=self.max_tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             for chunk in stream:
                 self.arrivals.append(time.monotonic())
                 self.text += chunk.choices[0].text
@@ -98,6 +104,7 @@ def _assert_openai_error(response: httpx.Response, status: int, param: str | Non
 
 # -- item 3: body size, over-long text, tokenization off the engine thread ---------------------------------------
 
+
 def test_huge_body_gets_413_while_a_stream_runs(engine, recorded):
     """A 10 MB prompt (Content-Length, then chunked) is refused with 413 before the engine or the tokenizer
     sees it; a stream running meanwhile finishes normally."""
@@ -108,25 +115,29 @@ def test_huge_body_gets_413_while_a_stream_runs(engine, recorded):
         stream.start()
         assert stream.started.wait(HANG_GUARD) and stream.error is None, stream.error
         t0 = time.monotonic()
-        r = httpx.post(base + "/v1/completions", content=huge, timeout=HANG_GUARD,
-                       headers={"Content-Type": "application/json"})
+        r = httpx.post(
+            base + "/v1/completions", content=huge, timeout=HANG_GUARD, headers={"Content-Type": "application/json"}
+        )
         sized = time.monotonic() - t0
         err = _assert_openai_error(r, 413)
         assert err["code"] == "request_too_large" and str(8 << 20) in err["message"]
 
         def chunks():
             for i in range(0, len(huge), 1 << 20):
-                yield huge[i:i + (1 << 20)]
+                yield huge[i : i + (1 << 20)]
 
         t0 = time.monotonic()
-        r = httpx.post(base + "/v1/completions", content=chunks(), timeout=HANG_GUARD,
-                       headers={"Content-Type": "application/json"})
+        r = httpx.post(
+            base + "/v1/completions", content=chunks(), timeout=HANG_GUARD, headers={"Content-Type": "application/json"}
+        )
         chunked = time.monotonic() - t0
         _assert_openai_error(r, 413)
         stream.join(HANG_GUARD)
         assert stream.error is None and stream.finish_reason == "length", stream.error
-        print(f"\n413 after {sized:.3f}s (Content-Length), {chunked:.3f}s (chunked); running stream's largest "
-              f"inter-token gap {stream.largest_gap():.3f}s over {len(stream.arrivals)} chunks")
+        print(
+            f"\n413 after {sized:.3f}s (Content-Length), {chunked:.3f}s (chunked); running stream's largest "
+            f"inter-token gap {stream.largest_gap():.3f}s over {len(stream.arrivals)} chunks"
+        )
         wait_no_pages_held(base, NO_AUTH)
     assert max(_prompt_chars(p) for p in prompts) < 1000  # the engine only ever got the small stream
     assert all(n < 1000 for n, _ in encode_threads)  # and the huge text was never tokenized
@@ -140,8 +151,7 @@ def test_overlong_text_refused_before_tokenizing(engine, recorded, path):
     with running_server(engine) as (base, _, app):
         limit = app.state.server.max_prompt_chars
         text = "word " * (limit // 5 + 1)
-        body = ({"prompt": text} if path == "/v1/completions" else
-                {"messages": [{"role": "user", "content": text}]})
+        body = {"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
         r = httpx.post(base + path, json=body, timeout=HANG_GUARD)
         param = "prompt" if "chat" not in path else "messages"
         err = _assert_openai_error(r, 400, param)
@@ -150,8 +160,7 @@ def test_overlong_text_refused_before_tokenizing(engine, recorded, path):
 
         # short enough to tokenize (in the worker), too many tokens: refused before the engine thread sees them
         text = "hello " * (engine.max_model_len + 10)
-        body = ({"prompt": text} if path == "/v1/completions" else
-                {"messages": [{"role": "user", "content": text}]})
+        body = {"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
         err = _assert_openai_error(httpx.post(base + path, json=body, timeout=HANG_GUARD), 400, param)
         assert err["code"] == "context_length_exceeded" and "max_model_len" in err["message"]
         assert [name for _, name in encode_threads] == ["prefixkv-tokenizer_0"]
@@ -165,10 +174,12 @@ def test_prompts_are_tokenized_off_the_engine_thread(engine, recorded):
     prompts, encode_threads = recorded
     with running_server(engine) as (base, _, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD)
-        out = client.completions.create(model=engine.model_name, prompt="The capital of France is", max_tokens=4,
-                                        temperature=0)
-        chat = client.chat.completions.create(model=engine.model_name, max_tokens=4, temperature=0,
-                                              messages=[{"role": "user", "content": "Hi!"}])
+        out = client.completions.create(
+            model=engine.model_name, prompt="The capital of France is", max_tokens=4, temperature=0
+        )
+        chat = client.chat.completions.create(
+            model=engine.model_name, max_tokens=4, temperature=0, messages=[{"role": "user", "content": "Hi!"}]
+        )
     threads = {name for _, name in encode_threads}
     assert len(encode_threads) == 2 and threads == {"prefixkv-tokenizer_0"}, encode_threads
     completion_prompt, chat_prompt = prompts  # text keeps its ids and text; chat needs only ids
@@ -180,6 +191,7 @@ def test_prompts_are_tokenized_off_the_engine_thread(engine, recorded):
 
 
 # -- item 4: slowloris --------------------------------------------------------------------------------------------
+
 
 def _closed_within(sock: socket.socket, timeout: float) -> tuple[bool, bytes]:
     """Read until the server closes (b"" or a reset); False when it is still open after timeout."""
@@ -232,8 +244,10 @@ def test_stalled_body_gets_408(engine):
     limits = ServerLimits(body_timeout=1.0)
     with running_server(engine, limits=limits) as (base, _, _):
         s = _connect(base)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"prompt\": \"Hel")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": "Hel'
+        )
         closed, data = _closed_within(s, HANG_GUARD)
         s.close()
         assert closed, "a stalled body kept its connection open"
@@ -263,6 +277,7 @@ def test_connections_beyond_the_limit_get_503(engine):
 
 # -- item 10: a client that never reads --------------------------------------------------------------------------
 
+
 def _abort_count(base: str, model: str) -> float:
     key = f'prefixkv:request_success_total{{finished_reason="abort",model_name="{model}"}}'
     for line in httpx.get(base + "/metrics").text.splitlines():
@@ -271,22 +286,33 @@ def _abort_count(base: str, model: str) -> float:
     return 0.0
 
 
-@pytest.mark.parametrize("limits", [ServerLimits(stream_write_timeout=1.0),
-                                    ServerLimits(max_stream_queue=8, stream_write_timeout=600.0)],
-                         ids=["write-timeout", "queue-cap"])
+@pytest.mark.parametrize(
+    "limits",
+    [ServerLimits(stream_write_timeout=1.0), ServerLimits(max_stream_queue=8, stream_write_timeout=600.0)],
+    ids=["write-timeout", "queue-cap"],
+)
 def test_client_that_never_reads_is_dropped(engine, limits):
     """A stream whose client never reads: the request is aborted (its pages freed) and the connection
     dropped, by the write timeout or by the queue cap; a stream beside it finishes normally."""
     with running_server(engine, limits=limits, send_buffer_bytes=4096) as (base, _, _):
         aborts = _abort_count(base, engine.model_name)
-        body = json.dumps({"prompt": "Tell me a very long story.", "max_tokens": 3000, "stream": True,
-                           "ignore_eos": True, "logprobs": 20}).encode()
+        body = json.dumps(
+            {
+                "prompt": "Tell me a very long story.",
+                "max_tokens": 3000,
+                "stream": True,
+                "ignore_eos": True,
+                "logprobs": 20,
+            }
+        ).encode()
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
         host, port = base.removeprefix("http://").split(":")
         s.connect((host, int(port)))
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         other = _Stream(base, engine.model_name, max_tokens=24)
         other.start()
         t0 = time.monotonic()
@@ -298,8 +324,10 @@ def test_client_that_never_reads_is_dropped(engine, limits):
         assert closed and b"data: [DONE]" not in data
         other.join(HANG_GUARD)
         assert other.error is None and other.finish_reason == "length", other.error
-        print(f"\nnon-reading client dropped, pages freed {freed:.1f}s after it stopped reading; "
-              f"{len(data)} bytes were still buffered for it")
+        print(
+            f"\nnon-reading client dropped, pages freed {freed:.1f}s after it stopped reading; "
+            f"{len(data)} bytes were still buffered for it"
+        )
 
 
 def test_unread_outputs_are_coalesced():

@@ -8,6 +8,7 @@ into its model runner) turning into a 500 while the server keeps serving.
 
 One engine and one server for the module; every test leaves the engine idle with no page held by a request.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,10 @@ from tests.server.live_server import cache_summary, running_server, wait_no_page
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # long enough (> 2 pages of 16 tokens) for the prefix cache to serve a repeat of it
-LONG_PROMPT = ("A lighthouse keeper writes in her logbook every evening: the weather, the ships that passed, "
-               "the state of the lamp, and one sentence about the sea. Tonight she wrote:")
+LONG_PROMPT = (
+    "A lighthouse keeper writes in her logbook every evening: the weather, the ships that passed, "
+    "the state of the lamp, and one sentence about the sea. Tonight she wrote:"
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +84,9 @@ def test_multi_prompt_and_n(client, engine, reference):
     text_prompt, ids_prompt = "The capital of France is", engine.tokenizer.encode("Water boils at")
     params = SamplingParams(temperature=0, max_tokens=5)
     expected = reference.generate([text_prompt, ids_prompt], params, use_tqdm=False)
-    out = client.completions.create(model=engine.model_name, prompt=[text_prompt, ids_prompt], max_tokens=5, n=2,
-                                    temperature=0)
+    out = client.completions.create(
+        model=engine.model_name, prompt=[text_prompt, ids_prompt], max_tokens=5, n=2, temperature=0
+    )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     for choice in out.choices:  # index = prompt * n + completion
         want = expected[choice.index // 2].outputs[0]
@@ -105,8 +109,9 @@ def test_tenant_salt_and_extensions_reach_engine(server, client, engine, monkeyp
     monkeypatch.setattr(engine, "add_request", add_request)
 
     def ask(**extra):
-        return client.completions.create(model=engine.model_name, prompt=LONG_PROMPT, max_tokens=1, temperature=0,
-                                         extra_body=extra or None)
+        return client.completions.create(
+            model=engine.model_name, prompt=LONG_PROMPT, max_tokens=1, temperature=0, extra_body=extra or None
+        )
 
     first = ask(cache_salt="s1", priority=3, top_k=5, ignore_eos=True, stop_token_ids=[7])
     got = received[-1]
@@ -127,17 +132,20 @@ def test_tenant_salt_and_extensions_reach_engine(server, client, engine, monkeyp
     _wait_no_pages_held(server)
 
 
-@pytest.mark.parametrize("path, body, param", [  # the bad inputs test_server_e2e.py does not send
-    ("/v1/completions", b"[1, 2]", None),
-    ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": ["ok", ""]}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [  # the bad inputs test_server_e2e.py does not send
+        ("/v1/completions", b"[1, 2]", None),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", ""]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ],
+)
 def test_bad_input_then_good(server, client, engine, path, body, param):
     r = _post(server, path, body)
     assert r.status_code == 400, r.text
@@ -163,8 +171,9 @@ def test_metrics_names_and_values(server, client, engine):
     model = engine.model_name
     lbl = f'{{model_name="{model}"}}'
     before = _metrics(server)
-    out = client.completions.create(model=model, prompt="Count to ten: one, two,", max_tokens=4, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=model, prompt="Count to ten: one, two,", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
     _wait_no_pages_held(server)
     after = _metrics(server)
@@ -240,6 +249,7 @@ def test_cache_tree_endpoint_and_cli(server, new_engine):
 
 # -- item 10: the engine sends the server deltas, never cumulative copies ------------------------------------------
 
+
 def _record_engine(engine, monkeypatch) -> tuple[dict[str, str], dict[str, list]]:
     """Record, by engine request id, the output_kind each request was added with and every output it got."""
     kinds: dict[str, str] = {}
@@ -266,8 +276,13 @@ def _stream_completion(base: str, body: dict) -> tuple[dict[int, dict], dict | N
     the usage event."""
     choices: dict[int, dict] = {}
     usage = None
-    with httpx.stream("POST", base + "/v1/completions", headers=AUTH, timeout=300,
-                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with httpx.stream(
+        "POST",
+        base + "/v1/completions",
+        headers=AUTH,
+        timeout=300,
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -291,12 +306,18 @@ def test_streams_get_deltas_and_a_long_stream_is_intact(server, engine, referenc
     request's with "final_only" (one output); 300 streamed tokens with logprobs equal the plain answer and the
     greedy reference."""
     kinds, outputs = _record_engine(engine, monkeypatch)
-    body = {"prompt": "Write a long story about a lighthouse.", "max_tokens": 300, "temperature": 0,
-            "ignore_eos": True, "logprobs": 1}
+    body = {
+        "prompt": "Write a long story about a lighthouse.",
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+    }
     streamed, stream_usage = _stream_completion(server, body)
     plain = _post(server, "/v1/completions", body, timeout=300).json()
-    want = reference.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
-                              use_tqdm=False)[0].outputs[0]
+    want = reference.generate(
+        [body["prompt"]], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
 
     stream_id, plain_id = kinds  # the two requests, in the order they were added
     assert (kinds[stream_id], kinds[plain_id]) == ("delta", "final_only")
@@ -320,20 +341,27 @@ def test_stop_string_across_tokens_streams_the_plain_text(server, client, engine
     pieces = [engine.tokenizer.decode([t]) for t in free.token_ids]
     i = next(i for i in range(1, len(pieces) - 1) if pieces[i] and len(pieces[i + 1]) >= 2)
     stop = pieces[i][-1:] + pieces[i + 1][:2]  # spans tokens i and i + 1
-    want = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
-                              use_tqdm=False)[0].outputs[0]
-    assert want.finish_reason == "stop" and len(want.text) < len("".join(pieces[:i + 2]))
+    want = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert want.finish_reason == "stop" and len(want.text) < len("".join(pieces[: i + 2]))
 
-    plain = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=12, temperature=0,
-                                      stop=[stop])
+    plain = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
     streamed, _ = _stream_completion(server, {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]})
     assert streamed[0]["text"] == plain.choices[0].text == want.text
     assert streamed[0]["finish"] == [plain.choices[0].finish_reason] == ["stop"]
-    chunks = client.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "Hi"}],
-                                            max_tokens=12, temperature=0, stop=[stop], stream=True)
+    chunks = client.chat.completions.create(
+        model=engine.model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        stream=True,
+    )
     chat_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    chat_plain = client.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "Hi"}],
-                                                max_tokens=12, temperature=0, stop=[stop])
+    chat_plain = client.chat.completions.create(
+        model=engine.model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0, stop=[stop]
+    )
     assert chat_text == chat_plain.choices[0].message.content
     _wait_no_pages_held(server)
 
@@ -343,8 +371,15 @@ def test_stream_metrics_count_every_completion(server, engine):
     /metrics counts both finishes and observes TPOT from all the tokens generated."""
     lbl = f'{{model_name="{engine.model_name}"}}'
     before = _metrics(server)
-    body = {"prompt": "My favourite animal is", "max_tokens": 12, "temperature": 1.0, "seed": 0, "n": 2,
-            "stop": ["."], "logprobs": 0}
+    body = {
+        "prompt": "My favourite animal is",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 0,
+        "n": 2,
+        "stop": ["."],
+        "logprobs": 0,
+    }
     streamed, usage = _stream_completion(server, body)
     _wait_no_pages_held(server)
     after = _metrics(server)

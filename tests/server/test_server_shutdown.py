@@ -4,6 +4,7 @@ Long --shutdown-timeout: the stream finishes normally. Short one: it ends with a
 `data: [DONE]`, never a bare reset. Either way the process exits 0 soon after. Small KV pool; raw httpx
 streaming, so the test sees the exact events (the official client turns an error event into an APIError).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,24 @@ def _start_server(tmp_path, shutdown_timeout: float) -> tuple[subprocess.Popen, 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed by the test; a pipe could fill and block
-    proc = subprocess.Popen([sys.executable, "-m", "prefixkv.server", "--port", str(port), "--kv-cache-tokens",
-                             "4096", "--shutdown-timeout", str(shutdown_timeout), "--log-level", "info"],
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prefixkv.server",
+            "--port",
+            str(port),
+            "--kv-cache-tokens",
+            "4096",
+            "--shutdown-timeout",
+            str(shutdown_timeout),
+            "--log-level",
+            "info",
+        ],
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 180
     while True:
         if proc.poll() is not None:
@@ -59,8 +74,13 @@ class _RawStream(threading.Thread):
         self.first_token = threading.Event()
 
     def run(self) -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": self.max_tokens, "stream": True, "ignore_eos": True,
-                "temperature": 0}
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
         try:
             with httpx.stream("POST", self.base + "/v1/completions", json=body, timeout=HANG_GUARD) as r:
                 for line in r.iter_lines():
@@ -116,5 +136,7 @@ def test_sigterm_with_a_running_stream(tmp_path, shutdown_timeout, max_tokens):
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == "server_shutdown", err
         assert all("error" not in p and p["choices"][0]["finish_reason"] is None for p in payloads[:-1])
     assert rc == 0, server_log[-3000:]
-    print(f"\nshutdown_timeout={shutdown_timeout:g}s: exited {rc} {took:.1f}s after SIGTERM, "
-          f"{len(payloads)} events, last: {stream.events[-2][:100]}")
+    print(
+        f"\nshutdown_timeout={shutdown_timeout:g}s: exited {rc} {took:.1f}s after SIGTERM, "
+        f"{len(payloads)} events, last: {stream.events[-2][:100]}"
+    )

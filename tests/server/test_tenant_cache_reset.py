@@ -1,6 +1,7 @@
 """The cache surface behind `/reset_prefix_cache?tenant=NAME`: reset_prefix_cache(salt_filter) on both prefix
 caches, without a model. One tenant's namespaces go (those a running request holds stay, and the call says so);
 every other namespace keeps its hits; the page accounting stays exact."""
+
 from __future__ import annotations
 
 import pytest

@@ -4,6 +4,7 @@ Keys come from a key file (tenant alice has two keys, bob one, ops is the admin)
 prefix cache on a module engine (one per prefix cache kind where the cache matters) and serves it for its own
 duration, so no test sees another's cached prompts.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,10 +28,14 @@ ops-key         ops     admin
 """
 ADMIN = {"Authorization": "Bearer ops-key"}
 # long enough (> 2 pages of 16 tokens) for the prefix cache to serve a repeat of it
-SECRET = ("Bob's private notes, never to be shared: the merger closes on Friday, the code word is heron, and "
-          "the board meets at nine in the small room. Summary:")
-OTHER = ("Alice's quarterly plan, for her eyes only: hire two engineers, ship the mobile app, move the billing "
-         "service to the new cluster before the audit, and renegotiate the office lease. Next step:")
+SECRET = (
+    "Bob's private notes, never to be shared: the merger closes on Friday, the code word is heron, and "
+    "the board meets at nine in the small room. Summary:"
+)
+OTHER = (
+    "Alice's quarterly plan, for her eyes only: hire two engineers, ship the mobile app, move the billing "
+    "service to the new cluster before the audit, and renegotiate the office lease. Next step:"
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +66,9 @@ def _client(base: str, key: str, path: str = "/v1") -> openai.OpenAI:
 def _cached(base: str, key: str, prompt: str, **extra) -> int:
     """Prompt tokens the prefix cache served for one greedy 1-token completion sent with `key`."""
     client = _client(base, key)
-    out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=1,
-                                    temperature=0, extra_body=extra or None)
+    out = client.completions.create(
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra or None
+    )
     return out.usage.prompt_tokens_details.cached_tokens
 
 
@@ -71,8 +77,11 @@ def test_key_file_format_and_errors(tmp_path):
     good = tmp_path / "good.txt"
     good.write_text(KEY_FILE)
     assert [(k, p.tenant, p.role) for k, p in read_key_file(str(good))] == [
-        ("alice-key-1", "alice", "user"), ("alice-key-2", "alice", "user"), ("bob-key", "bob", "user"),
-        ("ops-key", "ops", "admin")]
+        ("alice-key-1", "alice", "user"),
+        ("alice-key-2", "alice", "user"),
+        ("bob-key", "bob", "user"),
+        ("ops-key", "ops", "admin"),
+    ]
     cases = [
         ("k1 alice\nsecret-key-2\n", "line 2: expected 'KEY TENANT [ROLE]'"),
         ("# c\n\nk1 alice user extra\n", "line 3: expected 'KEY TENANT [ROLE]'"),
@@ -96,8 +105,14 @@ def test_serve_rejects_malformed_key_file_before_loading(tmp_path):
     bad = tmp_path / "keys.txt"
     bad.write_text("alice-key alice\nbob-key\n")
     env = {**os.environ, "PREFIXKV_NO_NATIVE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "prefixkv.server", "--api-key-file", str(bad), "--port", "0"],
-                          check=False, capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prefixkv.server", "--api-key-file", str(bad), "--port", "0"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"API key file {bad}, line 2: expected 'KEY TENANT [ROLE]'" in proc.stderr
 
@@ -128,9 +143,11 @@ def test_user_keys_get_403_on_admin_endpoints(engines, key_file):
     with running_server(engines("radix"), api_key_file=key_file) as (base, _, _):
         _cached(base, "bob-key", SECRET)
         user = _client(base, "alice-key-1", path="")
-        for call in (lambda: user.post("/reset_prefix_cache", cast_to=object),
-                     lambda: user.post("/reset_prefix_cache?tenant=bob", cast_to=object),
-                     lambda: user.get("/cache/tree", cast_to=str)):
+        for call in (
+            lambda: user.post("/reset_prefix_cache", cast_to=object),
+            lambda: user.post("/reset_prefix_cache?tenant=bob", cast_to=object),
+            lambda: user.get("/cache/tree", cast_to=str),
+        ):
             with pytest.raises(openai.PermissionDeniedError) as err:
                 call()
             assert err.value.status_code == 403

@@ -14,6 +14,7 @@ the softmax sum is why the options enable them only below float32, where token e
 on and off is not promised. A new way to attend (e.g. several prefill chunks over one shared prefix) is one more
 group class and one more rule in the planner.
 """
+
 from prefixkv.model.attention.groups import (
     CascadeDecodes,
     InPlaceDecodes,

@@ -17,6 +17,7 @@ them from the frozen KernelOptions).
   its slots are back to back) and to its own K/V (causal) in two calls merged by log-sum-exp.
 Gathered K/V go into one workspace reused by every layer: fresh large allocations are slow on CPU.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -76,8 +77,9 @@ class InPlaceDecodes:
     workspace_slots = 0
 
     def attend(self, q, kv, kv_layer, workspace, scale) -> torch.Tensor:
-        return native.module().paged_decode_attention(take_rows(q, self.rows), kv_layer, self.page_table,
-                                                      self.context_lens, self.page_size, scale)
+        return native.module().paged_decode_attention(
+            take_rows(q, self.rows), kv_layer, self.page_table, self.context_lens, self.page_size, scale
+        )
 
 
 @dataclass(slots=True)
@@ -144,8 +146,11 @@ class CascadeDecodes:
 
         suffix = gather(kv_layer, self.suffix_slots, workspace).view(2, kv_heads, b, self.suffix_len, head_dim)
         o2, lse2 = FLASH_WITH_LSE(
-            qc.view(b, kv_heads, group, head_dim), suffix[0].transpose(0, 1), suffix[1].transpose(0, 1),
-            attn_mask=self.suffix_mask, scale=scale,
+            qc.view(b, kv_heads, group, head_dim),
+            suffix[0].transpose(0, 1),
+            suffix[1].transpose(0, 1),
+            attn_mask=self.suffix_mask,
+            scale=scale,
         )
         return merge_by_lse(o1, lse1, o2, lse2.unsqueeze(-1), qc.dtype).reshape(b, num_heads, head_dim)
 
@@ -212,8 +217,9 @@ class PrefillChunk:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
             ctx = self.context.read(kv_layer, workspace)
-            op = F.scaled_dot_product_attention(qp, ctx[0].unsqueeze(0), ctx[1].unsqueeze(0), attn_mask=self.mask,
-                                                scale=scale, enable_gqa=True)
+            op = F.scaled_dot_product_attention(
+                qp, ctx[0].unsqueeze(0), ctx[1].unsqueeze(0), attn_mask=self.mask, scale=scale, enable_gqa=True
+            )
         return op[0].transpose(0, 1)
 
 

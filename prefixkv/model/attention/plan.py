@@ -8,6 +8,7 @@ ModelRunner.execute). The planner reads only that batch and the frozen KernelOpt
 - each prefill chunk is one group: fresh, after cached tokens in one masked call, or split (options.split_prefill).
 Everything index-shaped (slots, page tables, masks) is computed here, once, and read by every layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,8 +41,9 @@ class StepPlan:
         return [g for g in self.groups if isinstance(g, kind)]
 
 
-def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_layer: torch.Tensor, plan: StepPlan,
-                    scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, kv: torch.Tensor, kv_layer: torch.Tensor, plan: StepPlan, scale: float
+) -> torch.Tensor:
     """q [T, H, d], kv [T, 2, KVH, d] (new keys and values), kv_layer [2, KVH, slots, d] (this layer's pool).
 
     Writes the new K/V into their slots, then lets each row group attend; returns [T, H, d].
@@ -63,8 +65,14 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_layer: torch.Tensor, p
 class StepPlanner:
     """Turns each step's batch into a StepPlan under fixed options; owns the gather workspace across steps."""
 
-    def __init__(self, options: KernelOptions, page_size: int, dtype: torch.dtype, gather_width: int,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        options: KernelOptions,
+        page_size: int,
+        dtype: torch.dtype,
+        gather_width: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
         """gather_width: elements per gathered slot (2 * kv_heads * head_dim)."""
         self.options = options
         self.page_size = page_size
@@ -79,8 +87,11 @@ class StepPlanner:
         while num_decodes < len(token_counts) and token_counts[num_decodes] == 1:
             num_decodes += 1
         groups = self._decode_groups(num_decodes, start_positions, page_tables)
-        slot_parts = [np.asarray([_slot(page_tables[i], start_positions[i], self.page_size)
-                                  for i in range(num_decodes)], dtype=np.int64)]
+        slot_parts = [
+            np.asarray(
+                [_slot(page_tables[i], start_positions[i], self.page_size) for i in range(num_decodes)], dtype=np.int64
+            )
+        ]
         row = num_decodes
         for i in range(num_decodes, len(token_counts)):
             n, start = token_counts[i], start_positions[i]
@@ -97,8 +108,9 @@ class StepPlanner:
         rest = list(range(num_decodes))  # decodes left beside the cascade groups (ascending start_pos)
         if self.options.cascade_decodes and num_decodes >= 2:
             taken: set[int] = set()
-            for members, prefix_pages in _cascade_members(rest, start_positions, page_tables, self.page_size,
-                                                          self.options):
+            for members, prefix_pages in _cascade_members(
+                rest, start_positions, page_tables, self.page_size, self.options
+            ):
                 groups.append(self._cascade_group(members, prefix_pages, start_positions, page_tables))
                 taken.update(members)
             rest = [i for i in rest if i not in taken]
@@ -107,8 +119,10 @@ class StepPlanner:
         if self.options.in_place_decodes:
             groups.append(self._in_place_group(rest, start_positions, page_tables))
         else:
-            groups += [self._padded_group(members, start_positions, page_tables)
-                       for members in _length_groups(rest, start_positions, self.options)]
+            groups += [
+                self._padded_group(members, start_positions, page_tables)
+                for members in _length_groups(rest, start_positions, self.options)
+            ]
         return groups
 
     def _rows(self, members: list[int]) -> Rows:
@@ -124,15 +138,20 @@ class StepPlanner:
         for b, i in enumerate(members):
             pages = page_tables[i][: -(-int(lens[b]) // ps)]
             table[b, : len(pages)] = pages
-        return InPlaceDecodes(self._rows(members), torch.from_numpy(table).to(self.device),
-                              torch.from_numpy(lens).to(self.device), ps)
+        return InPlaceDecodes(
+            self._rows(members), torch.from_numpy(table).to(self.device), torch.from_numpy(lens).to(self.device), ps
+        )
 
     def _padded_group(self, members, start_positions, page_tables) -> PaddedDecodes:
         slots, valid = _padded_slots(members, 0, start_positions, page_tables, self.page_size)
         b, max_len = slots.shape
         mask = torch.from_numpy(np.where(valid, 0.0, -np.inf).astype(np.float32))
-        return PaddedDecodes(self._rows(members), max_len, torch.from_numpy(slots.reshape(-1)).to(self.device),
-                             mask.to(device=self.device, dtype=self.dtype).view(b, 1, 1, max_len))
+        return PaddedDecodes(
+            self._rows(members),
+            max_len,
+            torch.from_numpy(slots.reshape(-1)).to(self.device),
+            mask.to(device=self.device, dtype=self.dtype).view(b, 1, 1, max_len),
+        )
 
     def _cascade_group(self, members, prefix_pages, start_positions, page_tables) -> CascadeDecodes:
         ps = self.page_size
@@ -142,8 +161,12 @@ class StepPlanner:
         b, suffix_len = slots.shape
         mask = torch.from_numpy(np.where(valid, 0.0, -np.inf).astype(np.float32)).view(b, 1, 1, suffix_len)
         return CascadeDecodes(
-            self._rows(members), prefix_len, torch.from_numpy(prefix_slots).to(self.device), suffix_len,
-            torch.from_numpy(slots.reshape(-1)).to(self.device), mask.to(device=self.device, dtype=self.dtype),
+            self._rows(members),
+            prefix_len,
+            torch.from_numpy(prefix_slots).to(self.device),
+            suffix_len,
+            torch.from_numpy(slots.reshape(-1)).to(self.device),
+            mask.to(device=self.device, dtype=self.dtype),
             flash=self.options.flash_lse,
         )
 
@@ -157,8 +180,9 @@ class StepPlanner:
         n = rows.stop - rows.start
         q_pos = np.arange(start, start + n)[:, None]
         mask = np.where(np.arange(start + n)[None, :] <= q_pos, 0.0, -np.inf).astype(np.float32)
-        return PrefillChunk(rows, start, self._pool_range(slots),
-                            torch.from_numpy(mask).to(device=self.device, dtype=self.dtype))
+        return PrefillChunk(
+            rows, start, self._pool_range(slots), torch.from_numpy(mask).to(device=self.device, dtype=self.dtype)
+        )
 
     def _pool_range(self, slots: np.ndarray) -> PoolRange:
         if slots[-1] - slots[0] == len(slots) - 1 and (np.diff(slots) == 1).all():
