@@ -301,14 +301,17 @@ def _stream_completion(base: str, body: dict) -> tuple[dict[int, dict], dict | N
     return choices, usage
 
 
+LONG_STREAM_TOKENS = 128  # long enough for many steps of deltas; each token costs a decode step in fp32
+
+
 def test_streams_get_deltas_and_a_long_stream_is_intact(server, engine, reference, monkeypatch):
     """A stream's engine request is added with output_kind="delta" (each output holds one step's token), a plain
-    request's with "final_only" (one output); 300 streamed tokens with logprobs equal the plain answer and the
+    request's with "final_only" (one output); 128 streamed tokens with logprobs equal the plain answer and the
     greedy reference."""
     kinds, outputs = _record_engine(engine, monkeypatch)
     body = {
         "prompt": "Write a long story about a lighthouse.",
-        "max_tokens": 300,
+        "max_tokens": LONG_STREAM_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
         "logprobs": 1,
@@ -316,20 +319,22 @@ def test_streams_get_deltas_and_a_long_stream_is_intact(server, engine, referenc
     streamed, stream_usage = _stream_completion(server, body)
     plain = _post(server, "/v1/completions", body, timeout=300).json()
     want = reference.generate(
-        [body["prompt"]], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False
+        [body["prompt"]], SamplingParams(temperature=0, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True), use_tqdm=False
     )[0].outputs[0]
 
     stream_id, plain_id = kinds  # the two requests, in the order they were added
     assert (kinds[stream_id], kinds[plain_id]) == ("delta", "final_only")
-    assert len(outputs[stream_id]) == 300 and all(len(o.outputs[0].token_ids) == 1 for o in outputs[stream_id])
-    assert len(outputs[plain_id]) == 1 and len(outputs[plain_id][0].outputs[0].token_ids) == 300
+    assert len(outputs[stream_id]) == LONG_STREAM_TOKENS and all(
+        len(o.outputs[0].token_ids) == 1 for o in outputs[stream_id]
+    )
+    assert len(outputs[plain_id]) == 1 and len(outputs[plain_id][0].outputs[0].token_ids) == LONG_STREAM_TOKENS
 
     choice = plain["choices"][0]
-    assert streamed[0]["text"] == choice["text"] == want.text and len(want.token_ids) == 300
-    assert streamed[0]["tokens"] == choice["logprobs"]["tokens"] and len(streamed[0]["tokens"]) == 300
+    assert streamed[0]["text"] == choice["text"] == want.text and len(want.token_ids) == LONG_STREAM_TOKENS
+    assert streamed[0]["tokens"] == choice["logprobs"]["tokens"] and len(streamed[0]["tokens"]) == LONG_STREAM_TOKENS
     assert streamed[0]["token_logprobs"] == choice["logprobs"]["token_logprobs"]
     assert streamed[0]["finish"] == [choice["finish_reason"]] == ["length"]
-    assert stream_usage == plain["usage"] and plain["usage"]["completion_tokens"] == 300
+    assert stream_usage == plain["usage"] and plain["usage"]["completion_tokens"] == LONG_STREAM_TOKENS
     _wait_no_pages_held(server)
 
 
