@@ -67,3 +67,50 @@ def wait_no_pages_held(base: str, headers: dict, timeout: float = 20.0) -> dict:
             return s
         assert time.monotonic() < deadline, f"pages still held: {s}"
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server_process(tmp_path: Any, *flags: str, hang_guard: float = 900.0) -> Iterator[tuple[Any, str, Any]]:
+    """Run `python -m prefixkv.server --port P *flags` as a user starts it; yield (process, base_url, log path)
+    once /health answers. The server's output goes to a file (a full pipe would block it); on exit the process
+    is terminated if the test has not ended it. hang_guard only guards against a server that never comes up."""
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefixkv.server", "--port", str(port), *flags],
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + hang_guard
+            while True:
+                assert proc.poll() is None, f"server exited: {log_path.read_text()[-3000:]}"
+                try:
+                    if httpx.get(base + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "the server did not become healthy"
+                time.sleep(0.3)
+            yield proc, base, log_path
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 
 from prefixkv.sampling_params import SamplingParams
-from tests.server.live_server import cache_summary, running_server, wait_no_pages_held
+from tests.server.live_server import cache_summary, running_server, server_process, wait_no_pages_held
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -39,12 +34,6 @@ SYSTEM = (
     "ingredients, allergens, prices and custom orders. Keep every answer short, friendly and accurate, "
     "and never invent products that the bakery does not sell."
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -281,54 +270,15 @@ def test_bench_client_against_server(server):
 def test_the_server_command_serves_greedy_text(tmp_path, llm_factory):
     """`python -m prefixkv.server` as a user starts it: it comes up, enforces its key and serves the same greedy
     text as the in-process LLM. The deadlines only guard against a hang: start-up takes seconds."""
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "prefixkv.server",
-                "--port",
-                str(port),
-                "--api-key",
-                KEY,
-                "--log-level",
-                "warning",
-                "--kv-cache-tokens",
-                "8192",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+    flags = ("--api-key", KEY, "--log-level", "warning", "--kv-cache-tokens", "8192")
+    with server_process(tmp_path, *flags) as (_, base, _):
+        assert httpx.get(base + "/v1/models").status_code == 401
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        got = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        want = (
+            llm_factory(prefix_cache="off")
+            .generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+            .outputs[0]
         )
-        try:
-            deadline = time.monotonic() + 900
-            while True:
-                assert proc.poll() is None, f"server exited: {log_path.read_text()[-3000:]}"
-                try:
-                    if httpx.get(base + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, "the server did not become healthy"
-                time.sleep(0.3)
-            assert httpx.get(base + "/v1/models").status_code == 401
-            client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=600)
-            model = client.models.list().data[0].id
-            got = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0)
-            want = (
-                llm_factory(prefix_cache="off")
-                .generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-                .outputs[0]
-            )
-            assert got.choices[0].text == want.text
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        assert got.choices[0].text == want.text

@@ -8,59 +8,17 @@ streaming, so the test sees the exact events (the official client turns an error
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from tests.server.live_server import server_process
+
 HANG_GUARD = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(tmp_path, shutdown_timeout: float) -> tuple[subprocess.Popen, str, object]:
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed by the test; a pipe could fill and block
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "prefixkv.server",
-            "--port",
-            str(port),
-            "--kv-cache-tokens",
-            "4096",
-            "--shutdown-timeout",
-            str(shutdown_timeout),
-            "--log-level",
-            "info",
-        ],
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {(tmp_path / 'server.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base, log
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server did not become healthy"
-        time.sleep(0.3)
 
 
 class _RawStream(threading.Thread):
@@ -110,18 +68,13 @@ def _sigterm_and_wait(proc: subprocess.Popen, limit: float) -> tuple[int, float]
 
 @pytest.mark.parametrize("shutdown_timeout, max_tokens", [(60.0, 24), (1.0, 3000)], ids=["drained", "cut"])
 def test_sigterm_with_a_running_stream(tmp_path, shutdown_timeout, max_tokens):
-    proc, base, log = _start_server(tmp_path, shutdown_timeout)
-    try:
+    flags = ("--kv-cache-tokens", "4096", "--shutdown-timeout", str(shutdown_timeout), "--log-level", "info")
+    with server_process(tmp_path, *flags, hang_guard=180) as (proc, base, _):
         stream = _RawStream(base, max_tokens)
         stream.start()
         assert stream.first_token.wait(HANG_GUARD) and stream.events, stream.transport_error
         rc, took = _sigterm_and_wait(proc, limit=shutdown_timeout + 15)
         stream.join(HANG_GUARD)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
     server_log = (tmp_path / "server.log").read_text()
     assert stream.transport_error is None, f"{stream.transport_error!r}\n{server_log[-3000:]}"
     assert stream.events[-1] == "[DONE]", stream.events[-3:]
