@@ -73,6 +73,12 @@ def fused_ops():
     return m if m is not None and m.has_fused_ops() else None
 
 
+def flash_attention():
+    """The module when its bf16 prefill attention kernel is compiled in (AVX-512 BF16), else None."""
+    m = module()
+    return m if m is not None and m.has_flash_attention() else None
+
+
 # -- where -------------------------------------------------------------------------------------------------
 
 

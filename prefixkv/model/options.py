@@ -45,6 +45,12 @@ class KernelOptions:
     # merged pieces come from torch's CPU flash kernel with log-sum-exp (else: float32 reference ops for cascade
     # groups, one masked call for split chunks)
     flash_lse: bool = False
+    # prefill chunks attend with the native bf16 kernel (prefixkv.model.native.flash_attention: K/V read from the
+    # pool by slot, no gather, no GQA expansion), and cascade decodes attend to their shared prefix with it
+    native_attention: bool = False
+    # prefill chunks behind the same cached leading pages attend to that prefix once, stacked (needs
+    # native_attention; reorders the softmax sum like cascade decodes)
+    shared_prefill: bool = False
     # RMSNorm, rotary embedding and SiLU-multiply use the native one-pass bf16 kernels
     fused_ops: bool = False
     # matmul weights are packed once into oneDNN's blocked layout (bf16 CPU)
@@ -69,11 +75,14 @@ class KernelOptions:
         device = torch.device(device)
         cpu = device.type == "cpu"
         below_fp32 = dtype in (torch.bfloat16, torch.float16)
+        native_attention = cpu and dtype == torch.bfloat16 and native_attention_fits(config)
         options = KernelOptions(
             in_place_decodes=cpu and native.module() is not None,
             cascade_decodes=below_fp32,
             split_prefill=below_fp32,
             flash_lse=cpu and FLASH_WITH_LSE is not None,
+            native_attention=native_attention,
+            shared_prefill=native_attention,
             fused_ops=cpu
             and dtype == torch.bfloat16
             and native.fused_ops() is not None
@@ -95,12 +104,21 @@ class KernelOptions:
             raise ValueError("in_place_decodes needs the native CPU kernels (prefixkv.model.native)")
         if self.flash_lse and not (cpu and FLASH_WITH_LSE is not None):
             raise ValueError("flash_lse needs torch's CPU flash-attention kernel")
+        if self.native_attention and not (cpu and dtype == torch.bfloat16 and native_attention_fits(config)):
+            raise ValueError("native_attention needs bfloat16, head_dim 64 and a CPU with AVX-512 BF16 (native build)")
+        if self.shared_prefill and not self.native_attention:
+            raise ValueError("shared_prefill needs native_attention")
         if self.fused_ops and not (cpu and dtype == torch.bfloat16 and native.fused_ops() is not None):
             raise ValueError("fused_ops needs bfloat16 on a CPU where the native fused kernels are built")
         if self.fused_ops and config is not None and not fused_ops_fit(config):
             raise ValueError("fused_ops needs hidden and intermediate sizes divisible by 16 and head_dim by 32")
         if self.packed_weights and not packed_linear.can_pack(device, dtype):
             raise ValueError("packed_weights needs bfloat16 on a CPU where oneDNN supports it")
+
+
+def native_attention_fits(config: ModelConfig | None) -> bool:
+    """The native attention kernel is built for this CPU (AVX-512 BF16) and the model's head_dim (64)."""
+    return native.flash_attention() is not None and (config is None or config.head_dim == 64)
 
 
 def fused_ops_fit(config: ModelConfig) -> bool:

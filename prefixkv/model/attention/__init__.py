@@ -18,10 +18,12 @@ group class and one more rule in the planner.
 from prefixkv.model.attention.groups import (
     CascadeDecodes,
     InPlaceDecodes,
+    NativeChunk,
     PaddedDecodes,
     PoolRange,
     PrefillChunk,
     RowGroup,
+    SharedPrefixChunks,
     SplitChunk,
 )
 from prefixkv.model.attention.plan import StepPlan, StepPlanner, paged_attention
@@ -29,10 +31,12 @@ from prefixkv.model.attention.plan import StepPlan, StepPlanner, paged_attention
 __all__ = [
     "CascadeDecodes",
     "InPlaceDecodes",
+    "NativeChunk",
     "PaddedDecodes",
     "PoolRange",
     "PrefillChunk",
     "RowGroup",
+    "SharedPrefixChunks",
     "SplitChunk",
     "StepPlan",
     "StepPlanner",

@@ -15,6 +15,8 @@ them from the frozen KernelOptions).
   read from the pool with an offset-causal mask.
 - SplitChunk: a chunk after cached tokens attends to the cached part (all visible, read as a view of the pool when
   its slots are back to back) and to its own K/V (causal) in two calls merged by log-sum-exp.
+- NativeChunk: a chunk (fresh or after cached tokens) attended by the native bf16 kernel straight from the pool.
+- SharedPrefixChunks: chunks behind the same cached pages attend to them once, stacked, then to their own parts.
 Gathered K/V go into one workspace reused by every layer: fresh large allocations are slow on CPU.
 """
 
@@ -120,6 +122,8 @@ class CascadeDecodes:
     suffix_slots: torch.Tensor  # [B * suffix_len] flattened padded slots (padding reads slot 0)
     suffix_mask: torch.Tensor  # [B, 1, 1, suffix_len] additive mask hiding the padding
     flash: bool  # torch's CPU flash kernel with log-sum-exp, else plain float32 ops
+    native: bool = False  # the prefix by the native bf16 kernel (needs flash for the suffixes)
+    prefix_q_pos: torch.Tensor | None = None  # [B] prefix_len - 1, with native
 
     @property
     def workspace_slots(self) -> int:
@@ -138,11 +142,15 @@ class CascadeDecodes:
         kv_heads = kv_layer.shape[1]
         group = num_heads // kv_heads
 
-        prefix = gather(kv_layer, self.prefix_slots, workspace)  # [2, KVH, Lp, d]
-        qp = qc.view(b, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, b * group, head_dim)
-        o1, lse1 = FLASH_WITH_LSE(qp, prefix[0].unsqueeze(0), prefix[1].unsqueeze(0), scale=scale)
-        o1 = o1.reshape(kv_heads, b, group, head_dim).transpose(0, 1)  # [B, KVH, g, d]
-        lse1 = lse1.reshape(kv_heads, b, group, 1).transpose(0, 1)
+        if self.native:  # the prefix straight from the pool: [B, H, d] and [B, H] -> per kv head's query rows
+            o1, lse1 = native.module().flash_attention(qc, kv_layer, self.prefix_slots, self.prefix_q_pos, scale)
+            o1, lse1 = o1.view(b, kv_heads, group, head_dim), lse1.view(b, kv_heads, group, 1)
+        else:
+            prefix = gather(kv_layer, self.prefix_slots, workspace)  # [2, KVH, Lp, d]
+            qp = qc.view(b, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, b * group, head_dim)
+            o1, lse1 = FLASH_WITH_LSE(qp, prefix[0].unsqueeze(0), prefix[1].unsqueeze(0), scale=scale)
+            o1 = o1.reshape(kv_heads, b, group, head_dim).transpose(0, 1)  # [B, KVH, g, d]
+            lse1 = lse1.reshape(kv_heads, b, group, 1).transpose(0, 1)
 
         suffix = gather(kv_layer, self.suffix_slots, workspace).view(2, kv_heads, b, self.suffix_len, head_dim)
         o2, lse2 = FLASH_WITH_LSE(
@@ -262,4 +270,49 @@ class SplitChunk:
         return merge_by_lse(o1, lse1, o2, lse2.unsqueeze(-1), qp.dtype)[0].transpose(0, 1)
 
 
-RowGroup = InPlaceDecodes | PaddedDecodes | CascadeDecodes | PrefillChunk | SplitChunk
+@dataclass(slots=True)
+class NativeChunk:
+    """A prefill chunk attended by the native bf16 kernel: its queries against positions [0, start_pos + n), read
+    from the pool by slot (the chunk's own K/V are written there first), row r seeing positions <= q_pos[r]."""
+
+    rows: slice
+    slots: torch.Tensor  # [start_pos + n] slot of each position
+    q_pos: torch.Tensor  # [n] the rows' positions
+
+    workspace_slots = 0
+
+    def attend(self, q, kv, kv_layer, workspace, scale) -> torch.Tensor:
+        out, _ = native.module().flash_attention(q[self.rows], kv_layer, self.slots, self.q_pos, scale)
+        return out
+
+
+@dataclass(slots=True)
+class SharedPrefixChunks:
+    """Prefill chunks behind the same cached leading pages (positions [0, prefix_len)) attend to them once.
+
+    The queries of every member are stacked and attend to the shared prefix in one native call (its K/V packed
+    once for all members, and one call's worth of work to split over the threads, instead of one small call per
+    chunk); each member then attends to its own positions [prefix_len, start_pos + n), causally, and the two
+    pieces are merged by log-sum-exp (merge.py). The prefill counterpart of CascadeDecodes.
+    """
+
+    rows: Rows  # every member's rows, member after member
+    prefix_slots: torch.Tensor  # [prefix_len]
+    prefix_q_pos: torch.Tensor  # [rows] prefix_len - 1: every row sees the whole prefix
+    members: list[tuple[slice, torch.Tensor, torch.Tensor]]  # (rows within the group, own slots, positions - prefix)
+
+    workspace_slots = 0
+
+    def attend(self, q, kv, kv_layer, workspace, scale) -> torch.Tensor:
+        kernel = native.module().flash_attention
+        qg = take_rows(q, self.rows)
+        o1, lse1 = kernel(qg, kv_layer, self.prefix_slots, self.prefix_q_pos, scale)
+        o2, lse2 = torch.empty_like(o1), torch.empty_like(lse1)
+        for local, slots, q_pos in self.members:
+            o2[local], lse2[local] = kernel(qg[local], kv_layer, slots, q_pos, scale)
+        return merge_by_lse(o1, lse1.unsqueeze(-1), o2, lse2.unsqueeze(-1), qg.dtype)
+
+
+RowGroup = (
+    InPlaceDecodes | PaddedDecodes | CascadeDecodes | PrefillChunk | SplitChunk | NativeChunk | SharedPrefixChunks
+)

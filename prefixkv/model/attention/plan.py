@@ -5,7 +5,9 @@ ModelRunner.execute). The planner reads only that batch and the frozen KernelOpt
 - decodes behind the same leading pages form cascade groups (options.cascade_decodes);
 - the other decodes are one in-place group (options.in_place_decodes), or padded length groups, split where
   padding would more than double the work;
-- each prefill chunk is one group: fresh, after cached tokens in one masked call, or split (options.split_prefill).
+- prefill chunks behind the same cached leading pages form shared-prefix groups (options.shared_prefill);
+- every other prefill chunk is one group: native (options.native_attention), fresh, after cached tokens in one
+  masked call, or split (options.split_prefill).
 Everything index-shaped (slots, page tables, masks) is computed here, once, and read by every layer.
 """
 
@@ -19,11 +21,13 @@ import torch
 from prefixkv.model.attention.groups import (
     CascadeDecodes,
     InPlaceDecodes,
+    NativeChunk,
     PaddedDecodes,
     PoolRange,
     PrefillChunk,
     RowGroup,
     Rows,
+    SharedPrefixChunks,
     SplitChunk,
 )
 from prefixkv.model.options import KernelOptions
@@ -93,12 +97,14 @@ class StepPlanner:
             )
         ]
         row = num_decodes
+        chunks: dict[int, tuple[slice, np.ndarray]] = {}  # chunk index -> (its rows, slots of [0, start + n))
         for i in range(num_decodes, len(token_counts)):
             n, start = token_counts[i], start_positions[i]
             slots = _slots(page_tables[i], start + n, self.page_size)
             slot_parts.append(slots[start:])
-            groups.append(self._prefill_group(slice(row, row + n), start, slots))
+            chunks[i] = (slice(row, row + n), slots)
             row += n
+        groups += self._prefill_groups(chunks, start_positions, page_tables)
         slot_mapping = torch.from_numpy(np.concatenate(slot_parts)).to(self.device)
         return StepPlan(slot_mapping, groups, self._workspace_for(groups))
 
@@ -168,11 +174,51 @@ class StepPlanner:
             torch.from_numpy(slots.reshape(-1)).to(self.device),
             mask.to(device=self.device, dtype=self.dtype),
             flash=self.options.flash_lse,
+            native=self.options.native_attention and self.options.flash_lse,
+            prefix_q_pos=torch.full((b,), prefix_len - 1, dtype=torch.long, device=self.device),
         )
 
     # -- prefill chunks ----------------------------------------------------------------------------------------
+    def _prefill_groups(self, chunks, start_positions, page_tables) -> list[RowGroup]:
+        groups: list[RowGroup] = []
+        if self.options.shared_prefill and len(chunks) >= 2:
+            after_cache = [i for i in chunks if start_positions[i] > 0]
+            for members, prefix_pages in _cascade_members(
+                after_cache, start_positions, page_tables, self.page_size, self.options, max_gather=None
+            ):
+                groups.append(
+                    self._shared_prefix_group(members, prefix_pages * self.page_size, chunks, start_positions)
+                )
+                for i in members:
+                    del chunks[i]
+        groups += [self._prefill_group(rows, start_positions[i], slots) for i, (rows, slots) in chunks.items()]
+        return groups
+
+    def _shared_prefix_group(self, members, prefix_len, chunks, start_positions) -> SharedPrefixChunks:
+        row_ids, parts, offset = [], [], 0
+        for i in members:
+            rows, slots = chunks[i]
+            n, start = rows.stop - rows.start, start_positions[i]
+            row_ids.extend(range(rows.start, rows.stop))
+            own_positions = np.arange(start - prefix_len, start - prefix_len + n, dtype=np.int64)
+            parts.append((slice(offset, offset + n), self._tensor(slots[prefix_len:]), self._tensor(own_positions)))
+            offset += n
+        prefix_slots = chunks[members[0]][1][:prefix_len]
+        return SharedPrefixChunks(
+            self._rows(row_ids),
+            self._tensor(prefix_slots),
+            torch.full((offset,), prefix_len - 1, dtype=torch.long, device=self.device),
+            parts,
+        )
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
     def _prefill_group(self, rows: slice, start: int, slots: np.ndarray) -> RowGroup:
         """slots: those of positions [0, start + n) of the chunk's request."""
+        if self.options.native_attention:
+            positions = np.arange(start, start + rows.stop - rows.start, dtype=np.int64)
+            return NativeChunk(rows, self._tensor(slots), self._tensor(positions))
         if start == 0:  # no cached context: the chunk's own K/V suffice
             return PrefillChunk(rows, 0, None, None)
         if self.options.split_prefill:
@@ -239,16 +285,19 @@ def _length_groups(members: list[int], start_positions, options: KernelOptions) 
     return groups
 
 
-def _cascade_members(decodes, start_positions, page_tables, page_size, options: KernelOptions):
-    """[(members, shared_pages)]: decodes whose page tables share >= options.cascade_min_prefix leading tokens.
+def _cascade_members(decodes, start_positions, page_tables, page_size, options: KernelOptions, max_gather=-1.0):
+    """[(members, shared_pages)]: rows whose page tables share >= options.cascade_min_prefix leading tokens.
 
-    Only pages lying entirely before every member's current position count (the current token's slot is
-    written this step), and only groups that gather clearly fewer slots than their members alone
-    (options.cascade_max_gather). Members are grouped by their first page; when a group's common prefix is too
+    `decodes` are decodes, or prefill chunks after cached tokens (then start_positions are their first new
+    positions). Only pages lying entirely before every member's start position count (the current token's slot
+    is written this step), and, for decodes, only groups that gather clearly fewer slots than their members alone
+    (max_gather, default options.cascade_max_gather; None: no such check). Members are grouped by their first page; when a group's common prefix is too
     short, it is split by the first page where its members diverge (so two big families behind one short shared
     start are both found).
     """
     min_pages = -(-options.cascade_min_prefix // page_size)
+    if max_gather == -1.0:
+        max_gather = options.cascade_max_gather
     found = []
 
     def split(members: list[int], depth: int) -> None:
@@ -266,7 +315,7 @@ def _cascade_members(decodes, start_positions, page_tables, page_size, options: 
             if shared >= min_pages:
                 ends = [start_positions[i] + 1 for i in sub]
                 cascade_slots = shared * page_size * (1 - len(sub)) + len(sub) * max(ends)
-                if cascade_slots <= options.cascade_max_gather * sum(ends):
+                if max_gather is None or cascade_slots <= max_gather * sum(ends):
                     found.append((sub, shared))
             elif shared < limit:
                 split(sub, shared)

@@ -7,11 +7,17 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 bool has_fused_ops();
+std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor slots, at::Tensor q_pos,
+                                        double scale);
+bool has_flash_attention();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
   m.def("silu_mul", &silu_mul, "[T, 2I] -> silu(first half) * second half, one pass");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row in float32, scaled by weight, one pass");
   m.def("has_fused_ops", &has_fused_ops, "whether silu_mul, rms_norm and rotary are compiled in (AVX-512)");
+  m.def("flash_attention", &flash_attention,
+        "bf16 attention of many query rows over pool slots with per-row causal limits; returns (out, lse)");
+  m.def("has_flash_attention", &has_flash_attention, "whether flash_attention is compiled in (AVX-512 BF16)");
   m.def("rotary", &rotary, "rotate_half rotary embedding of [T, heads, d] by [T, 1, d] cos/sin, one pass");
 }
