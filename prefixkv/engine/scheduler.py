@@ -110,22 +110,29 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in the policy's order while budget, sequences and pages last.
 
-        A deferred request (see _defer) is skipped, not a stop: the requests after it may use the budget it
-        leaves, as vLLM does with requests it cannot schedule yet. It keeps its place in the waiting queue, so
-        next step it is tried before everyone the policy puts behind it. Pages short stop admission for all."""
+        A deferred request (see _defer) keeps what the policy's order gives it this step, its seat and the
+        tokens it would have been granted, and its place in the waiting queue: the requests behind it get the
+        same budget and seats as without the deferral, and next step its seat is free and it is tried before
+        everyone the policy puts behind it. (Handing its share to the requests behind, as vLLM does with
+        requests it cannot schedule yet, would let one of them take its seat for a whole generation, or its
+        budget for a whole chunked prefill.) The step just skips the duplicate work. Pages short stop admission
+        for everyone, as without deferral; a deferred request holds no pages."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return
         kv = self.kv
         in_flight = _PagesComputedThisStep(kv.page_size, out.scheduled)
         admitted: list[Request] = []
+        seats = self.max_num_seqs - len(self.running)
         now = time.monotonic()
         for request in self.policy.order(self.waiting, kv, self.step_count):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or seats <= 0:
                 break
             cached = kv.lookup(request)
+            num_new = min(request.num_tokens - cached, budget)
+            seats -= 1
+            budget -= num_new
             if self._defer(request, cached, in_flight):
                 continue
-            num_new = min(request.num_tokens - cached, budget)
             if not admit_request(kv, request, num_new, cached):
                 break
             self._hit_when_deferred.pop(request, None)
@@ -135,7 +142,6 @@ class Scheduler:
             self.running.append(request)
             admitted.append(request)
             out.scheduled.append((request, num_new))
-            budget -= num_new
         if admitted:
             taken = set(map(id, admitted))
             self.waiting = [r for r in self.waiting if id(r) not in taken]
