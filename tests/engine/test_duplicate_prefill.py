@@ -351,3 +351,42 @@ def test_under_memory_pressure_with_preemption_every_request_finishes_and_no_pag
         done = n
     assert done > 0 and sched.num_preemptions > 0  # the pool was really short
     assert kv.num_free_pages() == kv.num_pages and not sched._hit_when_deferred
+
+
+# -- through the real model --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(prefix_cache="hash"),
+        dict(prefix_cache="radix", page_size=16, max_num_batched_tokens=64, schedule_policy="lpm"),
+    ],
+    ids=["hash-fcfs", "radix16-chunked-lpm"],
+)
+def test_outputs_with_deferral_equal_each_prompt_run_alone(new_llm, options):
+    """fp32 greedy: a batch in which requests wait for each other's new pages (admitted together, or behind a
+    running chunked prefill) gives every prompt the tokens it gets alone on a cold cache, and the waits paid."""
+    import random
+
+    rng = random.Random(14)
+    words = lambda n: [rng.randrange(200, 40000) for _ in range(n)]  # noqa: E731
+    shared = words(150)
+    prompts = [shared + words(5 + 4 * i) for i in range(5)]
+    long = shared + words(200)
+    prompts += [long, long[:300] + words(12)]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    llm = new_llm(kv_cache_tokens=4096, **options)
+
+    def generate(batch):
+        return llm.generate([{"prompt_token_ids": p} for p in batch], greedy, use_tqdm=False)
+
+    llm.reset_prefix_cache()
+    batched = generate(prompts)
+    alone = []
+    for p in prompts:
+        assert llm.reset_prefix_cache()
+        alone.append(generate([p])[0].outputs[0].token_ids)
+    assert [o.outputs[0].token_ids for o in batched] == alone
+    page_floor = 150 - 150 % 16
+    assert all(o.num_cached_tokens >= page_floor for o in batched[1:5])  # they waited for the first's pages
+    assert batched[6].num_cached_tokens >= 288  # it followed the long prompt's chunks (300 shared, pages of 16)
+    assert llm.llm_engine.get_stats().num_pages_used == 0
