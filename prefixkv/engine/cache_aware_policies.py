@@ -79,7 +79,7 @@ class DFSWeightPolicy(SchedulingPolicy):
 
 
 class BoundedLPMPolicy(LPMPolicy):
-    """LPM with a bound on overtaking, and deferral of duplicate prefills.
+    """LPM with a bound on overtaking.
 
     Order: LPM, except that no request is placed ahead of one that arrived more than `max_wait_steps` steps
     before it. So a request is passed over by newer ones only during its first max_wait_steps steps; after that
@@ -90,11 +90,9 @@ class BoundedLPMPolicy(LPMPolicy):
     when a backlog builds up: requests that arrived within max_wait_steps of each other still go in LPM order,
     so groups sharing a prefix stay together and the pool does not thrash.
 
-    Deferral rule: a request that shares at least one not-yet-cached page, right after its cached prefix, with a
-    request admitted earlier in the same step (same adapter, salt and token ids up to that page) is skipped for
-    this step. The admitted request computes the shared pages and commits them, so next step the deferred one
-    hits them instead of computing them a second time in the same batch (what plain lpm and fcfs do). A request
-    waiting longer than max_wait_steps is never deferred.
+    A request whose new pages another one computes in the same step waits a step for them under every policy
+    (Scheduler._defer), overdue requests included: that wait is bounded by its own pages, not by newcomers, and
+    the bound here is about order, which deferral leaves alone.
     """
 
     name = "bounded-lpm"
@@ -104,10 +102,8 @@ class BoundedLPMPolicy(LPMPolicy):
         if max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {max_wait_steps}")
         self.max_wait_steps = max_wait_steps
-        self._step = 0
 
     def order(self, waiting, kv, step):
-        self._step = step
         if not waiting or self._fallback(waiting):
             return list(waiting)
         bound = self.max_wait_steps
@@ -133,34 +129,6 @@ class BoundedLPMPolicy(LPMPolicy):
             done[i] = True
             out.append(waiting[i])
         return out
-
-    def _overdue(self, request: Request) -> bool:
-        return self._step - request.arrival_step > self.max_wait_steps
-
-    def should_defer(self, request, num_cached_tokens, admitted, kv):
-        if not admitted or self._overdue(request):
-            return False
-        start, end = num_cached_tokens, num_cached_tokens + kv.page_size
-        if end > request.num_tokens - 1:  # a hit next step could not cover a new page: nothing to gain
-            return False
-        tokens = request.token_ids
-        for other in admitted:
-            theirs = other.token_ids
-            if (
-                other.extra_keys == request.extra_keys
-                and len(theirs) >= end
-                and theirs[start:end] == tokens[start:end]
-                and theirs[:start] == tokens[:start]
-                and _same_mm(other, request, end)
-            ):
-                return True
-        return False
-
-
-def _same_mm(a: Request, b: Request, end: int) -> bool:
-    if not a.mm_hashes and not b.mm_hashes:
-        return True
-    return [m for m in a.mm_hashes if m.offset < end] == [m for m in b.mm_hashes if m.offset < end]
 
 
 def create(config: EngineConfig) -> SchedulingPolicy:

@@ -1,4 +1,7 @@
-"""Orders the waiting queue. The scheduler admits requests in the order a policy returns."""
+"""Orders the waiting queue. The scheduler admits requests in the order a policy returns.
+
+What a policy does not decide: whether a request waits a step for a page another request is computing in the
+same step (the scheduler does that for every policy, see Scheduler._defer)."""
 
 from __future__ import annotations
 
@@ -14,12 +17,6 @@ class SchedulingPolicy(ABC):
     @abstractmethod
     def order(self, waiting: list[Request], kv: KVCacheManager, step: int) -> list[Request]:
         """Waiting requests in the order the scheduler should try to admit them this step."""
-
-    def should_defer(
-        self, request: Request, num_cached_tokens: int, admitted: list[Request], kv: KVCacheManager
-    ) -> bool:
-        """True to skip `request` this step (e.g. its new prefix is being computed by an admitted one)."""
-        return False
 
     def preemption_victim(self, running: list[Request]) -> Request:
         """The running request to preempt when pages run out: the most recently admitted one."""

@@ -5,6 +5,9 @@ the order the policy gives, each starting after its cached prefix, with long pro
 budget (chunked prefill). When pages run out, a running request is preempted by recompute: its pages are
 released (they stay cached, so the recompute is mostly a prefix hit) and it goes back to the front of the queue.
 
+A new prefix is computed once, whatever the policy: a waiting request whose next page another request computes
+in this same step waits one step and hits that page instead (see Scheduler._defer).
+
 The scheduler is the only writer of a request's progress: it counts the prefix hit as computed when the KV
 manager has taken it (admit_request), and advances the request after each step (update), whoever ran the step
 (the engine with the model, or the simulator with a cost model).
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 from prefixkv.config import EngineConfig
 from prefixkv.engine.policies import SchedulingPolicy
 from prefixkv.kvcache.manager import KVCacheManager
-from prefixkv.request import Request, RequestStatus
+from prefixkv.request import MultiModalHash, Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -56,6 +59,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.step_count = 0
         self.num_preemptions = 0
+        self._hit_when_deferred: dict[Request, int] = {}  # waiting request -> its cached tokens when last deferred
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -104,30 +108,63 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in the policy's order while budget, sequences and pages last.
+
+        A deferred request (see _defer) keeps what the policy's order gives it this step, its seat and the
+        tokens it would have been granted, and its place in the waiting queue: the requests behind it get the
+        same budget and seats as without the deferral, and next step its seat is free and it is tried before
+        everyone the policy puts behind it. (Handing its share to the requests behind, as vLLM does with
+        requests it cannot schedule yet, would let one of them take its seat for a whole generation, or its
+        budget for a whole chunked prefill.) The step just skips the duplicate work. Pages short stop admission
+        for everyone, as without deferral; a deferred request holds no pages."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return
         kv = self.kv
+        in_flight = _PagesComputedThisStep(kv.page_size, out.scheduled)
         admitted: list[Request] = []
+        seats = self.max_num_seqs - len(self.running)
         now = time.monotonic()
         for request in self.policy.order(self.waiting, kv, self.step_count):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or seats <= 0:
                 break
             cached = kv.lookup(request)
-            if self.policy.should_defer(request, cached, admitted, kv):
-                continue
             num_new = min(request.num_tokens - cached, budget)
+            seats -= 1
+            budget -= num_new
+            if self._defer(request, cached, in_flight):
+                continue
             if not admit_request(kv, request, num_new, cached):
                 break
+            self._hit_when_deferred.pop(request, None)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             self.running.append(request)
             admitted.append(request)
             out.scheduled.append((request, num_new))
-            budget -= num_new
         if admitted:
             taken = set(map(id, admitted))
             self.waiting = [r for r in self.waiting if id(r) not in taken]
+
+    def _defer(self, request: Request, num_cached: int, in_flight: _PagesComputedThisStep) -> bool:
+        """Whether `request` waits a step because its first page not cached, [num_cached, num_cached +
+        page_size), is completed in this step by a request already scheduled (a running request's chunk or an
+        admission before it) with the same tokens, adapter, salt and multimodal inputs up to the page's end.
+        Next step it hits that page instead of computing it a second time in the same batch.
+
+        Nothing is deferred without a prefix cache, or when a hit next step could not cover a new page (a hit
+        never includes the last token). It cannot starve: a request is deferred only with a longer hit than at
+        its previous deferral, so at most once per page of its sequence. (The page computed this step is
+        normally found next step, so the hit does grow; the bound holds even when it was evicted meanwhile.)"""
+        end = num_cached + self.kv.page_size
+        if not self.kv.caching or end > request.num_tokens - 1:
+            return False
+        if num_cached <= self._hit_when_deferred.get(request, -1):
+            return False
+        if not in_flight.completes(request, num_cached):
+            return False
+        self._hit_when_deferred[request] = num_cached
+        return True
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
         """Release the victim's pages and queue it first for recompute; return the tokens it had this step."""
@@ -153,5 +190,42 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+            self._hit_when_deferred.pop(request, None)
         self.kv.free(request)
         request.status = status
+
+
+class _PagesComputedThisStep:
+    """The full pages this step's scheduled chunks complete, keyed by position and content: what a waiting
+    request would find cached next step if it waited. Indexed on the first question only, then kept up to date
+    with the admissions that follow (`scheduled` is the step's own list; during admission it only grows)."""
+
+    def __init__(self, page_size: int, scheduled: list[tuple[Request, int]]) -> None:
+        self.page_size = page_size
+        self._scheduled = scheduled
+        self._num_indexed = 0
+        self._by_page: dict[tuple, list[Request]] = {}
+
+    def completes(self, request: Request, start: int) -> bool:
+        """Whether a scheduled request computes through the end of `request`'s page [start, start + page_size)
+        with the same token ids up to there, the same adapter and salt, and the same multimodal inputs."""
+        self._index_new_chunks()
+        end = start + self.page_size
+        tokens = request.token_ids
+        for other in self._by_page.get((request.extra_keys, start, tuple(tokens[start:end])), ()):
+            if other.token_ids[:start] == tokens[:start] and _mm_before(other, end) == _mm_before(request, end):
+                return True
+        return False
+
+    def _index_new_chunks(self) -> None:
+        size = self.page_size
+        for request, num_new in self._scheduled[self._num_indexed :]:
+            start, tokens = request.num_computed_tokens, request.token_ids
+            for first in range(start - start % size, start + num_new - size + 1, size):  # pages ending in the chunk
+                page = (request.extra_keys, first, tuple(tokens[first : first + size]))
+                self._by_page.setdefault(page, []).append(request)
+        self._num_indexed = len(self._scheduled)
+
+
+def _mm_before(request: Request, end: int) -> list[MultiModalHash]:
+    return [m for m in request.mm_hashes if m.offset < end]

@@ -54,6 +54,7 @@ class KVCacheManager(ABC):
     """Pages of `page_size` token slots from one pool of `num_pages`; the runner maps slot = page * page_size + i."""
 
     name: str = "abstract"
+    caching: bool = True  # False: lookup never finds anything (prefix caching off), so waiting for a page gains nothing
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 1 or page_size < 1:

@@ -88,21 +88,7 @@ def test_bounded_lpm_never_lets_newcomers_pass_a_request_older_than_the_bound():
     assert ids(BoundedLPMPolicy(max_wait_steps=100).order([cold] + hot, kv, 25)) == ids(hot + [cold])
 
 
-def test_bounded_lpm_defers_a_request_sharing_an_uncached_page_with_one_admitted_this_step():
-    kv = RadixPrefixCache(512, 16)
-    policy = BoundedLPMPolicy(max_wait_steps=10)
-    policy.order([], kv, step=5)
-    a = make_request(P + [1, 2, 3])
-    b = make_request(P + [4, 5, 6])
-    assert policy.should_defer(b, 0, [a], kv)
-    assert not policy.should_defer(b, 0, [], kv)
-    assert not policy.should_defer(b, 0, [make_request(P[:15] + [0] * 20)], kv)  # shares less than a page
-    assert not policy.should_defer(make_request(P + [4], cache_salt="x"), 0, [a], kv)  # other tenant
-    warm(kv, P + [9])
-    assert not policy.should_defer(b, 64, [a], kv)  # everything shared is cached already
-    b.arrival_step = -20
-    assert not policy.should_defer(b, 0, [a], kv)  # waited past the bound: never deferred
-    assert not LPMPolicy().should_defer(make_request(P + [4, 5, 6]), 0, [a], kv)
+# (the deferral of duplicate prefills is the scheduler's now, for every policy: tests/engine/test_duplicate_prefill.py)
 
 
 # -- with the real scheduler, driven without a model ------------------------------------------------------------
@@ -135,18 +121,3 @@ def test_lpm_starves_a_cold_request_and_bounded_lpm_admits_it_within_its_bound(c
     assert bounded_wait <= 20 + 20  # the bound, plus the running hot requests draining (8 output tokens each)
     hot_hits = [sum(r.num_cached_tokens for r in res.requests) for res in (lpm, bounded)]
     assert hot_hits[1] >= 0.95 * hot_hits[0]  # the detour costs about two prefix misses
-
-
-def test_bounded_lpm_computes_a_new_shared_prefix_once_per_step():
-    prefix = list(range(30_000, 30_512))
-    work = [SimRequest(0, prefix + [i, i + 1], 4, "g") for i in range(6)]
-
-    def computed(policy):
-        kv = RadixPrefixCache(4096, 16)
-        res = simulate(kv, make_policy(policy), work, max_num_seqs=8, max_num_batched_tokens=8192)
-        kv.check_invariants()
-        return res.computed_tokens
-
-    # lpm prefills the cold 512-token prefix six times in one batch; bounded-lpm once, the rest hit it next step
-    assert computed("lpm") >= 6 * 512
-    assert computed("bounded-lpm") < 2 * 512
