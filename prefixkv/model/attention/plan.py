@@ -115,7 +115,7 @@ class StepPlanner:
         if self.options.cascade_decodes and num_decodes >= 2:
             taken: set[int] = set()
             for members, prefix_pages in _cascade_members(
-                rest, start_positions, page_tables, self.page_size, self.options
+                rest, start_positions, page_tables, self.page_size, self.options, self.options.cascade_max_gather
             ):
                 groups.append(self._cascade_group(members, prefix_pages, start_positions, page_tables))
                 taken.update(members)
@@ -285,19 +285,17 @@ def _length_groups(members: list[int], start_positions, options: KernelOptions) 
     return groups
 
 
-def _cascade_members(decodes, start_positions, page_tables, page_size, options: KernelOptions, max_gather=-1.0):
+def _cascade_members(candidates, start_positions, page_tables, page_size, options: KernelOptions, max_gather):
     """[(members, shared_pages)]: rows whose page tables share >= options.cascade_min_prefix leading tokens.
 
-    `decodes` are decodes, or prefill chunks after cached tokens (then start_positions are their first new
+    Candidates are decodes, or prefill chunks after cached tokens (their start positions are then their first new
     positions). Only pages lying entirely before every member's start position count (the current token's slot
-    is written this step), and, for decodes, only groups that gather clearly fewer slots than their members alone
-    (max_gather, default options.cascade_max_gather; None: no such check). Members are grouped by their first page; when a group's common prefix is too
-    short, it is split by the first page where its members diverge (so two big families behind one short shared
-    start are both found).
+    is written this step), and only groups that gather at most max_gather of the slots their members would
+    gather alone (None: no such check, for chunks, which gather nothing). Members are grouped by their first
+    page; when a group's common prefix is too short, it is split by the first page where its members diverge
+    (so two big families behind one short shared start are both found).
     """
     min_pages = -(-options.cascade_min_prefix // page_size)
-    if max_gather == -1.0:
-        max_gather = options.cascade_max_gather
     found = []
 
     def split(members: list[int], depth: int) -> None:
@@ -320,5 +318,5 @@ def _cascade_members(decodes, start_positions, page_tables, page_size, options: 
             elif shared < limit:
                 split(sub, shared)
 
-    split([i for i in decodes if start_positions[i] // page_size >= min_pages], 0)
+    split([i for i in candidates if start_positions[i] // page_size >= min_pages], 0)
     return found
