@@ -8,9 +8,11 @@ row groups once per step, and the model's fused / packed switches are set from t
 Two kinds of paths, and why the defaults differ by dtype:
 - bit-exact ones (packed weights, in-place native decodes, fused elementwise ops): they compute what the plain
   ops compute, so they are on wherever they can run;
-- reordering ones (cascade decodes, split prefill): they merge softmax pieces by log-sum-exp, which changes the
-  floating-point summation order. float32 must give token-identical output with prefix caching on and off, so
-  they are on only below float32.
+- reordering ones (cascade decodes, split prefill, shared-prefix prefill): they merge softmax pieces by
+  log-sum-exp, which changes the floating-point summation order. float32 must give token-identical output with
+  prefix caching on and off, so they are on only below float32;
+- the native bf16 attention kernel (native_attention) rounds differently from torch's SDPA (its error on random
+  inputs is within torch's own, tests/model/test_native_attention.py); it exists for bfloat16 only.
 
 Tests parametrize these options (`dataclasses.replace(options, in_place_decodes=False)`) instead of patching.
 """

@@ -7,12 +7,13 @@ means that gathering a request's slots yields [kv_heads, L, head_dim] blocks tha
 Which path runs is decided in two places only, and never per layer:
 - once per runner, in KernelOptions (prefixkv/model/options.py): what this device, dtype and build can run;
 - once per step, by StepPlanner.plan (plan.py): the step's rows split into row groups (in-place decodes, padded
-  decodes, cascade decodes, prefill chunks, split chunks), with every index-shaped tensor they need.
+  decodes, cascade decodes, native chunks, shared-prefix chunks, prefill chunks, split chunks), with every
+  index-shaped tensor they need.
 `paged_attention` then writes each layer's new K/V into the pool and lets every group attend (groups.py). Groups
-that attend to two disjoint key sets and merge (cascade decodes, split chunks) share merge.py; that reordering of
-the softmax sum is why the options enable them only below float32, where token equality between prefix caching
-on and off is not promised. A new way to attend (e.g. several prefill chunks over one shared prefix) is one more
-group class and one more rule in the planner.
+that attend to two disjoint key sets and merge (cascade decodes, shared-prefix chunks, split chunks) share
+merge.py; that reordering of the softmax sum is why the options enable them only below float32, where token
+equality between prefix caching on and off is not promised. A new way to attend is one more group class and one
+more rule in the planner.
 """
 
 from prefixkv.model.attention.groups import (
