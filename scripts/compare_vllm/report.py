@@ -130,10 +130,11 @@ def plot(summary: Sequence[dict], png_path: str, title: str) -> None:
     ax.bar_label(bars, labels=notes, fontsize=8, padding=3)
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xscale("log")
+    lo, hi = min([0.5, *[v / 1.5 for v in values]]), max([2.0, *[v * 4 for v in values]])
+    ax.set_xlim(lo, hi)
+    ax.set_xticks([t for t in (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8, 16) if lo <= t <= hi])
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    if values:
-        ax.set_xlim(min(0.5, min(values) / 1.5), max(2.0, max(values) * 4))
     ax.set_xlabel("prefixkv vs vLLM (> 1: prefixkv ahead; median over rounds, log scale)")
     ax.tick_params(axis="y", labelsize=8)
     ax.set_title(title, fontsize=10)
