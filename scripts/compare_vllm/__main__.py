@@ -210,6 +210,7 @@ class Runner:
     def bench_serve(self, engine: str, server: Server, round_index: int) -> tuple[dict, dict]:
         """Warm the server, then each served row through `vllm bench serve`: (row values, what each row did)."""
         server.warm_up(self.sizes)
+        server.check_stream_usage()
         values, detail = {}, {}
         counters = PREFIX_CACHE_COUNTERS[engine]
         for name, prefix_field, input_field, client_seed in SERVE_ROWS:

@@ -147,6 +147,38 @@ class Server:
             except (OSError, urllib.error.URLError) as exc:
                 raise self.fail(f"warm-up request failed ({exc})") from exc
 
+    def check_stream_usage(self, max_tokens: int = 4) -> None:
+        """`vllm bench serve` counts output tokens from the usage chunk a stream ends with when the request sets
+        stream_options.include_usage; a server that leaves it out would be credited with re-tokenized text."""
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": TokenSource(seed=54321).tokens(16),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        req = urllib.request.Request(
+            self.base_url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        usage = None
+        try:
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[len("data: ") :])
+                        if chunk.get("usage") and not chunk.get("choices"):
+                            usage = chunk["usage"]
+        except (OSError, urllib.error.URLError, ValueError) as exc:
+            raise self.fail(f"streamed request failed ({exc})") from exc
+        if not usage or usage.get("completion_tokens") != max_tokens:
+            raise self.fail(
+                f"a stream with stream_options.include_usage ended with usage {usage!r}, not a usage "
+                f"chunk counting {max_tokens} completion tokens"
+            )
+
     def metrics(self) -> str:
         try:
             return _get_text(self.base_url + "/metrics", timeout=30)
