@@ -42,7 +42,7 @@ QUICK = Sizes(
     output_tokens=4,
     zero_hit_tokens=64,
     max_model_len=1024,
-    max_num_batched_tokens=512,
+    max_num_batched_tokens=256,  # below the TTFT prompt (272 tokens): its prefill is chunked, as at full size
 )
 
 
