@@ -42,11 +42,16 @@ SCRIPTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(SCRIPTS_DIR)
 ROW_GROUPS = ("offline", "serve")
 PART_TIMEOUT_S = 3600  # one engine's offline rows or one `vllm bench serve` run; a hang guard, never a target
-# (name in the result, random prefix tokens, random input tokens, client seed): the served rows
-SERVE_ROWS = (
-    ("serve_shared", "shared_prefix_tokens", "shared_suffix_tokens", 1),
-    ("serve_zero_hit", None, "zero_hit_tokens", 2),
-)
+
+
+def served_rows(sizes: Sizes) -> list[tuple[str, int, int, int]]:
+    """(name, --random-prefix-len, --random-input-len, client --seed) of each `vllm bench serve` run."""
+    return [
+        ("serve_shared", sizes.shared_prefix_tokens, sizes.shared_suffix_tokens, 1),
+        ("serve_zero_hit", 0, sizes.zero_hit_tokens, 2),
+    ]
+
+
 PREFIX_CACHE_COUNTERS = {"vllm": "vllm:prefix_cache_", "prefixkv": "prefixkv:prefix_cache_"}
 
 
@@ -142,18 +147,8 @@ class Runner:
     def offline(self, engine: str, round_index: int) -> dict:
         out = os.path.join(self.log_dir, f"{engine}-offline-round{round_index}.json")
         sizes = json.dumps(dataclasses.asdict(self.sizes))
-        argv = [
-            self.python[engine],
-            "-m",
-            f"compare_vllm.side_{engine}",
-            "offline",
-            "--sizes",
-            sizes,
-            "--out",
-            out,
-            "--seed",
-            str(self.args.seed),
-        ]
+        argv = [self.python[engine], "-m", f"compare_vllm.side_{engine}", "offline", "--sizes", sizes]
+        argv += ["--out", out, "--seed", str(self.args.seed)]
         argv += ["--model-dir", self.model_dir] if engine == "vllm" else ["--threads", str(self.args.threads)]
         self._run(engine, argv, f"{engine}-offline-round{round_index}.log", "the offline rows")
         with open(out) as f:
@@ -161,49 +156,17 @@ class Runner:
 
     def server(self, engine: str, round_index: int) -> Server:
         s, port = self.sizes, free_port()
-        limits = [
-            "--max-num-seqs",
-            str(s.serve_max_num_seqs),
-            "--max-model-len",
-            str(s.max_model_len),
-            "--max-num-batched-tokens",
-            str(s.max_num_batched_tokens),
-            "--kv-cache-memory-bytes",
-            str(s.kv_cache_bytes),
-            "--dtype",
-            "bfloat16",
-            "--served-model-name",
-            SERVED_MODEL_NAME,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--seed",
-            str(self.args.seed),
-        ]
+        limits = (
+            f"--max-num-seqs {s.serve_max_num_seqs} --max-model-len {s.max_model_len} --max-num-batched-tokens "
+            f"{s.max_num_batched_tokens} --kv-cache-memory-bytes {s.kv_cache_bytes} --dtype bfloat16 "
+            f"--served-model-name {SERVED_MODEL_NAME} --host 127.0.0.1 --port {port} --seed {self.args.seed}"
+        ).split()
         if engine == "vllm":
-            argv = [
-                self.vllm_python,
-                "-m",
-                "compare_vllm.side_vllm",
-                "cli",
-                "serve",
-                self.model_dir,
-                *limits,
-                "--enable-prefix-caching",
-                "--disable-uvicorn-access-log",
-            ]
+            argv = [self.vllm_python, "-m", "compare_vllm.side_vllm", "cli", "serve", self.model_dir, *limits]
+            argv += ["--enable-prefix-caching", "--disable-uvicorn-access-log"]
         else:
-            argv = [
-                sys.executable,
-                "-m",
-                "prefixkv.server",
-                *limits,
-                "--num-threads",
-                str(self.args.threads),
-                "--log-level",
-                "warning",
-            ]
+            argv = [sys.executable, "-m", "prefixkv.server", *limits]
+            argv += ["--num-threads", str(self.args.threads), "--log-level", "warning"]
         log = os.path.join(self.log_dir, f"{engine}-server-round{round_index}.log")
         return Server(engine, argv, self.env[engine], port, log)
 
@@ -213,47 +176,18 @@ class Runner:
         server.check_stream_usage()
         values, detail = {}, {}
         counters = PREFIX_CACHE_COUNTERS[engine]
-        for name, prefix_field, input_field, client_seed in SERVE_ROWS:
-            prefix = getattr(self.sizes, prefix_field) if prefix_field else 0
+        for name, prefix, input_len, client_seed in served_rows(self.sizes):
             before = parse_prometheus(server.metrics())
             result_name = f"{engine}-{name}-round{round_index}.json"
-            argv = [
-                self.vllm_python,
-                "-m",
-                "compare_vllm.side_vllm",
-                "cli",
-                "bench",
-                "serve",
-                "--backend",
-                "openai",
-                "--base-url",
-                server.base_url,
-                "--model",
-                SERVED_MODEL_NAME,
-                "--tokenizer",
-                self.model_dir,
-                "--dataset-name",
-                "random",
-                "--random-prefix-len",
-                str(prefix),
-                "--random-input-len",
-                str(getattr(self.sizes, input_field)),
-                "--random-output-len",
-                str(self.sizes.output_tokens),
-                "--num-prompts",
-                str(self.sizes.num_prompts),
-                "--ignore-eos",
-                "--temperature",  # greedy, as the offline rows (the client no longer sends 0 unless told)
-                "0",
-                "--seed",
-                str(client_seed),
-                "--disable-tqdm",
-                "--save-result",
-                "--result-dir",
-                self.log_dir,
-                "--result-filename",
-                result_name,
-            ]
+            argv = [self.vllm_python, "-m", "compare_vllm.side_vllm", "cli", "bench", "serve"]
+            argv += ["--base-url", server.base_url, "--tokenizer", self.model_dir, "--result-dir", self.log_dir]
+            # greedy (--temperature 0) as the offline rows: the client no longer sends it unless told
+            argv += (
+                f"--backend openai --model {SERVED_MODEL_NAME} --dataset-name random --random-prefix-len {prefix} "
+                f"--random-input-len {input_len} --random-output-len {self.sizes.output_tokens} --num-prompts "
+                f"{self.sizes.num_prompts} --ignore-eos --temperature 0 --seed {client_seed} --disable-tqdm "
+                f"--save-result --result-filename {result_name}"
+            ).split()
             self._run("vllm", argv, f"{engine}-{name}-round{round_index}.log", f"`vllm bench serve` ({name})")
             after = parse_prometheus(server.metrics())
             with open(os.path.join(self.log_dir, result_name)) as f:
@@ -267,7 +201,7 @@ class Runner:
             values[f"{name}_ttft_ms"] = result["median_ttft_ms"]
             detail[name] = {
                 "random_prefix_len": prefix,
-                "random_input_len": getattr(self.sizes, input_field),
+                "random_input_len": input_len,
                 "duration_s": result.get("duration"),
                 "total_input_tokens": result.get("total_input_tokens"),
                 "total_output_tokens": result.get("total_output_tokens"),
