@@ -56,7 +56,11 @@ PREFIX_CACHE_COUNTERS = {"vllm": "vllm:prefix_cache_", "prefixkv": "prefixkv:pre
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bash scripts/compare_vllm.sh", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="bash scripts/compare_vllm.sh",
+        description="prefixkv side by side with vLLM's CPU build: every row for both engines in alternating "
+        "rounds; one table of medians and ratios, plus JSON and a plot",
+    )
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds, medians shown (default 3; --quick: 1)")
     p.add_argument("--rows", default="offline,serve", help="which rows: offline, serve or both (comma-separated)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and 1 round: checks the script end to end")
