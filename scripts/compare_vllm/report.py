@@ -1,0 +1,143 @@
+"""Medians over rounds, the prefixkv/vLLM ratios, the printed table and the plot. Plain Python but for the plot.
+
+A ratio above 1 always means prefixkv is ahead: prefixkv/vLLM for rates (tokens per second), vLLM/prefixkv for
+times. It is the ratio of the two medians; the per-round ratios are kept beside it to show the spread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+
+from compare_vllm.workloads import Sizes
+
+ENGINES = ("vllm", "prefixkv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    key: str
+    label: str
+    unit: str
+    higher_is_better: bool
+    group: str  # "offline" or "serve": which part of a round measures it
+
+
+def rows_for(sizes: Sizes) -> list[Row]:
+    s = sizes
+    ttft = f"{s.system_tokens} + {s.question_tokens} tokens, 1 out"
+    shared = f"{s.num_prompts} x ({s.shared_prefix_tokens} shared + {s.shared_suffix_tokens}), {s.output_tokens} out"
+    zero = f"{s.num_prompts} x {s.zero_hit_tokens} unrelated, {s.output_tokens} out"
+    return [
+        Row("cold_ttft_s", f"cold TTFT ({ttft})", "s", False, "offline"),
+        Row(
+            "warm_ttft_s",
+            f"warm TTFT (same system prompt, new question; median of {s.warm_repeats})",
+            "s",
+            False,
+            "offline",
+        ),
+        Row("shared_prefix_tok_s", f"shared prefix {shared}", "out tok/s", True, "offline"),
+        Row("zero_hit_tok_s", f"zero hit {zero}", "out tok/s", True, "offline"),
+        Row("serve_shared_tok_s", f"serve, shared prefix {shared}", "out tok/s", True, "serve"),
+        Row("serve_shared_ttft_ms", "serve, shared prefix: median TTFT", "ms", False, "serve"),
+        Row("serve_zero_hit_tok_s", f"serve, zero hit {zero}", "out tok/s", True, "serve"),
+        Row("serve_zero_hit_ttft_ms", "serve, zero hit: median TTFT", "ms", False, "serve"),
+    ]
+
+
+def ratio(row: Row, vllm: float, prefixkv: float) -> float:
+    """> 1 when prefixkv is ahead; nan when either side has no positive finite value."""
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (vllm, prefixkv)):
+        return math.nan
+    return prefixkv / vllm if row.higher_is_better else vllm / prefixkv
+
+
+def median_of(values: Sequence[float]) -> float:
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def summarize(rows: Sequence[Row], per_round: dict[str, list[dict[str, float]]]) -> list[dict]:
+    """per_round[engine][k][row.key]: one value per engine, round and row. Rows no round measured are left out."""
+    out = []
+    for row in rows:
+        samples = {e: [r[row.key] for r in per_round.get(e, []) if row.key in r] for e in ENGINES}
+        if not any(samples.values()):
+            continue
+        med = {e: median_of(samples[e]) for e in ENGINES}
+        out.append(
+            {
+                "key": row.key,
+                "label": row.label,
+                "unit": row.unit,
+                "higher_is_better": row.higher_is_better,
+                "samples": samples,
+                "median": med,
+                "ratio": ratio(row, med["vllm"], med["prefixkv"]),
+                "per_round_ratio": [ratio(row, v, p) for v, p in zip(samples["vllm"], samples["prefixkv"])],
+            }
+        )
+    return out
+
+
+def _number(v: float) -> str:
+    if not math.isfinite(v):
+        return "-"
+    if abs(v) >= 100:
+        return f"{v:.0f}"
+    if abs(v) >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3f}"
+
+
+def format_table(summary: Sequence[dict]) -> str:
+    """A Markdown table (it prints readably and pastes into the README as it is)."""
+    lines = [
+        "| row | unit | vLLM CPU | prefixkv | prefixkv vs vLLM (> 1: prefixkv ahead) | per round |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        rounds = ", ".join(_number(r) for r in s["per_round_ratio"])
+        ratio_text = "-" if not math.isfinite(s["ratio"]) else f"{s['ratio']:.2f}x"
+        lines.append(
+            f"| {s['label']} | {s['unit']} | {_number(s['median']['vllm'])} | {_number(s['median']['prefixkv'])} "
+            f"| {ratio_text} | {rounds} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(summary: Sequence[dict], png_path: str, title: str) -> None:
+    """One bar per row: the ratio (log scale, 1.0 marked), each bar labelled with both engines' medians."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [s for s in summary if math.isfinite(s["ratio"])]
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(shown) + 1.8))
+    labels = [s["label"] for s in shown][::-1]
+    values = [s["ratio"] for s in shown][::-1]
+    colors = ["tab:green" if v >= 1 else "tab:red" for v in values]
+    bars = ax.barh(labels, values, color=colors)
+    notes = [
+        f"{v:.2f}x  (vLLM {_number(s['median']['vllm'])}, prefixkv {_number(s['median']['prefixkv'])} {s['unit']})"
+        for v, s in zip(values, shown[::-1])
+    ]
+    ax.bar_label(bars, labels=notes, fontsize=8, padding=3)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xscale("log")
+    lo, hi = min([0.5, *[v / 1.5 for v in values]]), max([2.0, *[v * 4 for v in values]])
+    ax.set_xlim(lo, hi)
+    ax.set_xticks([t for t in (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8, 16) if lo <= t <= hi])
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("prefixkv vs vLLM (> 1: prefixkv ahead; median over rounds, log scale)")
+    ax.tick_params(axis="y", labelsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
