@@ -3,6 +3,9 @@ root: build_engine loads the model, builds its runner and hands both to the (mod
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -17,6 +20,8 @@ from prefixkv.sampling_params import SamplingParams
 if TYPE_CHECKING:  # the model package (and torch) load only when an engine is built
     from prefixkv.model.loader import LoadedModel
 
+logger = logging.getLogger(__name__)
+
 
 def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Engine:
     """An Engine for `config` on `loaded` (loaded from config.model when None). The runner casts and moves the
@@ -25,8 +30,10 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
         import torch
 
         torch.set_num_threads(config.num_threads)
+    start = time.perf_counter()
     if loaded is None:
         loaded = loader.load_model(config.model, dtype=config.dtype, device=config.device)
+    loaded_at = time.perf_counter()
     num_pages = config.kv_cache_pages(ModelRunner.kv_bytes_per_token(loaded.config, config.dtype))
     runner = ModelRunner(
         loaded,
@@ -35,6 +42,16 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
         device=config.device,
         dtype=config.dtype,
         seed=config.seed,
+    )
+    # one-time costs land here, at startup, never in a first request's TTFT: native kernels (built by
+    # scripts/setup.sh, loaded here; built here if missing), weight packing, the pool
+    on = [f.name for f in dataclasses.fields(runner.options) if getattr(runner.options, f.name) is True]
+    logger.info(
+        "engine ready in %.1f s (model load %.1f s; kernels, weight packing and KV pool %.1f s); kernel paths: %s",
+        time.perf_counter() - start,
+        loaded_at - start,
+        time.perf_counter() - loaded_at,
+        ", ".join(on) or "plain torch",
     )
     return Engine(config, runner, loaded.tokenizer, loaded.config, loaded.name)
 

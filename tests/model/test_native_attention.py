@@ -4,7 +4,8 @@ Kernel level: random pools with scattered slots, against a float32 reference com
 fresh causal chunks, chunks after cached context, single rows, rows that see a whole prefix, lengths that are not
 multiples of the kernel's blocks; the output error stays within torch's own SDPA error on the same inputs and the
 log-sum-exp is right. Plan level: prefill chunks behind one cached prefix become a SharedPrefixChunks group whose
-output equals the plain path's, mixed with decodes (cascade groups, which then read their prefix natively too).
+output equals the plain path's, mixed with decodes (cascade groups, which then read their prefix and their own
+pages in place with the native kernels).
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from prefixkv.model import native
-from prefixkv.model.attention import CascadeDecodes, NativeChunk, SharedPrefixChunks, StepPlanner, paged_attention
+from prefixkv.model.attention import (
+    NativeCascadeDecodes,
+    NativeChunk,
+    SharedPrefixChunks,
+    StepPlanner,
+    paged_attention,
+)
 from prefixkv.model.options import KernelOptions
 from tests.model.helpers import PagePool
 
@@ -117,8 +124,8 @@ def test_shared_prefix_chunks_equal_the_plain_path(page_size):
     ]
     assert shared.rows.tolist() == sum(chunk_rows, [])
     assert len(shared.prefix_slots) == 96 and len(plans[1].groups_of(NativeChunk)) == 2
-    (cascade,) = plans[1].groups_of(CascadeDecodes)
-    assert cascade.native and cascade.prefix_len == 96
+    (cascade,) = plans[1].groups_of(NativeCascadeDecodes)
+    assert len(cascade.prefix_slots) == 96 and cascade.suffix_lens.tolist() == [5, 25]
     answered = sorted(
         r
         for g in plans[1].groups

@@ -49,13 +49,18 @@ def test_kernel_equals_reference(dtype, head_dim, kv_heads, group, page_size):
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
     out = kernel.paged_decode_attention(q, pool, table, lens, page_size, scale)
+    same, lse = kernel.paged_decode_attention_lse(q, pool, table, lens, page_size, scale)
+    assert torch.equal(same, out)
     for b, n in enumerate(lens.tolist()):
         pos = torch.arange(n)
         s = table[b][pos // page_size] * page_size + pos % page_size
-        expected = F.scaled_dot_product_attention(
-            q[b].float().view(kv_heads, group, head_dim), pool[0][:, s].float(), pool[1][:, s].float(), scale=scale
-        ).reshape(kv_heads * group, head_dim)
-        torch.testing.assert_close(out[b].float(), expected, atol=TOL[dtype], rtol=0)
+        qb = q[b].float().view(kv_heads, group, head_dim)
+        expected = F.scaled_dot_product_attention(qb, pool[0][:, s].float(), pool[1][:, s].float(), scale=scale)
+        torch.testing.assert_close(
+            out[b].float(), expected.reshape(kv_heads * group, head_dim), atol=TOL[dtype], rtol=0
+        )
+        scores = torch.einsum("kgd,kld->kgl", qb, pool[0][:, s].float()) * scale
+        torch.testing.assert_close(lse[b], torch.logsumexp(scores, -1).reshape(-1), atol=1e-4, rtol=1e-5)
 
 
 @needs_kernel

@@ -19,6 +19,7 @@ more rule in the planner.
 from prefixkv.model.attention.groups import (
     CascadeDecodes,
     InPlaceDecodes,
+    NativeCascadeDecodes,
     NativeChunk,
     PaddedDecodes,
     PoolRange,
@@ -32,6 +33,7 @@ from prefixkv.model.attention.plan import StepPlan, StepPlanner, paged_attention
 __all__ = [
     "CascadeDecodes",
     "InPlaceDecodes",
+    "NativeCascadeDecodes",
     "NativeChunk",
     "PaddedDecodes",
     "PoolRange",

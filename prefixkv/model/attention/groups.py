@@ -11,6 +11,7 @@ them from the frozen KernelOptions).
   is laid out as rows of its kv head ([B, kv_heads, group, d]), so no GQA expansion is needed.
 - CascadeDecodes: decodes behind the same leading pages attend to that prefix once (queries of all members as rows
   of one product per kv head), to their own suffixes apart, and merge the two exactly (see merge.py).
+- NativeCascadeDecodes: the same with the native kernels, the prefix and each suffix read where they lie.
 - PrefillChunk: causal attention over the chunk's own K/V, or, after cached tokens, one call over the whole context
   read from the pool with an offset-causal mask.
 - SplitChunk: a chunk after cached tokens attends to the cached part (all visible, read as a view of the pool when
@@ -122,8 +123,6 @@ class CascadeDecodes:
     suffix_slots: torch.Tensor  # [B * suffix_len] flattened padded slots (padding reads slot 0)
     suffix_mask: torch.Tensor  # [B, 1, 1, suffix_len] additive mask hiding the padding
     flash: bool  # torch's CPU flash kernel with log-sum-exp, else plain float32 ops
-    native: bool = False  # the prefix by the native bf16 kernel (needs flash for the suffixes)
-    prefix_q_pos: torch.Tensor | None = None  # [B] prefix_len - 1, with native
 
     @property
     def workspace_slots(self) -> int:
@@ -142,15 +141,11 @@ class CascadeDecodes:
         kv_heads = kv_layer.shape[1]
         group = num_heads // kv_heads
 
-        if self.native:  # the prefix straight from the pool: [B, H, d] and [B, H] -> per kv head's query rows
-            o1, lse1 = native.module().flash_attention(qc, kv_layer, self.prefix_slots, self.prefix_q_pos, scale)
-            o1, lse1 = o1.view(b, kv_heads, group, head_dim), lse1.view(b, kv_heads, group, 1)
-        else:
-            prefix = gather(kv_layer, self.prefix_slots, workspace)  # [2, KVH, Lp, d]
-            qp = qc.view(b, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, b * group, head_dim)
-            o1, lse1 = FLASH_WITH_LSE(qp, prefix[0].unsqueeze(0), prefix[1].unsqueeze(0), scale=scale)
-            o1 = o1.reshape(kv_heads, b, group, head_dim).transpose(0, 1)  # [B, KVH, g, d]
-            lse1 = lse1.reshape(kv_heads, b, group, 1).transpose(0, 1)
+        prefix = gather(kv_layer, self.prefix_slots, workspace)  # [2, KVH, Lp, d]
+        qp = qc.view(b, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, b * group, head_dim)
+        o1, lse1 = FLASH_WITH_LSE(qp, prefix[0].unsqueeze(0), prefix[1].unsqueeze(0), scale=scale)
+        o1 = o1.reshape(kv_heads, b, group, head_dim).transpose(0, 1)  # [B, KVH, g, d]
+        lse1 = lse1.reshape(kv_heads, b, group, 1).transpose(0, 1)
 
         suffix = gather(kv_layer, self.suffix_slots, workspace).view(2, kv_heads, b, self.suffix_len, head_dim)
         o2, lse2 = FLASH_WITH_LSE(
@@ -192,6 +187,31 @@ class CascadeDecodes:
         l2 = p2.sum(-1, keepdim=True)
         o2 = torch.matmul(p2, vs)  # [B, KVH, g, d]
         return merge_unnormalised(m1, l1, o1, m2, l2, o2).to(q.dtype).reshape(b, num_heads, head_dim)
+
+
+@dataclass(slots=True)
+class NativeCascadeDecodes:
+    """CascadeDecodes with the native kernels, nothing gathered: the members' queries stacked against the shared
+    prefix (flash_attention, bf16), each member's own pages after it in place (paged_decode_attention_lse, its
+    page table starting after the shared pages: prefix_len is whole pages), merged by log-sum-exp."""
+
+    rows: Rows
+    prefix_slots: torch.Tensor  # [prefix_len]
+    prefix_q_pos: torch.Tensor  # [B] prefix_len - 1: every member sees the whole prefix
+    suffix_table: torch.Tensor  # [B, pages] each member's pages after the shared ones (padded with page 0)
+    suffix_lens: torch.Tensor  # [B] start_pos + 1 - prefix_len
+    page_size: int
+
+    workspace_slots = 0
+
+    def attend(self, q, kv, kv_layer, workspace, scale) -> torch.Tensor:
+        kernels = native.module()
+        qc = take_rows(q, self.rows).contiguous()
+        o1, lse1 = kernels.flash_attention(qc, kv_layer, self.prefix_slots, self.prefix_q_pos, scale)
+        o2, lse2 = kernels.paged_decode_attention_lse(
+            qc, kv_layer, self.suffix_table, self.suffix_lens, self.page_size, scale
+        )
+        return merge_by_lse(o1, lse1.unsqueeze(-1), o2, lse2.unsqueeze(-1), qc.dtype)
 
 
 def _chunk_tensors(q, kv, rows: slice):

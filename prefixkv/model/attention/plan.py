@@ -2,7 +2,8 @@
 
 Rows of a step come ordered decodes first (one token each, shortest context first), then prefill chunks (see
 ModelRunner.execute). The planner reads only that batch and the frozen KernelOptions:
-- decodes behind the same leading pages form cascade groups (options.cascade_decodes);
+- decodes behind the same leading pages form cascade groups (options.cascade_decodes), read in place by the native
+  kernels where options.native_attention is set;
 - the other decodes are one in-place group (options.in_place_decodes), or padded length groups, split where
   padding would more than double the work;
 - prefill chunks behind the same cached leading pages form shared-prefix groups (options.shared_prefill);
@@ -21,6 +22,7 @@ import torch
 from prefixkv.model.attention.groups import (
     CascadeDecodes,
     InPlaceDecodes,
+    NativeCascadeDecodes,
     NativeChunk,
     PaddedDecodes,
     PoolRange,
@@ -159,8 +161,10 @@ class StepPlanner:
             mask.to(device=self.device, dtype=self.dtype).view(b, 1, 1, max_len),
         )
 
-    def _cascade_group(self, members, prefix_pages, start_positions, page_tables) -> CascadeDecodes:
+    def _cascade_group(self, members, prefix_pages, start_positions, page_tables) -> RowGroup:
         ps = self.page_size
+        if self.options.native_attention:
+            return self._native_cascade_group(members, prefix_pages, start_positions, page_tables)
         prefix_len = prefix_pages * ps
         prefix_slots = _slots(page_tables[members[0]], prefix_len, ps)
         slots, valid = _padded_slots(members, prefix_len, start_positions, page_tables, ps)
@@ -174,8 +178,23 @@ class StepPlanner:
             torch.from_numpy(slots.reshape(-1)).to(self.device),
             mask.to(device=self.device, dtype=self.dtype),
             flash=self.options.flash_lse,
-            native=self.options.native_attention and self.options.flash_lse,
-            prefix_q_pos=torch.full((b,), prefix_len - 1, dtype=torch.long, device=self.device),
+        )
+
+    def _native_cascade_group(self, members, prefix_pages, start_positions, page_tables) -> NativeCascadeDecodes:
+        ps = self.page_size
+        prefix_len = prefix_pages * ps
+        lens = np.asarray([start_positions[i] + 1 - prefix_len for i in members], dtype=np.int64)
+        table = np.zeros((len(members), int(-(-lens.max() // ps))), dtype=np.int64)
+        for b, i in enumerate(members):
+            pages = page_tables[i][prefix_pages : prefix_pages + -(-int(lens[b]) // ps)]
+            table[b, : len(pages)] = pages
+        return NativeCascadeDecodes(
+            self._rows(members),
+            self._tensor(_slots(page_tables[members[0]], prefix_len, ps)),
+            torch.full((len(members),), prefix_len - 1, dtype=torch.long, device=self.device),
+            self._tensor(table),
+            self._tensor(lens),
+            ps,
         )
 
     # -- prefill chunks ----------------------------------------------------------------------------------------

@@ -7,12 +7,16 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 bool has_fused_ops();
+std::vector<at::Tensor> paged_decode_attention_lse(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
+                                                   int64_t page_size, double scale);
 std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor slots, at::Tensor q_pos,
                                         double scale);
 bool has_flash_attention();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
+  m.def("paged_decode_attention_lse", &paged_decode_attention_lse,
+        "paged_decode_attention that also returns each row's log-sum-exp");
   m.def("silu_mul", &silu_mul, "[T, 2I] -> silu(first half) * second half, one pass");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row in float32, scaled by weight, one pass");
   m.def("has_fused_ops", &has_fused_ops, "whether silu_mul, rms_norm and rotary are compiled in (AVX-512)");

@@ -80,7 +80,7 @@ void values_dim64(const float* probs, int64_t group, const T* v_base, int64_t sl
 
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table, const at::Tensor& lens,
-            int64_t page_size, float scale, at::Tensor& out) {
+            int64_t page_size, float scale, at::Tensor& out, float* lse_ptr) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = kv.size(1), group = heads / kv_heads, max_pages = table.size(1);
   const int64_t kv_stride = kv.stride(0), head_stride = kv.stride(1), slot_stride = kv.stride(2);
@@ -130,6 +130,7 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table, 
       for (int64_t g = 0; g < group; ++g) {  // softmax in float32
         float* s = scores.data() + g * len;
         const float m = *std::max_element(s, s + len);
+        float* lse = lse_ptr == nullptr ? nullptr : lse_ptr + b * heads + h * group + g;
         float sum = 0.f;
         int64_t t = 0;
 #if defined(__AVX512F__)
@@ -147,6 +148,7 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table, 
           sum += s[t];
         }
         inv_sum[g] = 1.f / sum;
+        if (lse != nullptr) *lse = m + std::log(sum);  // the scores were scaled: natural log-sum-exp
       }
       if (vector_path) {
 #if defined(__AVX512F__)
@@ -175,27 +177,42 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table, 
 
 }  // namespace
 
-// q [B, H, D] contiguous; kv [2, KVH, slots, D] (one layer of the pool, D contiguous); table [B, max_pages]
-// int64 page ids; lens [B] int64 context lengths (positions [0, len) are attended). Returns [B, H, D].
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
-                                     int64_t page_size, double scale) {
+namespace {
+
+at::Tensor decode_into(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens, int64_t page_size,
+                       double scale, float* lse) {
   TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && kv.size(0) == 2, "expected q [B, H, D] and kv [2, KVH, slots, D]");
   TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv must have one dtype");
   TORCH_CHECK(q.size(2) == kv.size(3) && q.size(2) <= kMaxHeadDim && kv.stride(3) == 1, "bad head_dim or layout");
   TORCH_CHECK(q.size(1) % kv.size(1) == 0 && q.size(1) / kv.size(1) <= 64, "bad head grouping");
   TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "table/lens must be int64");
-  q = q.contiguous();
-  table = table.contiguous();
-  lens = lens.contiguous();
   TORCH_CHECK(table.size(0) == q.size(0) && lens.size(0) == q.size(0), "one table row and length per sequence");
   auto out = at::empty_like(q);
   const float s = static_cast<float>(scale);
   switch (q.scalar_type()) {
-    case at::kFloat: decode<float>(q, kv, table, lens, page_size, s, out); break;
-    case at::kBFloat16: decode<c10::BFloat16>(q, kv, table, lens, page_size, s, out); break;
-    case at::kHalf: decode<c10::Half>(q, kv, table, lens, page_size, s, out); break;
+    case at::kFloat: decode<float>(q, kv, table, lens, page_size, s, out, lse); break;
+    case at::kBFloat16: decode<c10::BFloat16>(q, kv, table, lens, page_size, s, out, lse); break;
+    case at::kHalf: decode<c10::Half>(q, kv, table, lens, page_size, s, out, lse); break;
     default: TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16");
   }
   return out;
+}
+
+}  // namespace
+
+// q [B, H, D]; kv [2, KVH, slots, D] (one layer of the pool, D contiguous); table [B, max_pages] int64 page ids;
+// lens [B] int64 context lengths (positions [0, len) are attended, every len >= 1). Returns [B, H, D].
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
+                                     int64_t page_size, double scale) {
+  return decode_into(q.contiguous(), kv, table.contiguous(), lens.contiguous(), page_size, scale, nullptr);
+}
+
+// The same, also returning each row's log-sum-exp [B, H] float32 (to merge with attention over other keys).
+std::vector<at::Tensor> paged_decode_attention_lse(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
+                                                   int64_t page_size, double scale) {
+  q = q.contiguous();
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  auto out = decode_into(q, kv, table.contiguous(), lens.contiguous(), page_size, scale, lse.data_ptr<float>());
+  return {out, lse};
 }
