@@ -61,8 +61,15 @@ class EngineConfig:
         "seed of the sampling generator that requests without their own seed draw from "
         "(none: a fresh random seed each start)",
     )
+    kernel_options: str | None = _option(
+        None,
+        "forward-pass kernel paths to force on or off, e.g. 'native_attention=0,shared_prefill=0' (names: "
+        "prefixkv.model.options.KernelOptions' switches; default: every path that runs here, reordering ones "
+        "below float32 only); for A/B measurements",
+    )
 
     def __post_init__(self) -> None:
+        self.kernel_overrides()  # a malformed value fails here, before any model is loaded
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -84,6 +91,21 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_tokens must hold at least one page ({self.page_size}), got {self.kv_cache_tokens}"
             )
+
+    def kernel_overrides(self) -> dict[str, bool]:
+        """kernel_options as {switch: on}; names are checked where the model's options are built."""
+        overrides: dict[str, bool] = {}
+        for part in (self.kernel_options or "").split(","):
+            if not part.strip():
+                continue
+            name, _, value = part.partition("=")
+            flag = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}.get(
+                value.strip().lower()
+            )
+            if not name.strip() or flag is None:
+                raise ValueError(f"kernel_options: expected name=0 or name=1 pairs separated by commas, got {part!r}")
+            overrides[name.strip()] = flag
+        return overrides
 
     @property
     def tokens_per_page(self) -> int:

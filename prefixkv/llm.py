@@ -13,6 +13,7 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.engine import Engine
 from prefixkv.model import loader
 from prefixkv.model.loader import LoadedModel
+from prefixkv.model.options import KernelOptions
 from prefixkv.model.runner import ModelRunner
 from prefixkv.outputs import RequestOutput
 from prefixkv.sampling_params import SamplingParams
@@ -35,6 +36,11 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
         loaded = loader.load_model(config.model, dtype=config.dtype, device=config.device)
     loaded_at = time.perf_counter()
     num_pages = config.kv_cache_pages(ModelRunner.kv_bytes_per_token(loaded.config, config.dtype))
+    options = None
+    if config.kernel_overrides():  # unknown names or paths that cannot run here: ValueError from choose()
+        options = KernelOptions.choose(
+            config.device, loader.parse_dtype(config.dtype), loaded.config, **config.kernel_overrides()
+        )
     runner = ModelRunner(
         loaded,
         num_pages=num_pages,
@@ -42,6 +48,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
         device=config.device,
         dtype=config.dtype,
         seed=config.seed,
+        options=options,
     )
     # one-time costs land here, at startup, never in a first request's TTFT: native kernels (built by
     # scripts/setup.sh, loaded here; built here if missing), weight packing, the pool

@@ -98,3 +98,12 @@ def test_pool_size_from_tokens_or_bytes():
     assert EngineConfig().kv_cache_pages(bytes_per_token=1 << 10) == (1 << 30) // ((1 << 10) * 16)
     with pytest.raises(ValueError, match="too small"):
         EngineConfig(kv_cache_memory=10).kv_cache_pages(bytes_per_token=100)
+
+
+def test_kernel_options_parse_and_reach_the_command_line():
+    config = engine_config(parse(["--kernel-options", "native_attention=0, cascade_decodes=on"]))
+    assert config.kernel_overrides() == {"native_attention": False, "cascade_decodes": True}
+    assert EngineConfig().kernel_overrides() == {}
+    for bad in ("native_attention", "native_attention=maybe", "=1"):
+        with pytest.raises(ValueError, match="kernel_options"):
+            EngineConfig(kernel_options=bad)
