@@ -36,11 +36,10 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
         loaded = loader.load_model(config.model, dtype=config.dtype, device=config.device)
     loaded_at = time.perf_counter()
     num_pages = config.kv_cache_pages(ModelRunner.kv_bytes_per_token(loaded.config, config.dtype))
-    options = None
-    if config.kernel_overrides():  # unknown names or paths that cannot run here: ValueError from choose()
-        options = KernelOptions.choose(
-            config.device, loader.parse_dtype(config.dtype), loaded.config, **config.kernel_overrides()
-        )
+    overrides = config.kernel_overrides()
+    options = None  # the runner's defaults for this device and dtype
+    if overrides:  # unknown names or paths that cannot run here: ValueError from choose()
+        options = KernelOptions.choose(config.device, loader.parse_dtype(config.dtype), loaded.config, **overrides)
     runner = ModelRunner(
         loaded,
         num_pages=num_pages,

@@ -140,15 +140,9 @@ class StepPlanner:
         return torch.tensor(members, dtype=torch.long, device=self.device)
 
     def _in_place_group(self, members, start_positions, page_tables) -> InPlaceDecodes:
-        ps = self.page_size
         lens = np.asarray([start_positions[i] + 1 for i in members], dtype=np.int64)
-        table = np.zeros((len(members), int(-(-lens.max() // ps))), dtype=np.int64)
-        for b, i in enumerate(members):
-            pages = page_tables[i][: -(-int(lens[b]) // ps)]
-            table[b, : len(pages)] = pages
-        return InPlaceDecodes(
-            self._rows(members), torch.from_numpy(table).to(self.device), torch.from_numpy(lens).to(self.device), ps
-        )
+        table = _page_table(members, page_tables, lens, 0, self.page_size)
+        return InPlaceDecodes(self._rows(members), self._tensor(table), self._tensor(lens), self.page_size)
 
     def _padded_group(self, members, start_positions, page_tables) -> PaddedDecodes:
         slots, valid = _padded_slots(members, 0, start_positions, page_tables, self.page_size)
@@ -184,10 +178,7 @@ class StepPlanner:
         ps = self.page_size
         prefix_len = prefix_pages * ps
         lens = np.asarray([start_positions[i] + 1 - prefix_len for i in members], dtype=np.int64)
-        table = np.zeros((len(members), int(-(-lens.max() // ps))), dtype=np.int64)
-        for b, i in enumerate(members):
-            pages = page_tables[i][prefix_pages : prefix_pages + -(-int(lens[b]) // ps)]
-            table[b, : len(pages)] = pages
+        table = _page_table(members, page_tables, lens, prefix_pages, ps)
         return NativeCascadeDecodes(
             self._rows(members),
             self._tensor(_slots(page_tables[members[0]], prefix_len, ps)),
@@ -271,6 +262,15 @@ def _slots(page_table: list[int], end: int, page_size: int) -> np.ndarray:
     pt = np.asarray(page_table[: -(-end // page_size)], dtype=np.int64)
     pos = np.arange(end, dtype=np.int64)
     return pt[pos // page_size] * page_size + pos % page_size
+
+
+def _page_table(members, page_tables, lens: np.ndarray, first_page: int, page_size: int) -> np.ndarray:
+    """[B, pages] the pages holding each member's positions [first_page * page_size, + lens[b]), padded with 0."""
+    table = np.zeros((len(members), int(-(-lens.max() // page_size))), dtype=np.int64)
+    for b, i in enumerate(members):
+        pages = page_tables[i][first_page : first_page + -(-int(lens[b]) // page_size)]
+        table[b, : len(pages)] = pages
+    return table
 
 
 def _padded_slots(members, offset, start_positions, page_tables, page_size):
