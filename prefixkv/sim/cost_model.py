@@ -1,0 +1,165 @@
+"""How long one engine step takes, as a function of what the batch computes: the simulator's clock.
+
+A step's time is linear in four features of the batch (BatchShape): a fixed part per step (the weights are
+read once whatever the batch: memory-bound decode steps cost about this), a part per computed token (the dense
+matmuls), a part per query x key pair (attention, quadratic in the context), and a part per sequence
+(sampling, bookkeeping). `prefixkv simulate fit` fits the four coefficients to measured engine steps; the
+presets for GPU models derive them from published hardware figures, with the derivation in `source`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from prefixkv.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What one step computes, as the cost model sees it."""
+
+    computed_tokens: int  # tokens run through the model this step (prefill chunk tokens + decodes)
+    attended_pairs: int  # sum over chunks of query x key pairs (a chunk of n tokens from position s: n*s + n(n+1)/2)
+    num_sequences: int  # requests in the batch
+    num_decodes: int  # chunks of 1 token whose request is past its prompt
+
+    @classmethod
+    def of(cls, scheduled: Sequence[tuple[Request, int]]) -> BatchShape:
+        """The shape of SchedulerOutput.scheduled, read BEFORE Scheduler.update advances the requests (a chunk
+        starts at the request's num_computed_tokens)."""
+        tokens = pairs = decodes = 0
+        for request, n in scheduled:
+            start = request.num_computed_tokens
+            tokens += n
+            pairs += n * start + n * (n + 1) // 2
+            if n == 1 and start >= request.num_prompt_tokens:
+                decodes += 1
+        return cls(tokens, pairs, len(scheduled), decodes)
+
+
+_COEFFICIENTS = ("step_overhead_s", "per_token_s", "per_attended_pair_s", "per_sequence_s")
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """step_time = step_overhead_s + per_token_s * tokens + per_attended_pair_s * pairs + per_sequence_s * seqs.
+
+    Every coefficient is in seconds and >= 0. `source` says where the numbers come from (a fit on which machine,
+    or which published figures), so a result printed with this model can be traced back."""
+
+    name: str
+    source: str  # where the numbers come from (fit on which machine, or published figures)
+    step_overhead_s: float  # per step: weights read once, launch and Python overhead
+    per_token_s: float  # per computed token: the dense matmuls
+    per_attended_pair_s: float  # per query x key pair: attention
+    per_sequence_s: float = 0.0  # per sequence in the batch: sampling, bookkeeping
+
+    def __post_init__(self) -> None:
+        for key in _COEFFICIENTS:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"cost model {self.name!r}: {key} must be a finite number >= 0, got {value!r}")
+
+    def step_time(self, batch: BatchShape) -> float:
+        return (
+            self.step_overhead_s
+            + self.per_token_s * batch.computed_tokens
+            + self.per_attended_pair_s * batch.attended_pairs
+            + self.per_sequence_s * batch.num_sequences
+        )
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> StepCostModel:
+        """A model from to_json's dict; ValueError naming the field for anything missing, unknown or mistyped."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a cost model must be a JSON object, got {type(d).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"cost model: unknown field(s) {', '.join(unknown)} (expected {', '.join(known)})")
+        missing = [k for k in ("name", "source", "step_overhead_s", "per_token_s", "per_attended_pair_s") if k not in d]
+        if missing:
+            raise ValueError(f"cost model: missing field(s) {', '.join(missing)}")
+        for key in ("name", "source"):
+            if not isinstance(d[key], str):
+                raise ValueError(f"cost model: {key} must be a string, got {d[key]!r}")
+        return cls(**d)
+
+
+def _gpu_preset(
+    name: str, gpu: str, params: float, layers: int, hidden: int, num_gpus: int, bandwidth: float, flops: float
+) -> StepCostModel:
+    """A dense bf16 transformer on `num_gpus` GPUs (tensor parallel), from published figures:
+    step floor = weight bytes (params x 2) / aggregate HBM bandwidth (a decode step streams every weight once);
+    per token = 2 x params FLOPs / (aggregate peak x MFU); per attended pair = 4 x layers x hidden FLOPs (QK^T and
+    PV, a multiply-add each, over all heads) / (aggregate peak x MFU). MFU 0.5 is typical of well-tuned prefill.
+    Not modelled: decode attention is memory-bound on the KV read (it costs more per pair than this compute figure
+    at long contexts), tensor-parallel all-reduce time, and scheduling overhead on the host."""
+    mfu = 0.5
+    step = params * 2 / (num_gpus * bandwidth)
+    per_token = 2 * params / (num_gpus * flops * mfu)
+    per_pair = 4 * layers * hidden / (num_gpus * flops * mfu)
+    source = (
+        f"derived from published figures: {params / 1e9:g}B params, {layers} layers, hidden {hidden} (Meta's model "
+        f"card); {num_gpus} x {gpu} at {bandwidth / 1e12:g} TB/s HBM and {flops / 1e12:g} dense bf16 TFLOPS each "
+        f"(NVIDIA datasheet). step_overhead = params x 2 bytes / bandwidth = {step * 1e3:.3g} ms; per_token = "
+        f"2 x params / (peak x MFU {mfu}) = {per_token * 1e6:.3g} us; per_attended_pair = 4 x layers x hidden / "
+        f"(peak x MFU) = {per_pair * 1e9:.3g} ns; per_sequence 0. Ignores memory-bound decode attention, "
+        "all-reduce and host overhead (optimistic for long-context decodes)."
+    )
+    return StepCostModel(name, source, step, per_token, per_pair, 0.0)
+
+
+# SmolLM2-135M on this 2-core machine. PLACEHOLDER until `prefixkv simulate fit` measures it: a rough split of
+# docs/benchmarks/throughput.json (bf16, 2 threads: 16,384 prompt + 1,024 output tokens in 12.05 s of model time,
+# about 40 steps): ~30 ms per step, the rest spread per token; attention and per-sequence parts guessed.
+_SMOLLM2_CPU_2T = StepCostModel(
+    name="smollm2-cpu-2t",
+    source=(
+        "PLACEHOLDER (not a fit): rough split of docs/benchmarks/throughput.json, SmolLM2-135M bf16 on the 2-core "
+        "CPU machine: 12.05 s model time for 16,384 prompt + 1,024 output tokens in ~40 steps; 30 ms/step, "
+        "0.6 ms/token, attention and per-sequence terms guessed"
+    ),
+    step_overhead_s=0.030,
+    per_token_s=0.0006,
+    per_attended_pair_s=2e-9,
+    per_sequence_s=0.0005,
+)
+
+H100_SXM = ("H100 SXM", 3.35e12, 989e12)
+A100_SXM = ("A100 SXM 80GB", 2.039e12, 312e12)
+
+PRESETS: dict[str, StepCostModel] = {
+    m.name: m
+    for m in (
+        _SMOLLM2_CPU_2T,
+        _gpu_preset("llama3-8b-h100", H100_SXM[0], 8.03e9, 32, 4096, 1, H100_SXM[1], H100_SXM[2]),
+        _gpu_preset("llama3-8b-a100", A100_SXM[0], 8.03e9, 32, 4096, 1, A100_SXM[1], A100_SXM[2]),
+        _gpu_preset("llama3-70b-h100x4", H100_SXM[0], 70.6e9, 80, 8192, 4, H100_SXM[1], H100_SXM[2]),
+    )
+}
+
+
+def load_cost_model(name_or_path: str) -> StepCostModel:
+    """A preset by name, else a JSON file (as `prefixkv simulate fit` writes). ValueError saying what was tried."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    try:
+        with open(name_or_path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(
+            f"cost model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor an existing JSON file"
+        ) from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cost model file {name_or_path}: cannot read it as JSON: {e}") from None
+    try:
+        return StepCostModel.from_json(data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"cost model file {name_or_path}: {e}") from None

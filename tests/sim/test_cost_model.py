@@ -1,0 +1,81 @@
+"""The simulator's clock: batch features, the linear step time, presets and the JSON files `simulate fit` writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefixkv.request import Request
+from prefixkv.sampling_params import SamplingParams
+from prefixkv.sim.cost_model import PRESETS, BatchShape, StepCostModel, load_cost_model
+
+
+def _request(prompt_len: int, computed: int, outputs: int = 0) -> Request:
+    req = Request("r", list(range(prompt_len)), SamplingParams())
+    req.token_ids.extend(range(1000, 1000 + outputs))
+    req.num_computed_tokens = computed
+    return req
+
+
+def test_batch_shape_counts_tokens_pairs_and_decodes():
+    prefill = _request(10, 4)  # a chunk of 6 tokens from position 4: 6*4 + 21 pairs
+    decode = _request(3, 3, outputs=1)  # one token at position 3 after its prompt: 3 + 1 pairs
+    last_prompt_token = _request(5, 4)  # one token, but still the prompt: not a decode
+    shape = BatchShape.of([(prefill, 6), (decode, 1), (last_prompt_token, 1)])
+    assert shape == BatchShape(computed_tokens=8, attended_pairs=45 + 4 + 5, num_sequences=3, num_decodes=1)
+    assert BatchShape.of([]) == BatchShape(0, 0, 0, 0)
+
+
+def test_step_time_is_linear_in_the_four_features():
+    model = StepCostModel(
+        "m", "test", step_overhead_s=1.0, per_token_s=0.1, per_attended_pair_s=0.01, per_sequence_s=0.5
+    )
+    assert model.step_time(BatchShape(10, 100, 2, 1)) == pytest.approx(1.0 + 1.0 + 1.0 + 1.0)
+
+
+def test_json_round_trip_and_presets_state_their_source(tmp_path):
+    for model in PRESETS.values():
+        assert model.source and model.step_overhead_s > 0 and model.per_token_s > 0
+        assert StepCostModel.from_json(json.loads(json.dumps(model.to_json()))) == model
+    assert {"smollm2-cpu-2t", "llama3-8b-h100", "llama3-70b-h100x4"} <= set(PRESETS)
+    h100 = PRESETS["llama3-8b-h100"]
+    assert h100.step_overhead_s == pytest.approx(8.03e9 * 2 / 3.35e12)  # weights streamed once per step
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps(h100.to_json() | {"name": "mine"}))
+    assert load_cost_model(str(path)).name == "mine"
+    assert load_cost_model("llama3-8b-h100") is h100
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "cannot read it as JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"name": "x", "source": "y", "step_overhead_s": 0.1, "per_token_s": 0.1}', "missing field(s) per_attended"),
+        (
+            '{"name": "x", "source": "y", "step_overhead_s": 0.1, "per_token_s": 0.1, "per_attended_pair_s": 0, '
+            '"per_step": 1}',
+            "unknown field(s) per_step",
+        ),
+        (
+            '{"name": "x", "source": "y", "step_overhead_s": -1, "per_token_s": 0.1, "per_attended_pair_s": 0}',
+            "step_overhead_s must be a finite number >= 0",
+        ),
+        (
+            '{"name": "x", "source": "y", "step_overhead_s": "1", "per_token_s": 0.1, "per_attended_pair_s": 0}',
+            "step_overhead_s must be a finite number >= 0",
+        ),
+    ],
+)
+def test_a_bad_cost_model_file_gets_a_clear_error(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="bad.json") as info:
+        load_cost_model(str(path))
+    assert message in str(info.value)
+
+
+def test_an_unknown_name_lists_the_presets():
+    with pytest.raises(ValueError, match="neither a preset .*smollm2-cpu-2t.* nor an existing JSON file"):
+        load_cost_model("no-such-model")
