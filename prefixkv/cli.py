@@ -1,13 +1,15 @@
-"""prefixkv generate | chat | serve | bench | cache-tree"""
+"""prefixkv generate | chat | serve | bench | cache-tree | simulate"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from prefixkv.bench.registry import register_bench
 from prefixkv.engine_args import add_engine_args, engine_kwargs
 from prefixkv.server.cli import register as register_serve
+from prefixkv.sim import command as simulate_command
 
 
 def _sampling(args):
@@ -99,6 +101,26 @@ def cmd_cache_tree(args) -> int:
     return 0
 
 
+# `simulate fit` and `simulate validate` run the model, so they live in prefixkv.bench (prefixkv.sim never imports it)
+SIMULATE_MODEL_COMMANDS = {"fit": "prefixkv.bench.sim_fit", "validate": "prefixkv.bench.sim_validate"}
+
+
+def register_simulate(sub) -> None:
+    """`simulate` (one run) with its subcommands: sweep, and fit / validate where their modules are present."""
+    parser = simulate_command.register(sub)
+    simulate_sub = parser.add_subparsers(dest="simulate_command", metavar="{sweep,fit,validate}")
+    simulate_command.register_sweep(simulate_sub)
+    for name, module_name in SIMULATE_MODEL_COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        doc = (module.__doc__ or "").strip().splitlines()
+        p = simulate_sub.add_parser(name, help=doc[0] if doc else None, description=module.__doc__)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefixkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     register_serve(sub)
     register_bench(sub)
+    register_simulate(sub)
 
     args = parser.parse_args(argv)
     try:

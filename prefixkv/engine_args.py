@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from prefixkv.config import EngineConfig
@@ -34,12 +35,17 @@ def _parser_for(name: str) -> Any:
     return parse
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, with its help text, choices and default."""
+def add_engine_args(
+    parser: argparse.ArgumentParser, exclude: Collection[str] = (), aliases: Mapping[str, Sequence[str]] | None = None
+) -> None:
+    """One flag per EngineConfig field, with its help text, choices and default; `exclude` leaves fields out (the
+    simulator has no model), `aliases` adds flags for a field (e.g. --cache for prefix_cache)."""
     group = parser.add_argument_group("engine options")
     for f in dataclasses.fields(EngineConfig):
+        if f.name in exclude:
+            continue
         meta = f.metadata
-        flags = [f"--{f.name.replace('_', '-')}", *meta.get("aliases", ())]
+        flags = [f"--{f.name.replace('_', '-')}", *meta.get("aliases", ()), *(aliases or {}).get(f.name, ())]
         default = f.default
         shown = "" if default is None else f" (default: {default})"
         group.add_argument(
@@ -68,7 +74,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options in parsed arguments, as EngineConfig.from_kwargs takes them."""
-    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
     if getattr(args, "enable_prefix_caching", None) is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     return kwargs

@@ -1,0 +1,380 @@
+"""`prefixkv simulate` (one run) and `prefixkv simulate sweep` (a grid): a production trace replayed through the
+real scheduler and KV cache on a simulated clock, reported beside the hit-rate bounds.
+
+`prefixkv simulate fit` and `validate` live in prefixkv.bench (they run the model); prefixkv/cli.py wires them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from prefixkv.config import EngineConfig
+from prefixkv.engine_args import add_engine_args, engine_kwargs
+from prefixkv.sim import bounds, report
+from prefixkv.sim.cost_model import PRESETS, StepCostModel, load_cost_model
+from prefixkv.sim.simulator import simulate_trace, summarize_trace
+from prefixkv.sim.traces import FORMATS, ScaledRequest, TraceScaling, load_trace, scale_trace
+
+# EngineConfig fields that only matter with a model; every other field (cache, pool, policies, eviction...) is a flag
+_MODEL_ONLY = ("model", "dtype", "device", "kv_cache_memory", "num_threads", "seed", "kernel_options")
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """The trace, its scaling, the engine options the simulator honours, the cost model and the output."""
+    t = p.add_argument_group("trace")
+    t.add_argument("--trace", help="JSON-lines trace file (required)")
+    t.add_argument("--format", choices=sorted(FORMATS), default=None, help="trace format (default: detected)")
+    t.add_argument(
+        "--tokens-per-block",
+        type=int,
+        default=None,
+        help="tokens each hash id stands for (default: the trace's own, i.e. full length, every token)",
+    )
+    t.add_argument("--output-scale", type=float, default=None, help="output lengths x this (default: as prompts)")
+    t.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
+    t.add_argument("--start-s", type=float, default=0.0, help="slice: start at this trace second")
+    t.add_argument("--duration-s", type=float, default=None, help="slice: this many trace seconds")
+    t.add_argument("--trace-seed", type=int, default=0, help="seed of the hash id -> token ids mapping")
+    add_engine_args(p, exclude=_MODEL_ONLY, aliases={"prefix_cache": ("--cache",)})
+    s = p.add_argument_group("simulation")
+    s.add_argument(
+        "--kv-cache-fraction",
+        type=float,
+        default=None,
+        help="KV pool size as a fraction of the scaled trace's unique prompt tokens (instead of --kv-cache-tokens)",
+    )
+    s.add_argument(
+        "--cost-model",
+        default="smollm2-cpu-2t",
+        help=f"a preset ({', '.join(PRESETS)}) or a JSON file written by `prefixkv simulate fit`",
+    )
+    s.add_argument("--no-bounds", action="store_true", help="skip the offline bound (it replays the trace once more)")
+    s.add_argument("--output-dir", default="sim_results", help="where the JSON results and the plot go")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--no-plot", action="store_true", help="write the JSON only")
+
+
+def register(sub) -> argparse.ArgumentParser:
+    """`simulate` with its run options, and its subcommands `sweep` (here) and the ones cli.py adds."""
+    p = sub.add_parser(
+        "simulate",
+        help="replay a request trace through the real scheduler and caches on a simulated clock",
+        description=__doc__,
+    )
+    add_trace_arguments(p)
+    _sim_defaults(p)
+    p.add_argument("--time-scale", type=float, default=1.0, help="arrival times x this: 2 = half the load")
+    p.set_defaults(func=run_command)
+    return p
+
+
+def _sim_defaults(p: argparse.ArgumentParser) -> None:
+    """xxhash keys by default: the same hits as sha256 (no collisions at this scale), a fraction of the time."""
+    p.set_defaults(prefix_caching_hash_algo="xxhash")
+
+
+def register_sweep(simulate_sub) -> None:
+    p = simulate_sub.add_parser(
+        "sweep",
+        help="a grid of pool sizes x schedule policies x evictions x time scales over one loaded trace",
+        description="Runs the grid over one loaded trace; writes sweep.json and sweep.png and prints a table.",
+    )
+    add_trace_arguments(p)
+    _sim_defaults(p)
+    p.add_argument("--fractions", default="0.1,0.25,0.5", help="pool sizes, fractions of the unique prompt tokens")
+    p.add_argument("--policies", default=None, help="schedule policies (default: --schedule-policy)")
+    p.add_argument("--evictions", default=None, help="eviction policies (default: --eviction)")
+    p.add_argument("--time-scales", default="1", help="arrival-time multipliers (load = 1 / time scale)")
+    p.set_defaults(func=sweep_command)
+
+
+def _split(text: str, kind: Callable = str) -> list:
+    values = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    if not values:
+        raise ValueError(f"expected a comma-separated list, got {text!r}")
+    return values
+
+
+def _scaling(args: argparse.Namespace, time_scale: float) -> TraceScaling:
+    return TraceScaling(
+        tokens_per_block=args.tokens_per_block,
+        time_scale=time_scale,
+        output_scale=args.output_scale,
+        max_requests=args.max_requests,
+        start_s=args.start_s,
+        duration_s=args.duration_s,
+    )
+
+
+def _base_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags give, with a placeholder pool when the pool comes from --kv-cache-fraction."""
+    kwargs = engine_kwargs(args)
+    if args.kv_cache_fraction is not None:
+        if args.kv_cache_tokens is not None:
+            raise ValueError("give --kv-cache-tokens or --kv-cache-fraction, not both")
+        kwargs["kv_cache_tokens"] = None
+    elif kwargs.get("kv_cache_tokens") is None and not getattr(args, "fractions", None):
+        raise ValueError("the simulator needs a pool size: --kv-cache-tokens N or --kv-cache-fraction F")
+    return EngineConfig.from_kwargs(**kwargs)
+
+
+def pool_tokens(fraction: float, unique_tokens: int, page_size: int) -> int:
+    """A pool of `fraction` of the unique prompt tokens, in whole pages (at least one)."""
+    if not 0 < fraction:
+        raise ValueError(f"--kv-cache-fraction must be > 0, got {fraction}")
+    return max(1, round(fraction * unique_tokens / page_size)) * page_size
+
+
+class _Progress:
+    """A tqdm bar on stderr over the requests finished (disabled when stderr is not a terminal or with --quiet)."""
+
+    def __init__(self, total: int, quiet: bool, desc: str) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=quiet or not sys.stderr.isatty())
+
+    def __enter__(self) -> Callable[[int], None]:
+        return self.bar.update
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
+def _run_one(
+    config: EngineConfig, requests: list[ScaledRequest], cost: StepCostModel, quiet: bool, desc: str
+) -> tuple[dict, list[float], list[float]]:
+    t0 = time.perf_counter()
+    with _Progress(len(requests), quiet, desc) as on_done:
+        res, kv = simulate_trace(config, requests, cost, on_done=on_done)
+    summary = summarize_trace(res, kv)
+    summary["wall_s"] = time.perf_counter() - t0
+    ttfts = [m.ttft_s for m in res.metrics if m.ttft_s is not None]
+    queues = [m.queue_s for m in res.metrics if m.queue_s is not None]
+    return summary, ttfts, queues
+
+
+def _with_bounds(summary: dict, unbounded: dict, offline: dict | None) -> dict:
+    summary["unbounded_hit_rate"] = unbounded["hit_rate"]
+    summary["of_unbounded"] = summary["token_hit_rate"] / unbounded["hit_rate"] if unbounded["hit_rate"] else None
+    if offline is not None:
+        rate = offline["offline_hit_rate"]
+        summary["offline_bound_hit_rate"] = rate
+        summary["of_offline_bound"] = summary["token_hit_rate"] / rate if rate else None
+    return summary
+
+
+def unique_prompt_tokens(requests: Sequence[ScaledRequest]) -> int:
+    """Distinct prompt token prefixes in the scaled trace: what a cache would hold to hit every shared prefix.
+    A block is identified by its leading run of ids (a trie node); its tokens count once, at the longest length
+    any prompt uses of it (a partial last block is a shorter run of the same tokens)."""
+    trie: dict[tuple[int, int], int] = {}
+    longest: dict[int, int] = {}
+    for req in requests:
+        node, per_block = 0, req.tokens_per_block
+        for k, block in enumerate(req.block_ids):
+            node = trie.setdefault((node, block), len(trie) + 1)
+            used = min(per_block, req.prompt_len - k * per_block)
+            if longest.get(node, 0) < used:
+                longest[node] = used
+    return sum(longest.values())
+
+
+def _unbounded(acc: bounds.PageAccesses) -> dict:
+    b = bounds.unbounded_hit_tokens(acc, acc.page_size)
+    return {"hit_tokens": b.hit_tokens, "prompt_tokens": b.prompt_tokens, "hit_rate": b.rate}
+
+
+def _offline(acc: bounds.PageAccesses, pool: int) -> dict:
+    t0 = time.perf_counter()
+    b = bounds.offline_hit_tokens(acc, acc.page_size, pool // acc.page_size)
+    return {
+        "pool_tokens": pool,
+        "offline_hit_tokens": b.hit_tokens,
+        "offline_hit_rate": b.rate,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def _require_trace(args: argparse.Namespace) -> None:
+    if not args.trace:
+        raise ValueError("--trace FILE is required")
+
+
+def _options(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if not callable(v)}
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """One run: load, scale, simulate, compare with the bounds; print, and write simulate.json + simulate.png."""
+    _require_trace(args)
+    cost = load_cost_model(args.cost_model)
+    base = _base_config(args)
+    trace = load_trace(args.trace, args.format)
+    scaling = _scaling(args, args.time_scale)
+    requests = scale_trace(trace, scaling, seed=args.trace_seed)
+    page = base.tokens_per_page
+    unique = unique_prompt_tokens(requests)
+    if args.kv_cache_fraction is not None:
+        pool = pool_tokens(args.kv_cache_fraction, unique, page)
+    else:
+        assert base.kv_cache_tokens is not None  # _base_config checked it
+        pool = base.kv_cache_tokens
+    config = dataclasses.replace(base, kv_cache_tokens=pool)
+    described = scaling.describe(trace.block_size)
+    print(f"trace {args.trace}: {len(requests)} requests, {described}; {unique} unique prompt tokens", flush=True)
+    print(f"pool {pool} tokens ({pool / unique:.1%} of unique), cost model {cost.name}", flush=True)
+    accesses = bounds.page_accesses(requests, page)
+    unbounded = _unbounded(accesses)
+    offline = None if args.no_bounds else _offline(accesses, pool)
+    summary, ttfts, queues = _run_one(config, requests, cost, args.quiet, "simulate")
+    summary = _with_bounds(summary, unbounded, offline)
+    results = {
+        "command": "simulate",
+        "trace": {"path": args.trace, "format": trace.format, "block_size": trace.block_size},
+        "scaling": described,
+        "unique_prompt_tokens": unique,
+        "pool_tokens": pool,
+        "pool_fraction_of_unique": pool / unique if unique else None,
+        "engine_config": dataclasses.asdict(config),
+        "cost_model": cost.to_json(),
+        "options": _options(args),
+        "bounds": {"unbounded": unbounded, "offline": offline},
+        "summary": summary,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    print(_run_table(summary))
+    path = os.path.join(args.output_dir, "simulate.json")
+    report.write_json(results, path)
+    print(f"results written to {path}")
+    png = os.path.join(args.output_dir, "simulate.png")
+    title = f"{os.path.basename(args.trace)}: {described}\n{config.prefix_cache} cache, pages of {page}, pool {pool} "
+    title += f"tokens, {config.schedule_policy}, cost model {cost.name}"
+    if not args.no_plot:
+        _try_plot(lambda: report.plot_run(summary, ttfts, queues, title, png), png)
+    return 0
+
+
+def _run_table(s: dict) -> str:
+    rows = [
+        ["token hit rate", s["token_hit_rate"]],
+        ["unbounded-cache hit rate", s["unbounded_hit_rate"]],
+        ["offline bound (this pool)", s.get("offline_bound_hit_rate", "skipped")],
+        ["achieved / offline bound", s.get("of_offline_bound", "skipped")],
+        ["TTFT p50 / p90 / p99 (sim s)", _ps(s["ttft_s"])],
+        ["queueing p50 / p90 / p99 (sim s)", _ps(s["queue_s"])],
+        ["output tok/s, req/s (sim)", f"{s['output_tok_s']:.1f}, {s['requests_per_s']:.3f}"],
+        ["evicted pages, preemptions", f"{s['evicted_pages']}, {s['preemptions']}"],
+        ["served, rejected requests", f"{s['served_requests']}, {s['rejected_requests']}"],
+        ["simulated span (s), steps, wall (s)", f"{s['sim_seconds']:.1f}, {s['steps']}, {s['wall_s']:.1f}"],
+    ]
+    return report.format_table(["metric", "value"], rows)
+
+
+def _ps(d: dict) -> str:
+    return " / ".join("nan" if v is None or v != v else f"{v:.3f}" for v in (d["p50"], d["p90"], d["p99"]))
+
+
+def _try_plot(draw: Callable[[], None], png: str) -> None:
+    try:
+        draw()
+        print(f"plot written to {png}")
+    except Exception as e:  # a missing plotting backend must not lose the numbers
+        print(f"plot skipped: {e}")
+
+
+def sweep_command(args: argparse.Namespace) -> int:
+    """The grid over one loaded trace: bounds once per pool size, one simulation per cell."""
+    _require_trace(args)
+    cost = load_cost_model(args.cost_model)
+    base = _base_config(args)
+    fractions = _split(args.fractions, float)
+    policies = _split(args.policies) if args.policies else [base.schedule_policy]
+    has_eviction = any(f.name == "eviction" for f in dataclasses.fields(EngineConfig))
+    if args.evictions and not has_eviction:
+        raise ValueError("--evictions: this build has no eviction option")
+    evictions = _split(args.evictions) if args.evictions else [getattr(base, "eviction", None)]
+    scales = _split(args.time_scales, float)
+    trace = load_trace(args.trace, args.format)
+    page = base.tokens_per_page
+    by_scale = {scale: scale_trace(trace, _scaling(args, scale), seed=args.trace_seed) for scale in scales}
+    first = by_scale[scales[0]]  # time scaling moves arrivals only: one trace's bounds hold for every scale
+    unique = unique_prompt_tokens(first)
+    accesses = bounds.page_accesses(first, page)
+    unbounded = _unbounded(accesses)
+    pools = {f: pool_tokens(f, unique, page) for f in fractions}
+    offline = {} if args.no_bounds else {str(f): _offline(accesses, pools[f]) for f in fractions}
+    del accesses
+    for cell in [(p, e) for p in policies for e in evictions]:  # fail on a bad name before the long runs
+        EngineConfig.from_kwargs(**_cell_kwargs(base, pools[fractions[0]], *cell))
+    runs = []
+    cells = [(f, s, p, e) for f in fractions for s in scales for p in policies for e in evictions]
+    for k, (fraction, scale, policy, eviction) in enumerate(cells, 1):
+        config = EngineConfig.from_kwargs(**_cell_kwargs(base, pools[fraction], policy, eviction))
+        desc = f"[{k}/{len(cells)}] {fraction} {policy} {eviction or ''} x{scale}"
+        summary, _, _ = _run_one(config, by_scale[scale], cost, args.quiet, desc)
+        summary = _with_bounds(summary, unbounded, offline.get(str(fraction)))
+        summary.update(fraction=fraction, pool_tokens=pools[fraction], time_scale=scale, policy=policy)
+        summary["eviction"] = eviction
+        runs.append(summary)
+    described = _scaling(args, scales[0]).describe(trace.block_size)
+    results = {
+        "command": "simulate sweep",
+        "title": f"{os.path.basename(args.trace)}: {described}\n{base.prefix_cache} cache, cost model {cost.name}",
+        "trace": {"path": args.trace, "format": trace.format, "block_size": trace.block_size},
+        "scaling": {str(s): _scaling(args, s).describe(trace.block_size) for s in scales},
+        "unique_prompt_tokens": unique,
+        "grid": {"fractions": fractions, "policies": policies, "evictions": evictions, "time_scales": scales},
+        "engine_config": dataclasses.asdict(base),
+        "cost_model": cost.to_json(),
+        "options": _options(args),
+        "bounds": {"unbounded_hit_rate": unbounded["hit_rate"], "unbounded": unbounded, "offline": offline},
+        "runs": runs,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    print(_sweep_table(runs))
+    path = os.path.join(args.output_dir, "sweep.json")
+    report.write_json(results, path)
+    print(f"results written to {path}")
+    png = os.path.join(args.output_dir, "sweep.png")
+    if not args.no_plot:
+        _try_plot(lambda: report.plot_sweep(results, png), png)
+    return 0
+
+
+def _cell_kwargs(base: EngineConfig, pool: int, policy: str, eviction: str | None) -> dict:
+    kwargs = dataclasses.asdict(base) | {"kv_cache_tokens": pool, "schedule_policy": policy}
+    if eviction is not None:
+        kwargs["eviction"] = eviction
+    return kwargs
+
+
+def _sweep_table(runs: list[dict]) -> str:
+    headers = ["pool", "tokens", "x time", "policy", "eviction", "hit rate", "offline", "/bound", "unbounded"]
+    headers += ["TTFT p50", "TTFT p99", "queue p99", "evicted", "preempt", "rejected", "wall s"]
+    rows = [
+        [
+            r["fraction"],
+            r["pool_tokens"],
+            r["time_scale"],
+            r["policy"],
+            r["eviction"] or "-",
+            r["token_hit_rate"],
+            r.get("offline_bound_hit_rate", float("nan")),
+            r.get("of_offline_bound") or float("nan"),
+            r["unbounded_hit_rate"],
+            r["ttft_s"]["p50"],
+            r["ttft_s"]["p99"],
+            r["queue_s"]["p99"],
+            r["evicted_pages"],
+            r["preemptions"],
+            r["rejected_requests"],
+            r["wall_s"],
+        ]
+        for r in runs
+    ]
+    return report.format_table(headers, rows)

@@ -1,0 +1,117 @@
+"""What `prefixkv simulate` shows: a plain table on stdout, strict JSON, and plots (matplotlib, loaded only here
+and only when a plot is drawn, so the simulator itself stays light)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Fixed-width columns: readable in a terminal and in a pasted log."""
+    cells = [[_cell(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def strict_json(value: Any) -> Any:
+    """NaN and infinities as null: the files are read by other tools (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def write_json(results: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(strict_json(results), f, indent=2, default=str)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(summary: dict, ttfts: Sequence[float], queues: Sequence[float], title: str, path: str) -> None:
+    """One run: the achieved hit rate beside its bounds, and the TTFT and queueing distributions (CDFs)."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    bars = {
+        "achieved": summary["token_hit_rate"],
+        "offline bound": summary.get("offline_bound_hit_rate"),
+        "unbounded": summary.get("unbounded_hit_rate"),
+    }
+    names = [k for k, v in bars.items() if v is not None and not math.isnan(v)]
+    left.bar(names, [bars[k] for k in names], color=["tab:blue", "tab:orange", "tab:gray"][: len(names)])
+    for i, k in enumerate(names):
+        left.text(i, bars[k], f"{bars[k]:.1%}", ha="center", va="bottom")
+    left.set_ylabel("prompt-token hit rate")
+    left.set_ylim(0, 1)
+    for values, label in ((ttfts, "TTFT"), (queues, "queueing")):
+        xs = sorted(values)
+        if xs:
+            right.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+    right.set_xscale("symlog", linthresh=0.01)
+    right.set_xlabel("simulated seconds")
+    right.set_ylabel("fraction of requests")
+    right.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(results: dict, path: str) -> None:
+    """Hit rate vs pool size per policy and eviction (at the first time scale) with the bounds drawn in, and
+    TTFT p99 vs load (1 / time scale) per policy and eviction (at the largest pool)."""
+    plt = _pyplot()
+    runs = results["runs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    first_scale = results["grid"]["time_scales"][0]
+    largest = max(results["grid"]["fractions"])
+    labels = sorted({(r["policy"], r["eviction"]) for r in runs}, key=str)
+    for policy, eviction in labels:
+        name = policy if eviction is None else f"{policy} / {eviction}"
+        mine = [r for r in runs if r["policy"] == policy and r["eviction"] == eviction]
+        by_size = sorted((r["fraction"], r["token_hit_rate"]) for r in mine if r["time_scale"] == first_scale)
+        left.plot([x for x, _ in by_size], [y for _, y in by_size], marker="o", label=name)
+        by_load = sorted((1 / r["time_scale"], r["ttft_s"]["p99"]) for r in mine if r["fraction"] == largest)
+        right.plot([x for x, _ in by_load], [y for _, y in by_load], marker="o", label=name)
+    bounds = sorted((float(f), b["offline_hit_rate"]) for f, b in results["bounds"]["offline"].items())
+    if bounds:
+        left.plot([x for x, _ in bounds], [y for _, y in bounds], "k--", label="offline bound")
+    left.axhline(results["bounds"]["unbounded_hit_rate"], color="gray", linestyle=":", label="unbounded cache")
+    left.set_xlabel("pool size (fraction of the trace's unique prompt tokens)")
+    left.set_ylabel("prompt-token hit rate")
+    left.set_title(f"time scale {first_scale}", fontsize=9)
+    left.legend(fontsize=7)
+    right.set_xlabel("load (1 / time scale)")
+    right.set_ylabel("TTFT p99 (simulated s)")
+    right.set_title(f"pool {largest} of unique tokens", fontsize=9)
+    right.legend(fontsize=7)
+    fig.suptitle(results["title"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,104 @@
+"""`prefixkv simulate` and `prefixkv simulate sweep` from the command line, on a hand-made five-request trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefixkv.cli import main
+
+# Mooncake format: 512-token blocks, replayed at 4 tokens a block (prompts of 8, 12, 8, 4 and 12 tokens), one
+# request a second, so each is done before the next arrives: hits are the hand count below.
+TRACE = [
+    {"timestamp": 0, "input_length": 1024, "output_length": 3, "hash_ids": [1, 2]},  # nothing cached: 0
+    {"timestamp": 1000, "input_length": 1536, "output_length": 3, "hash_ids": [1, 2, 3]},  # blocks 1, 2: 8
+    {"timestamp": 2000, "input_length": 1024, "output_length": 3, "hash_ids": [1, 4]},  # block 1: 4
+    {"timestamp": 3000, "input_length": 512, "output_length": 3, "hash_ids": [5]},  # 0
+    {"timestamp": 4000, "input_length": 1536, "output_length": 3, "hash_ids": [1, 2, 3]},  # 1, 2 (not the last): 8
+]
+HAND_COUNT = 20
+TRACE_OPTIONS = ["--tokens-per-block", "4", "--output-scale", "1", "--page-size", "4", "--quiet"]
+
+
+@pytest.fixture
+def trace_file(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
+    return str(path)
+
+
+@pytest.mark.parametrize("cache", ["hash", "radix"])
+def test_simulate_writes_every_field_and_counts_the_hand_made_hits(trace_file, tmp_path, cache, capsys):
+    out = tmp_path / cache
+    argv = ["simulate", "--trace", trace_file, *TRACE_OPTIONS, "--cache", cache, "--kv-cache-tokens", "256"]
+    plot = cache == "radix"  # one plot is enough to show it is drawn
+    assert main(argv + ["--output-dir", str(out)] + ([] if plot else ["--no-plot"])) == 0
+    printed = capsys.readouterr().out
+    assert "token hit rate" in printed and "512->4 tokens/block" in printed
+    results = json.loads((out / "simulate.json").read_text())
+    s = results["summary"]
+    assert s["hit_tokens"] == HAND_COUNT and s["prompt_tokens"] == 44 and s["served_requests"] == 5
+    assert results["bounds"]["unbounded"]["hit_tokens"] == HAND_COUNT
+    assert results["bounds"]["offline"]["offline_hit_tokens"] == HAND_COUNT
+    assert s["of_offline_bound"] == pytest.approx(1.0) and s["unbounded_hit_rate"] == pytest.approx(20 / 44)
+    for key in ("ttft_s", "queue_s"):
+        assert set(s[key]) >= {"p50", "p90", "p99"} and s[key]["n"] == 5
+    for key in ("output_tok_s", "requests_per_s", "evicted_pages", "preemptions", "rejected_requests", "wall_s"):
+        assert key in s
+    assert s["output_tokens"] == 15 and s["rejected_requests"] == 0
+    assert results["scaling"].startswith("512->4 tokens/block, time x1")
+    assert results["engine_config"]["prefix_cache"] == cache and results["cost_model"]["name"] == "smollm2-cpu-2t"
+    assert results["options"]["kv_cache_tokens"] == 256 and results["unique_prompt_tokens"] == 20
+    assert (out / "simulate.png").exists() == plot
+
+
+def test_a_pool_given_as_a_fraction_of_the_unique_tokens(trace_file, tmp_path):
+    argv = ["simulate", "--trace", trace_file, *TRACE_OPTIONS, "--kv-cache-fraction", "2.5", "--no-plot"]
+    assert main(argv + ["--output-dir", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "simulate.json").read_text())
+    assert results["pool_tokens"] == 48  # 2.5 x 20 unique tokens, rounded to whole pages of 4
+    assert results["summary"]["pool_pages"] == 12
+
+
+def test_sweep_runs_the_grid_over_one_trace(trace_file, tmp_path, capsys):
+    argv = ["simulate", "sweep", "--trace", trace_file, *TRACE_OPTIONS, "--cache", "radix", "--no-plot"]
+    argv += ["--fractions", "2.5,5", "--policies", "fcfs,lpm", "--time-scales", "1,0.001"]
+    argv += ["--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "sweep.json").read_text())
+    runs = results["runs"]
+    assert len(runs) == 2 * 2 * 2
+    assert {(r["fraction"], r["policy"], r["time_scale"]) for r in runs} == {
+        (f, p, s) for f in (2.5, 5.0) for p in ("fcfs", "lpm") for s in (1.0, 0.001)
+    }
+    assert all(r["token_hit_rate"] <= r["offline_bound_hit_rate"] + 1e-9 for r in runs)
+    spaced = [r for r in runs if r["time_scale"] == 1.0 and r["fraction"] == 5.0]
+    assert all(r["hit_tokens"] == HAND_COUNT for r in spaced)
+    assert set(results["bounds"]["offline"]) == {"2.5", "5.0"}
+    table = capsys.readouterr().out
+    assert "TTFT p99" in table and "lpm" in table
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"name": "x"}', "missing field(s) source"),
+        ("not json", "cannot read it as JSON"),
+    ],
+)
+def test_a_bad_cost_model_file_is_a_clear_error(trace_file, tmp_path, capsys, content, message):
+    bad = tmp_path / "cost.json"
+    bad.write_text(content)
+    argv = ["simulate", "--trace", trace_file, *TRACE_OPTIONS, "--kv-cache-tokens", "64", "--cost-model", str(bad)]
+    assert main(argv + ["--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cost.json" in err and message in err
+    assert not (tmp_path / "simulate.json").exists()
+
+
+def test_a_missing_pool_size_or_trace_is_a_clear_error(trace_file, tmp_path, capsys):
+    assert main(["simulate", "--trace", trace_file, "--output-dir", str(tmp_path)]) == 2
+    assert "--kv-cache-tokens N or --kv-cache-fraction F" in capsys.readouterr().err
+    assert main(["simulate", "--kv-cache-tokens", "64"]) == 2
+    assert "--trace FILE is required" in capsys.readouterr().err
