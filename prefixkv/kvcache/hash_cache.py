@@ -167,6 +167,7 @@ class HashPrefixCache(KVCacheManager):
             if self.cached.get(key) is block:
                 del self.cached[key]
                 self.num_evictions += 1
+                self.stats.evicted_pages += 1
             block.block_hash = None
 
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:

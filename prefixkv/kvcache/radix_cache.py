@@ -155,10 +155,15 @@ class RadixPrefixCache(KVCacheManager):
     # -- changes -------------------------------------------------------------------------------------------
     def _take(self, n: int) -> list[int]:
         if len(self._free) < n:
-            self._free.extend(self.tree.evict(n - len(self._free)))
+            self._release(self.tree.evict(n - len(self._free)))
         taken = self._free[-n:] if n else []
         del self._free[len(self._free) - n :]
         return taken
+
+    def _release(self, evicted: list[int]) -> None:
+        """Evicted tree pages go to the free list, and into the eviction count."""
+        self.stats.evicted_pages += len(evicted)
+        self._free.extend(evicted)
 
     def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
         ps = self.page_size
@@ -232,11 +237,11 @@ class RadixPrefixCache(KVCacheManager):
         vLLM (which refuses and keeps everything while blocks are in use) what running requests hold stays
         and the rest goes; False tells the caller something stayed."""
         if salt_filter is None:
-            self._free.extend(self.tree.evict(self.tree.evictable_tokens // self.page_size))
+            self._release(self.tree.evict(self.tree.evictable_tokens // self.page_size))
             return not self._requests
         chosen = [ns for ns in self.tree.roots if isinstance(ns, tuple) and salt_filter(ns[1])]
         for namespace in chosen:
-            self._free.extend(self.tree.evict_namespace(namespace))
+            self._release(self.tree.evict_namespace(namespace))
         return not any(ns in self.tree.roots for ns in chosen)
 
     # -- views ---------------------------------------------------------------------------------------------

@@ -1,37 +1,48 @@
 """A model-free engine loop: the real Scheduler and KV manager driven by a cost model instead of a model.
 
-Used for traces at scale (benchmarks of scheduling policies, tests of starvation bounds): every scheduled chunk
-is "computed" instantly and charged overhead + per-token time, so a thousand-request trace runs in seconds. Hit
-rates, waits in steps and preemptions are exact for the scheduler and cache as implemented; times are not.
+Every scheduled chunk is "computed" instantly; the simulated clock advances by the cost model's time for the
+step's batch (cost_model.BatchShape), and jumps to the next arrival when there is nothing to do. Hit rates,
+waits, preemptions and evictions are exact for the scheduler and caches as implemented (the same code the
+engine runs); times are as good as the cost model.
+
+Arrivals are due either at a simulated time (`simulate_trace`: a trace's timestamps) or at a scheduler step
+(`simulate`: the step-driven workloads of the benchmarks and tests). One loop serves both. Only per-request
+metrics outlive a request: its token list is released when it finishes, so a trace of a hundred million prompt
+tokens runs in the memory of the requests in flight.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.policies import SchedulingPolicy
 from prefixkv.engine.policy_factory import create_policy
 from prefixkv.engine.scheduler import Scheduler
+from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.request import Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.sim.cost_model import BatchShape, StepCostModel
 from prefixkv.stats import percentile, ratio, summarize
 
-
-@dataclass
-class CostModel:
-    """Time of one forward pass: a fixed part (weights read once per step) plus a part per batched token."""
-
-    step_overhead_s: float = 0.010
-    per_token_s: float = 0.0002
-
-    def step_time(self, num_batched_tokens: int) -> float:
-        return self.step_overhead_s + self.per_token_s * num_batched_tokens
+# The step-driven benchmarks' clock: a fixed part per step plus a part per batched token (times are secondary there).
+TOY_COST = StepCostModel(
+    name="toy",
+    source="round numbers for step-driven workloads (10 ms per step, 0.2 ms per token); not a measurement",
+    step_overhead_s=0.010,
+    per_token_s=0.0002,
+    per_attended_pair_s=0.0,
+)
+_FIRST_GENERATED_ID = 10_000_000  # generated ids never collide with prompt ids or each other
 
 
 @dataclass
 class SimRequest:
+    """A step-driven workload's request: due at scheduler step `arrival_step`."""
+
     arrival_step: int
     prompt: list[int]
     output_len: int
@@ -40,21 +51,215 @@ class SimRequest:
     cache_salt: str | None = None
 
 
+class TimedRequest(Protocol):
+    """A trace request as the simulator needs it (traces.ScaledRequest is one): due at `arrival_s`, its prompt
+    built only when it arrives."""
+
+    arrival_s: float
+    output_len: int
+    prompt_len: int
+
+    def prompt_tokens(self) -> list[int]: ...
+
+
+@dataclass(slots=True)
+class Arrival:
+    """One request for the loop: due when the clock (seconds or steps) reaches `due`."""
+
+    due: float
+    request_id: str
+    prompt_len: int
+    output_len: int
+    make_prompt: Callable[[], list[int]]
+    group: str = ""
+    lora_id: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """What is kept of a request once it is finished or rejected (times in simulated seconds)."""
+
+    request_id: str
+    group: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int  # asked for
+    hit_tokens: int = 0  # prefix-cache hit at first admission
+    queue_s: float | None = None  # first admission - arrival
+    ttft_s: float | None = None  # first token sampled - arrival
+    latency_s: float | None = None  # last token sampled - arrival
+    wait_steps: int | None = None  # first admission step - arrival step
+    preemptions: int = 0
+    rejected: bool = False  # prompt + output can never fit the pool (or max_model_len): never scheduled
+
+
 @dataclass
 class SimResult:
-    requests: list[Request] = field(default_factory=list)
+    metrics: list[RequestMetrics] = field(default_factory=list)  # finished and rejected requests, in that order
+    requests: list[Request] = field(default_factory=list)  # the Request objects, only with keep_requests
     groups: dict[str, str] = field(default_factory=dict)  # request_id -> group
     wait_steps: dict[str, int] = field(default_factory=dict)  # request_id -> first admission step - arrival step
     wait_s: dict[str, float] = field(default_factory=dict)
     steps: int = 0
-    sim_seconds: float = 0.0
+    sim_seconds: float = 0.0  # the clock at the end: the last finish (arrivals start at 0)
     computed_tokens: int = 0
     output_tokens: int = 0
     preemptions: int = 0
 
+    @property
+    def rejected(self) -> list[RequestMetrics]:
+        return [m for m in self.metrics if m.rejected]
+
+
+class Simulation:
+    """One run: a scheduler over `kv` with `policy`, a clock driven by `cost`, and the metrics of each request.
+
+    clock="seconds": an arrival is due when the simulated time reaches it; an idle engine jumps to the next
+    arrival. clock="steps": an arrival is due at a scheduler step; an idle engine runs empty steps (charged the
+    step overhead) until it arrives, as the step-driven benchmarks always have."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        policy: SchedulingPolicy,
+        cost: StepCostModel,
+        clock: str = "seconds",
+        keep_requests: bool = False,
+        check_every: int = 0,
+        max_steps: int | None = None,
+        on_done: Callable[[int], None] | None = None,
+    ) -> None:
+        if clock not in ("seconds", "steps"):
+            raise ValueError(f"clock must be 'seconds' or 'steps', got {clock!r}")
+        self.kv = kv
+        self.scheduler = Scheduler(config, kv, policy)
+        self.cost = cost
+        self.clock = clock
+        self.keep_requests = keep_requests
+        self.check_every = check_every
+        self.max_steps = max_steps
+        self.on_done = on_done  # called with 1 for each request finished or rejected (a progress bar)
+        self.capacity = min(kv.num_pages * kv.page_size, config.max_model_len or kv.num_pages * kv.page_size)
+        self.result = SimResult()
+        self._live: dict[Request, RequestMetrics] = {}
+        self._next_token = _FIRST_GENERATED_ID
+
+    def run(self, arrivals: Iterable[Arrival]) -> SimResult:
+        """Serve every arrival (in non-decreasing `due` order) to the end and return the result."""
+        sched, res = self.scheduler, self.result
+        pending: Iterator[Arrival] = iter(arrivals)
+        upcoming = next(pending, None)
+        empty_steps = 0
+        while upcoming is not None or sched.has_work():
+            now = res.sim_seconds if self.clock == "seconds" else sched.step_count
+            while upcoming is not None and upcoming.due <= now:
+                self._arrive(upcoming)
+                upcoming = next(pending, None)
+            if not sched.has_work():
+                if upcoming is not None and self.clock == "seconds":
+                    res.sim_seconds = max(res.sim_seconds, upcoming.due)
+                    continue
+                if upcoming is None:
+                    break
+            if self.max_steps is not None and sched.step_count >= self.max_steps:
+                raise RuntimeError(f"simulation did not finish in {self.max_steps} steps")
+            scheduled = self._step()
+            empty_steps = 0 if scheduled else empty_steps + 1
+            if empty_steps > 10_000 and (upcoming is None or self.clock == "seconds"):
+                raise RuntimeError(
+                    f"no progress for {empty_steps} steps with {len(sched.waiting)} waiting and "
+                    f"{len(sched.running)} running requests"
+                )
+        res.steps = sched.step_count
+        res.preemptions = sched.num_preemptions
+        return res
+
+    def _arrive(self, arrival: Arrival) -> None:
+        res = self.result
+        arrival_s = arrival.due if self.clock == "seconds" else res.sim_seconds  # it may arrive mid-step
+        metrics = RequestMetrics(arrival.request_id, arrival.group, arrival_s, arrival.prompt_len, arrival.output_len)
+        res.groups[arrival.request_id] = arrival.group
+        if arrival.prompt_len + arrival.output_len > self.capacity or arrival.output_len < 1:
+            metrics.rejected = True  # the engine refuses it at add_request; here it is counted, not a hang
+            res.metrics.append(metrics)
+            if self.on_done:
+                self.on_done(1)
+            return
+        request = Request(
+            arrival.request_id,
+            arrival.make_prompt(),
+            SamplingParams(max_tokens=arrival.output_len),
+            arrival_time=arrival_s,
+            lora_id=arrival.lora_id,
+            cache_salt=arrival.cache_salt,
+        )
+        request.max_tokens = arrival.output_len
+        self.scheduler.add(request)
+        self._live[request] = metrics
+        if self.keep_requests:
+            res.requests.append(request)
+
+    def _step(self) -> bool:
+        """One scheduler step, charged the cost model's time for its batch; False when nothing was scheduled."""
+        sched, res = self.scheduler, self.result
+        step, start_s = sched.step_count, res.sim_seconds
+        out = sched.schedule()
+        for request, _ in out.scheduled:
+            metrics = self._live[request]
+            if metrics.queue_s is None:
+                metrics.queue_s = start_s - metrics.arrival_s
+                metrics.wait_steps = step - request.arrival_step
+                res.wait_steps[request.request_id] = metrics.wait_steps
+                res.wait_s[request.request_id] = metrics.queue_s
+        res.sim_seconds += self.cost.step_time(BatchShape.of(out.scheduled))
+        res.computed_tokens += out.num_batched_tokens
+        sampled: list[int | None] = []
+        for request, n in out.scheduled:  # a request whose sequence this step completes samples a fresh token
+            if request.num_computed_tokens + n == request.num_tokens:
+                sampled.append(self._next_token)
+                self._next_token += 1
+            else:
+                sampled.append(None)
+        sched.update(out, sampled)
+        for (request, _), token in zip(out.scheduled, sampled, strict=True):
+            if token is None:
+                continue
+            res.output_tokens += 1
+            metrics = self._live[request]
+            if metrics.ttft_s is None:
+                metrics.ttft_s = res.sim_seconds - metrics.arrival_s
+            if request.num_output_tokens >= request.max_tokens:
+                sched.finish(request, RequestStatus.FINISHED_LENGTH)
+                self._finished(request, metrics)
+        if self.check_every and step % self.check_every == 0:
+            self.kv.check_invariants()
+        return bool(out.scheduled)
+
+    def _finished(self, request: Request, metrics: RequestMetrics) -> None:
+        """Keep the metrics, drop the request (its tokens are the memory a long trace cannot afford to keep)."""
+        del self._live[request]
+        metrics.latency_s = self.result.sim_seconds - metrics.arrival_s
+        metrics.hit_tokens = max(request.num_cached_tokens, 0)
+        metrics.preemptions = request.num_preemptions
+        self.result.metrics.append(metrics)
+        if self.on_done:
+            self.on_done(1)
+
 
 def make_policy(name: str, max_wait_steps: int = 128) -> SchedulingPolicy:
     return create_policy(EngineConfig(schedule_policy=name, lpm_fallback_threshold=None, max_wait_steps=max_wait_steps))
+
+
+def create_kv(config: EngineConfig) -> KVCacheManager:
+    """The KV manager `config` names, with a pool of config.kv_cache_tokens (the simulator has no bytes per token)."""
+    if config.kv_cache_tokens is None:
+        raise ValueError("the simulator needs kv_cache_tokens (a pool size in tokens)")
+    num_pages = config.kv_cache_pages(bytes_per_token=1)
+    return create_kv_cache_manager(
+        config.prefix_cache, num_pages, config.tokens_per_page, config.prefix_caching_hash_algo
+    )
 
 
 def simulate(
@@ -63,64 +268,88 @@ def simulate(
     workload: list[SimRequest],
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 2048,
-    cost: CostModel | None = None,
+    cost: StepCostModel | None = None,
     max_steps: int = 100_000,
     check_every: int = 0,
 ) -> SimResult:
-    """Drive the real Scheduler over a workload: each scheduled chunk is computed at once (the scheduler's
-    update advances and commits it, as after a model step), a request whose sequence is fully computed samples a
-    fresh token, and finishes after output_len of them."""
-    cost = cost or CostModel()
+    """Step-driven: each request arrives at its scheduler step. The Request objects are kept in the result
+    (small workloads whose tests read them)."""
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    sched = Scheduler(config, kv, policy)
-    pending = sorted(workload, key=lambda r: r.arrival_step)
-    res = SimResult()
-    arrived_at: dict[str, float] = {}
-    next_token = 10_000_000  # generated ids never collide with prompt ids or each other
-    i = 0
-    while i < len(pending) or sched.has_work():
-        if sched.step_count >= max_steps:
-            raise RuntimeError(f"simulation did not finish in {max_steps} steps")
-        while i < len(pending) and pending[i].arrival_step <= sched.step_count:
-            spec = pending[i]
-            req = Request(
-                f"{spec.group}{i}",
-                list(spec.prompt),
-                SamplingParams(max_tokens=spec.output_len),
-                lora_id=spec.lora_id,
-                cache_salt=spec.cache_salt,
-            )
-            req.max_tokens = spec.output_len
-            sched.add(req)
-            res.requests.append(req)
-            res.groups[req.request_id] = spec.group
-            arrived_at[req.request_id] = res.sim_seconds
-            i += 1
-        step = sched.step_count
-        out = sched.schedule()
-        for req, _ in out.scheduled:
-            if req.request_id not in res.wait_steps:
-                res.wait_steps[req.request_id] = step - req.arrival_step
-                res.wait_s[req.request_id] = res.sim_seconds - arrived_at[req.request_id]
-        res.sim_seconds += cost.step_time(out.num_batched_tokens) if out.scheduled else cost.step_overhead_s
-        res.computed_tokens += out.num_batched_tokens
-        sampled: list[int | None] = []
-        for req, n in out.scheduled:  # a request whose sequence this step completes samples a fresh token
-            sampled.append(next_token if req.num_computed_tokens + n == req.num_tokens else None)
-            if sampled[-1] is not None:
-                next_token += 1
-        sched.update(out, sampled)
-        for (req, _), token in zip(out.scheduled, sampled):
-            if token is None:
-                continue
-            res.output_tokens += 1
-            if req.num_output_tokens >= req.max_tokens:
-                sched.finish(req, RequestStatus.FINISHED_LENGTH)
-        if check_every and step % check_every == 0:
-            kv.check_invariants()
-    res.steps = sched.step_count
-    res.preemptions = sched.num_preemptions
-    return res
+    sim = Simulation(config, kv, policy, cost or TOY_COST, "steps", True, check_every, max_steps)
+    ordered = sorted(workload, key=lambda r: r.arrival_step)
+    arrivals = (
+        Arrival(
+            s.arrival_step,
+            f"{s.group}{i}",
+            len(s.prompt),
+            s.output_len,
+            s.prompt.copy,
+            s.group,
+            s.lora_id,
+            s.cache_salt,
+        )
+        for i, s in enumerate(ordered)
+    )
+    return sim.run(arrivals)
+
+
+def simulate_trace(
+    config: EngineConfig,
+    requests: Iterable[TimedRequest],
+    cost: StepCostModel,
+    on_done: Callable[[int], None] | None = None,
+    check_every: int = 0,
+) -> tuple[SimResult, KVCacheManager]:
+    """Time-driven: the KV manager, policy and scheduler `config` names serve `requests` (in arrival order) at
+    their arrival times; returns the result and the KV manager (its stats: hits, evictions)."""
+    kv = create_kv(config)
+    sim = Simulation(config, kv, create_policy(config), cost, "seconds", False, check_every, None, on_done)
+    arrivals = (
+        Arrival(r.arrival_s, f"r{i}", r.prompt_len, r.output_len, r.prompt_tokens, getattr(r, "session", None) or "")
+        for i, r in enumerate(requests)
+    )
+    return sim.run(arrivals), kv
+
+
+def _latency(values: list[float]) -> dict:
+    return {
+        "n": len(values),
+        "mean": ratio(sum(values), len(values)),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "max": max(values, default=float("nan")),
+    }
+
+
+def summarize_trace(res: SimResult, kv: KVCacheManager) -> dict:
+    """A time-driven run in figures: hit rate over the served requests' prompts, TTFT and queueing percentiles
+    (simulated seconds), throughput over the simulated span, evictions, preemptions, rejections."""
+    served = [m for m in res.metrics if not m.rejected]
+    prompt = sum(m.prompt_tokens for m in served)
+    hit = sum(m.hit_tokens for m in served)
+    return {
+        "requests": len(res.metrics),
+        "served_requests": len(served),
+        "rejected_requests": len(res.metrics) - len(served),
+        "prompt_tokens": prompt,
+        "hit_tokens": hit,
+        "token_hit_rate": ratio(hit, prompt),
+        "output_tokens": res.output_tokens,
+        "computed_tokens": res.computed_tokens,
+        "sim_seconds": res.sim_seconds,
+        "output_tok_s": ratio(res.output_tokens, res.sim_seconds),
+        "requests_per_s": ratio(len(served), res.sim_seconds),
+        "ttft_s": _latency([m.ttft_s for m in served if m.ttft_s is not None]),
+        "queue_s": _latency([m.queue_s for m in served if m.queue_s is not None]),
+        "latency_s": _latency([m.latency_s for m in served if m.latency_s is not None]),
+        "steps": res.steps,
+        "preemptions": res.preemptions,
+        "evicted_pages": kv.stats.evicted_pages,
+        "readmission_hit_tokens": kv.stats.readmission_hits,
+        "pool_pages": kv.num_pages,
+        "page_size": kv.page_size,
+    }
 
 
 def summarize_run(res: SimResult, kv: KVCacheManager) -> dict:
