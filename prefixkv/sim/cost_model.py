@@ -76,9 +76,11 @@ class StepCostModel:
 
     @classmethod
     def from_json(cls, d: dict) -> StepCostModel:
-        """A model from to_json's dict; ValueError naming the field for anything missing, unknown or mistyped."""
+        """A model from to_json's dict; ValueError naming the field for anything missing, unknown or mistyped.
+        A "fit" entry (the measured steps and errors `simulate fit` records beside the model) is ignored."""
         if not isinstance(d, dict):
             raise ValueError(f"a cost model must be a JSON object, got {type(d).__name__}")
+        d = {k: v for k, v in d.items() if k != "fit"}
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(d) - set(known))
         if unknown:

@@ -1,0 +1,388 @@
+"""`prefixkv simulate fit`: the simulator's step-cost model for this machine, fitted to steps the real engine runs.
+
+The simulator's clock is only as good as its cost model, so the model is measured, not guessed: the real engine
+(built as `prefixkv bench` builds it) runs a grid of batches that covers what a trace produces (prefill chunks of
+several sizes at several context starts, decode batches of several sizes at several context lengths, and decodes
+mixed with a prefill chunk), every step is timed as a whole (`Engine.step`, scheduling included: that is what a
+request waits for), and the four coefficients of StepCostModel are fitted to the fastest of a few repeats of each
+shape (a shared machine only ever adds time).
+
+A chunk's context start is set with a prefix hit: its prefix is computed once, untimed, and each timed request is
+that prefix plus fresh tokens, so only the chunk runs in the timed step. Decode contexts are distinct random
+prompts (sharing one prefix would take the cascade-decode path, which attends to the shared part once and so
+costs less per pair than the linear model assumes). The fit minimises the relative error (each point weighted by
+1 / its time), with every coefficient >= 0, so short decode steps count as much as second-long prefills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from prefixkv.bench import common
+from prefixkv.bench.workloads import TokenSampler, sampler_for
+from prefixkv.sim.cost_model import BatchShape, StepCostModel
+
+FEATURES = ("computed_tokens", "attended_pairs", "num_sequences")  # the step overhead is the constant term
+
+
+@dataclass(frozen=True)
+class FitGrid:
+    """The batch shapes measured. Every timed shape is measured `repeats` times and the fastest time kept."""
+
+    prefill_chunks: tuple[int, ...]  # tokens of a lone prefill chunk ...
+    prefill_starts: tuple[int, ...]  # ... after this many cached tokens
+    decode_batches: tuple[tuple[int, tuple[int, ...]], ...]  # (context length, batch sizes of pure decode steps)
+    mixed_chunks: tuple[int, ...]  # one prefill chunk of this size beside each decode batch
+    repeats: int
+
+    def describe(self) -> str:
+        decodes = "; ".join(f"{batches} x ctx {ctx}" for ctx, batches in self.decode_batches)
+        return (
+            f"prefill chunks {list(self.prefill_chunks)} at starts {list(self.prefill_starts)}; decode batches "
+            f"{decodes}; mixed: decodes + a chunk of {list(self.mixed_chunks)}; min of {self.repeats}"
+        )
+
+    def kv_tokens_needed(self) -> int:
+        """Pool tokens for the largest phase (a cached prefix and its chunks, or one context length's decodes),
+        with room to spare so the prefix being reused is never the page evicted."""
+        prefill = max(self.prefill_starts) + max(self.prefill_chunks) * (self.repeats + 1)
+        decode = max(batch * (ctx + 64) for ctx, batches in self.decode_batches for batch in batches)
+        largest = max(prefill, decode + max(self.mixed_chunks, default=0) * (self.repeats + 1))
+        return largest + largest // 4
+
+
+DEFAULT_GRID = FitGrid(
+    prefill_chunks=(64, 256, 1024, 2048),
+    prefill_starts=(0, 1024, 4096),
+    decode_batches=((128, (1, 8, 32, 64)), (1024, (1, 8, 32)), (4096, (1, 4))),
+    mixed_chunks=(64, 512),
+    repeats=3,
+)
+QUICK_GRID = FitGrid(
+    prefill_chunks=(32, 256),
+    prefill_starts=(0, 512),
+    decode_batches=((64, (1, 8)), (512, (1, 4))),
+    mixed_chunks=(64,),
+    repeats=2,
+)
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """One timed shape: the fastest of its repeats, with that step's own shape."""
+
+    label: str
+    shape: BatchShape
+    seconds: float  # Engine.step wall time (what the simulator's clock charges per step)
+    model_seconds: float  # the model runner's part of it
+    repeats: int
+
+    def to_json(self) -> dict:
+        return {
+            "label": self.label,
+            **asdict(self.shape),
+            "seconds": self.seconds,
+            "model_seconds": self.model_seconds,
+            "repeats": self.repeats,
+        }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", default="cost_model.json", help="where the fitted StepCostModel JSON goes")
+    parser.add_argument("--name", default=None, help="the model's name (default: fit-<model>-<dtype>-<threads>t)")
+    parser.add_argument("--quick", action="store_true", help="a small grid: seconds instead of minutes, rougher")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per shape, fastest kept (default: grid's)")
+    common.add_engine_args(parser)
+    parser.set_defaults(dtype="bfloat16")  # what serving on this CPU uses; --dtype float32 measures the exact path
+
+
+def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None, grid: FitGrid | None = None) -> int:
+    """Measure, fit, print, write `args.output`. `grid` (tests): a grid of one's own instead of --quick's."""
+    grid = grid or (QUICK_GRID if args.quick else DEFAULT_GRID)
+    if args.repeats is not None:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        grid = FitGrid(grid.prefill_chunks, grid.prefill_starts, grid.decode_batches, grid.mixed_chunks, args.repeats)
+    if args.prefix_cache == "off":
+        raise ValueError(
+            "simulate fit needs a prefix cache (--prefix-cache hash or radix): it sets a chunk's start "
+            "with a prefix hit"
+        )
+    overrides = {}
+    if args.kv_cache_tokens is None and args.kv_cache_memory is None:
+        overrides["kv_cache_tokens"] = grid.kv_tokens_needed()
+    llm = common.factory_for(args, llm_factory)(**overrides)
+    started = time.perf_counter()
+    steps = measure(llm, grid, seed=0 if args.seed is None else args.seed)
+    measure_s = time.perf_counter() - started
+    model = fit(steps, name=args.name or default_name(llm), source=describe_source(llm, grid))
+    report = fit_report(model, steps)
+    print_fit(model, report, measure_s)
+    record = {**model.to_json(), "fit": {**report, "measure_seconds": measure_s, "grid": grid.describe()}}
+    directory = os.path.dirname(os.path.abspath(args.output))
+    os.makedirs(directory, exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(record, f, indent=2)
+    print(f"cost model written to {args.output} (use it as --cost-model {args.output})")
+    return 0
+
+
+# -- measuring ---------------------------------------------------------------------------------------------------
+class _StepTimer:
+    """Times Engine.step and records the shape of what it scheduled.
+
+    The shape must be read between Scheduler.schedule and Scheduler.update (update advances the requests), and
+    the engine does both inside step(); so the timer wraps this engine's scheduler.schedule for its lifetime."""
+
+    def __init__(self, llm) -> None:
+        self.engine = llm.llm_engine
+        self.scheduler = self.engine.scheduler
+        self._schedule = self.scheduler.schedule
+        self.last_shape = BatchShape(0, 0, 0, 0)
+        # an instance attribute, this engine only (setattr: mypy forbids assigning to a method)
+        setattr(self.scheduler, "schedule", self._schedule_and_record)  # noqa: B010
+
+    def _schedule_and_record(self):
+        out = self._schedule()
+        self.last_shape = BatchShape.of(out.scheduled)
+        return out
+
+    def close(self) -> None:
+        delattr(self.scheduler, "schedule")
+
+    def step(self) -> tuple[BatchShape, float, float, list]:
+        """One engine step: (its shape, wall seconds, model-runner seconds, its outputs)."""
+        model_before = self.engine.get_stats().model_seconds_total
+        self.last_shape = BatchShape(0, 0, 0, 0)
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        seconds = time.perf_counter() - start
+        return self.last_shape, seconds, self.engine.get_stats().model_seconds_total - model_before, outputs
+
+
+class _Measurer:
+    """Builds each grid shape on one engine and keeps the fastest repeat of each."""
+
+    def __init__(self, llm, grid: FitGrid, sampler: TokenSampler) -> None:
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.grid = grid
+        self.sampler = sampler
+        self.timer = _StepTimer(llm)
+        self.steps: list[MeasuredStep] = []
+        self._ids = itertools.count()
+        self.budget = self.engine.config.max_num_batched_tokens
+        self.max_seqs = self.engine.config.max_num_seqs
+
+    def add(self, prompt: list[int], max_tokens: int) -> str:
+        return self.engine.add_request(f"fit-{next(self._ids)}", prompt, common.greedy(max_tokens))
+
+    def run_to_completion(self) -> None:
+        """Untimed: run whatever is queued until the engine is idle (computing prefixes and contexts)."""
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def keep_fastest(self, label: str, timed: Sequence[tuple[BatchShape, float, float]]) -> None:
+        if not timed:
+            return
+        shape, seconds, model_seconds = min(timed, key=lambda t: t[1])
+        self.steps.append(MeasuredStep(label, shape, seconds, model_seconds, len(timed)))
+
+    def prefill(self, start: int, chunks: Sequence[int]) -> None:
+        """Lone prefill chunks after `start` cached tokens: each repeat is the cached prefix + fresh tokens."""
+        prefix = self.sampler.tokens(start)
+        if start:
+            self.add(prefix + self.sampler.tokens(1), 1)  # computes the prefix (untimed); its pages stay cached
+            self.run_to_completion()
+        for n in chunks:
+            if n > self.budget:
+                print(f"  skipped: a chunk of {n} tokens exceeds max_num_batched_tokens={self.budget}")
+                continue
+            timed = []
+            for _ in range(self.grid.repeats):
+                self.add(prefix + self.sampler.tokens(n), 1)
+                shape, seconds, model_seconds, _ = self.timer.step()
+                self.run_to_completion()  # nothing left, unless a hit was shorter than planned (then not timed)
+                if shape.computed_tokens == n:
+                    timed.append((shape, seconds, model_seconds))
+            self.keep_fastest(f"prefill {n} @ {start}", timed)
+
+    def decodes(self, context: int, batches: Sequence[int]) -> None:
+        """Pure decode steps of each batch size at `context` tokens of distinct contexts, then the same decodes
+        with one fresh prefill chunk beside them (mixed steps)."""
+        batches = [b for b in batches if b <= self.max_seqs]
+        if not batches:
+            return
+        contexts = [self.sampler.tokens(context) for _ in range(max(batches))]
+        for ctx in contexts:  # computed once (untimed); each batch below hits them
+            self.add(ctx + self.sampler.tokens(1), 1)
+        self.run_to_completion()
+        repeats = self.grid.repeats
+        for batch in batches:
+            mixed = [n for n in self.grid.mixed_chunks if batch + n <= self.budget and batch < self.max_seqs]
+            max_tokens = 6 + repeats * (1 + len(mixed))  # outlives every step below
+            ids = [self.add(ctx + self.sampler.tokens(1), max_tokens) for ctx in contexts[:batch]]
+            for _ in range(4 * batch + 4):  # the last prompt tokens (1 each, hits cover the rest), then decoding
+                shape, *_ = self.timer.step()
+                if shape.num_decodes == batch == shape.num_sequences:
+                    break
+            pure = [self.timer.step()[:3] for _ in range(repeats)]
+            self.keep_fastest(f"decode {batch} x ctx {context}", [t for t in pure if t[0].num_decodes == batch])
+            for n in mixed:
+                timed = []
+                for _ in range(repeats):
+                    self.add(self.sampler.tokens(n), 1)
+                    shape, seconds, model_seconds, _ = self.timer.step()
+                    if shape.num_decodes == batch and shape.computed_tokens == batch + n:
+                        timed.append((shape, seconds, model_seconds))
+                self.keep_fastest(f"decode {batch} x ctx {context} + chunk {n}", timed)
+            for rid in ids:
+                self.engine.abort(rid)
+            self.run_to_completion()
+
+
+def measure(llm, grid: FitGrid, seed: int = 0) -> list[MeasuredStep]:
+    """Run the grid on `llm`'s engine (its prefix cache is emptied first and used throughout)."""
+    sampler = sampler_for(llm, seed=seed)
+    common.warmup(llm, sampler)
+    measurer = _Measurer(llm, grid, sampler)
+    try:
+        for start in grid.prefill_starts:
+            print(f"prefill chunks {list(grid.prefill_chunks)} after {start} cached tokens", flush=True)
+            llm.reset_prefix_cache()
+            measurer.prefill(start, grid.prefill_chunks)
+        for context, batches in grid.decode_batches:
+            print(f"decode batches {list(batches)} at context {context} (+ mixed chunks)", flush=True)
+            llm.reset_prefix_cache()
+            measurer.decodes(context, batches)
+    finally:
+        measurer.timer.close()
+        llm.reset_prefix_cache()
+    return measurer.steps
+
+
+# -- fitting -----------------------------------------------------------------------------------------------------
+def features(shape: BatchShape) -> list[float]:
+    return [1.0, *(float(getattr(shape, name)) for name in FEATURES)]
+
+
+def nonnegative_least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
+    """argmin ||A x - b|| subject to x >= 0, for a handful of unknowns: the optimum is the unconstrained least
+    squares solution on some subset of the unknowns (the others 0), so try every subset and keep the best
+    feasible one (2^4 small solves; exact, no iteration to tune)."""
+    import numpy as np
+
+    a = np.asarray(rows, dtype=float)
+    b = np.asarray(targets, dtype=float)
+    if a.ndim != 2 or len(a) != len(b) or len(a) == 0:
+        raise ValueError("need at least one measured point to fit")
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale  # columns of similar size: attended pairs run to 1e7, the constant is 1
+    best, best_residual = np.zeros(a.shape[1]), float(np.sum(b**2))
+    for size in range(1, a.shape[1] + 1):
+        for subset in itertools.combinations(range(a.shape[1]), size):
+            cols = list(subset)
+            x_sub, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+            if np.any(x_sub < 0):
+                continue
+            x = np.zeros(a.shape[1])
+            x[cols] = x_sub
+            residual = float(np.sum((a @ x - b) ** 2))
+            if residual < best_residual:
+                best, best_residual = x, residual
+    return [float(v) for v in best / scale]
+
+
+def fit(steps: Sequence[MeasuredStep], name: str, source: str) -> StepCostModel:
+    """The StepCostModel with the smallest squared relative error over `steps`, every coefficient >= 0."""
+    rows = [[f / s.seconds for f in features(s.shape)] for s in steps]
+    overhead, per_token, per_pair, per_sequence = nonnegative_least_squares(rows, [1.0] * len(steps))
+    return StepCostModel(name, source, overhead, per_token, per_pair, per_sequence)
+
+
+def fit_report(model: StepCostModel, steps: Sequence[MeasuredStep]) -> dict:
+    """Each point's measured and predicted time and relative error, and the error summary."""
+    points = []
+    for s in steps:
+        predicted = model.step_time(s.shape)
+        points.append({**s.to_json(), "predicted_seconds": predicted, "relative_error": predicted / s.seconds - 1})
+    errors = [abs(p["relative_error"]) for p in points]
+    return {
+        "num_points": len(points),
+        "mean_abs_relative_error": sum(errors) / len(errors) if errors else float("nan"),
+        "max_abs_relative_error": max(errors, default=float("nan")),
+        "points": points,
+    }
+
+
+def print_fit(model: StepCostModel, report: dict, measure_s: float) -> None:
+    rows = [
+        [
+            p["label"],
+            p["computed_tokens"],
+            p["attended_pairs"],
+            p["num_sequences"],
+            f"{p['seconds'] * 1e3:.1f}",
+            f"{p['predicted_seconds'] * 1e3:.1f}",
+            f"{p['relative_error']:+.1%}",
+        ]
+        for p in report["points"]
+    ]
+    common.print_table(
+        ["shape", "tokens", "pairs", "seqs", "measured ms", "fitted ms", "error"],
+        rows,
+        title=f"measured steps (fastest of repeats; {measure_s:.0f} s of measuring)",
+    )
+    print(
+        f"\n{model.name}: step {model.step_overhead_s * 1e3:.3f} ms + {model.per_token_s * 1e6:.2f} us/token + "
+        f"{model.per_attended_pair_s * 1e9:.4f} ns/pair + {model.per_sequence_s * 1e6:.1f} us/sequence"
+    )
+    print(
+        f"relative error over {report['num_points']} shapes: mean {report['mean_abs_relative_error']:.1%}, "
+        f"max {report['max_abs_relative_error']:.1%}"
+    )
+
+
+def default_name(llm) -> str:
+    engine = llm.llm_engine
+    model = os.path.splitext(os.path.basename(engine.model_name or "model"))[0].lower()
+    return f"fit-{model}-{engine.config.dtype}-{_num_threads()}t"
+
+
+def describe_source(llm, grid: FitGrid) -> str:
+    """Where the numbers come from: machine, model, dtype, threads, date, grid."""
+    engine = llm.llm_engine
+    config = engine.config
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        f"prefixkv simulate fit on {platform.node()} ({_cpu_name()}, {os.cpu_count()} CPUs), {when}: "
+        f"model {engine.model_name}, {config.dtype} on {config.device}, {_num_threads()} threads, "
+        f"prefix cache {config.prefix_cache} (page {engine.kv.page_size}), max_num_batched_tokens "
+        f"{config.max_num_batched_tokens}; Engine.step wall time, fastest repeat; grid: {grid.describe()}"
+    )
+
+
+def _num_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,66 @@
+"""`simulate fit` and `simulate validate` on the real model at toy sizes: they run end to end and write what the
+simulator reads. No speed assertions: only that the fit is finite and non-negative, the JSON loads back through
+load_cost_model, and validate's real and simulated runs agree on the cache (same hits) with finite ratios."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from prefixkv.bench import sim_fit
+from prefixkv.sim.cost_model import BatchShape, StepCostModel, load_cost_model
+
+TINY_GRID = sim_fit.FitGrid(
+    prefill_chunks=(8, 32), prefill_starts=(0, 32), decode_batches=((32, (1, 2)),), mixed_chunks=(8,), repeats=1
+)
+
+
+def parse(module, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_nonnegative_least_squares_recovers_a_model_and_clips_what_would_go_negative():
+    truth = StepCostModel("t", "test", 0.02, 1e-3, 1e-8, 5e-4)
+    shapes = [
+        BatchShape(n, p, s, 0) for n, p, s in [(1, 10, 1), (64, 5000, 1), (512, 2e5, 1), (8, 900, 8), (40, 3e4, 4)]
+    ]
+    rows = [sim_fit.features(s) for s in shapes]
+    solved = sim_fit.nonnegative_least_squares(rows, [truth.step_time(s) for s in shapes])
+    assert solved == pytest.approx([0.02, 1e-3, 1e-8, 5e-4], rel=1e-6)
+    # times that fall with the token count would need a negative per-token cost: clipped to 0, the rest refitted
+    rows = [[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]
+    assert sim_fit.nonnegative_least_squares(rows, [3.0, 2.0, 1.0]) == pytest.approx([2.0, 0.0])
+
+
+def test_fit_on_a_tiny_grid_writes_a_cost_model_the_simulator_loads(new_llm, tmp_path):
+    output = tmp_path / "fit" / "model.json"
+    args = parse(sim_fit, ["--dtype", "float32", "--kv-cache-tokens", "1024", "--output", str(output)])
+    llm = new_llm(kv_cache_tokens=1024, max_num_batched_tokens=64)
+    assert sim_fit.run(args, llm_factory=lambda **_: llm, grid=TINY_GRID) == 0
+
+    model = load_cost_model(str(output))
+    coefficients = [model.step_overhead_s, model.per_token_s, model.per_attended_pair_s, model.per_sequence_s]
+    assert all(math.isfinite(c) and c >= 0 for c in coefficients) and model.step_overhead_s + model.per_token_s > 0
+    assert "float32" in model.source and "threads" in model.source and "grid" in model.source
+    record = json.loads(output.read_text())
+    labels = [p["label"] for p in record["fit"]["points"]]
+    assert labels == [
+        "prefill 8 @ 0",
+        "prefill 32 @ 0",
+        "prefill 8 @ 32",
+        "prefill 32 @ 32",
+        "decode 1 x ctx 32",
+        "decode 1 x ctx 32 + chunk 8",
+        "decode 2 x ctx 32",
+        "decode 2 x ctx 32 + chunk 8",
+    ]  # every shape of the grid was built as planned (a missed prefix hit would drop its point)
+    by_label = {p["label"]: p for p in record["fit"]["points"]}
+    assert by_label["prefill 32 @ 32"]["attended_pairs"] == 32 * 32 + 32 * 33 // 2
+    assert by_label["decode 2 x ctx 32 + chunk 8"]["num_decodes"] == 2
+    assert all(p["seconds"] > 0 and math.isfinite(p["relative_error"]) for p in record["fit"]["points"])
+    assert llm.llm_engine.kv.num_used_pages() == 0  # nothing left running or holding pages
