@@ -196,35 +196,37 @@ class Scheduler:
 
 
 class _PagesComputedThisStep:
-    """The full pages this step's scheduled chunks complete, keyed by position and content: what a waiting
-    request would find cached next step if it waited. Indexed on the first question only, then kept up to date
-    with the admissions that follow (`scheduled` is the step's own list; during admission it only grows)."""
+    """The full pages this step's scheduled chunks complete: what a waiting request would find cached next step
+    if it waited. `scheduled` is the step's own list (during admission it only grows), read at each question.
+
+    No index: a question scans the step's chunks for one that ends a page at the asked position (integer tests),
+    and compares tokens only for those. A step has at most max_num_seqs chunks and a few questions, while an
+    index of every page in the chunks costs a tuple per page of every long prefill chunk, each step."""
 
     def __init__(self, page_size: int, scheduled: list[tuple[Request, int]]) -> None:
         self.page_size = page_size
         self._scheduled = scheduled
-        self._num_indexed = 0
-        self._by_page: dict[tuple, list[Request]] = {}
 
     def completes(self, request: Request, start: int) -> bool:
         """Whether a scheduled request computes through the end of `request`'s page [start, start + page_size)
-        with the same token ids up to there, the same adapter and salt, and the same multimodal inputs."""
-        self._index_new_chunks()
+        (start is page-aligned) in this step, with the same token ids up to there, the same adapter and salt,
+        and the same multimodal inputs."""
+        if start % self.page_size:
+            return False  # only whole pages are cached
         end = start + self.page_size
         tokens = request.token_ids
-        for other in self._by_page.get((request.extra_keys, start, tuple(tokens[start:end])), ()):
-            if other.token_ids[:start] == tokens[:start] and _mm_before(other, end) == _mm_before(request, end):
+        page: list[int] | None = None
+        for other, num_new in self._scheduled:
+            done = other.num_computed_tokens
+            if not done < end <= done + num_new or other.extra_keys != request.extra_keys:
+                continue
+            if page is None:
+                page = tokens[start:end]
+            if other.token_ids[start:end] != page or other.token_ids[:start] != tokens[:start]:
+                continue
+            if _mm_before(other, end) == _mm_before(request, end):
                 return True
         return False
-
-    def _index_new_chunks(self) -> None:
-        size = self.page_size
-        for request, num_new in self._scheduled[self._num_indexed :]:
-            start, tokens = request.num_computed_tokens, request.token_ids
-            for first in range(start - start % size, start + num_new - size + 1, size):  # pages ending in the chunk
-                page = (request.extra_keys, first, tuple(tokens[first : first + size]))
-                self._by_page.setdefault(page, []).append(request)
-        self._num_indexed = len(self._scheduled)
 
 
 def _mm_before(request: Request, end: int) -> list[MultiModalHash]:
