@@ -17,6 +17,7 @@ costs less per pair than the linear model assumes). The fit minimises the relati
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -37,38 +38,39 @@ FEATURES = ("computed_tokens", "attended_pairs", "num_sequences")  # the step ov
 class FitGrid:
     """The batch shapes measured. Every timed shape is measured `repeats` times and the fastest time kept."""
 
-    prefill_chunks: tuple[int, ...]  # tokens of a lone prefill chunk ...
-    prefill_starts: tuple[int, ...]  # ... after this many cached tokens
+    prefills: tuple[tuple[int, tuple[int, ...]], ...]  # (cached tokens before the chunk, sizes of lone chunks)
     decode_batches: tuple[tuple[int, tuple[int, ...]], ...]  # (context length, batch sizes of pure decode steps)
     mixed_chunks: tuple[int, ...]  # one prefill chunk of this size beside each decode batch
     repeats: int
 
     def describe(self) -> str:
-        decodes = "; ".join(f"{batches} x ctx {ctx}" for ctx, batches in self.decode_batches)
+        prefills = "; ".join(f"{list(chunks)} @ {start}" for start, chunks in self.prefills)
+        decodes = "; ".join(f"{list(batches)} x ctx {ctx}" for ctx, batches in self.decode_batches)
         return (
-            f"prefill chunks {list(self.prefill_chunks)} at starts {list(self.prefill_starts)}; decode batches "
-            f"{decodes}; mixed: decodes + a chunk of {list(self.mixed_chunks)}; min of {self.repeats}"
+            f"prefill chunks {prefills}; decode batches {decodes}; mixed: decodes + a chunk of "
+            f"{list(self.mixed_chunks)}; min of {self.repeats}"
         )
 
     def kv_tokens_needed(self) -> int:
         """Pool tokens for the largest phase (a cached prefix and its chunks, or one context length's decodes),
         with room to spare so the prefix being reused is never the page evicted."""
-        prefill = max(self.prefill_starts) + max(self.prefill_chunks) * (self.repeats + 1)
+        prefill = max(start + max(chunks) * (self.repeats + 1) for start, chunks in self.prefills)
         decode = max(batch * (ctx + 64) for ctx, batches in self.decode_batches for batch in batches)
         largest = max(prefill, decode + max(self.mixed_chunks, default=0) * (self.repeats + 1))
         return largest + largest // 4
 
 
+# Attention dominates long contexts on a CPU (a 2048-token chunk after 4096 cached tokens is ~10 M pairs, seconds
+# of compute), so long starts and contexts get the small chunks and batches only: the grid spans the features
+# (tokens up to 2048 per step, pairs up to ~10 M, 1-64 sequences) in about two minutes on 2 cores.
 DEFAULT_GRID = FitGrid(
-    prefill_chunks=(64, 256, 1024, 2048),
-    prefill_starts=(0, 1024, 4096),
-    decode_batches=((128, (1, 8, 32, 64)), (1024, (1, 8, 32)), (4096, (1, 4))),
+    prefills=((0, (64, 256, 1024, 2048)), (1024, (64, 256, 1024)), (4096, (64, 512))),
+    decode_batches=((128, (1, 8, 32, 64)), (1024, (1, 8, 16)), (4096, (1, 2))),
     mixed_chunks=(64, 512),
     repeats=3,
 )
 QUICK_GRID = FitGrid(
-    prefill_chunks=(32, 256),
-    prefill_starts=(0, 512),
+    prefills=((0, (32, 256)), (512, (32, 256))),
     decode_batches=((64, (1, 8)), (512, (1, 4))),
     mixed_chunks=(64,),
     repeats=2,
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None, 
     if args.repeats is not None:
         if args.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-        grid = FitGrid(grid.prefill_chunks, grid.prefill_starts, grid.decode_batches, grid.mixed_chunks, args.repeats)
+        grid = dataclasses.replace(grid, repeats=args.repeats)
     if args.prefix_cache == "off":
         raise ValueError(
             "simulate fit needs a prefix cache (--prefix-cache hash or radix): it sets a chunk's start "
@@ -255,10 +257,10 @@ def measure(llm, grid: FitGrid, seed: int = 0) -> list[MeasuredStep]:
     common.warmup(llm, sampler)
     measurer = _Measurer(llm, grid, sampler)
     try:
-        for start in grid.prefill_starts:
-            print(f"prefill chunks {list(grid.prefill_chunks)} after {start} cached tokens", flush=True)
+        for start, chunks in grid.prefills:
+            print(f"prefill chunks {list(chunks)} after {start} cached tokens", flush=True)
             llm.reset_prefix_cache()
-            measurer.prefill(start, grid.prefill_chunks)
+            measurer.prefill(start, chunks)
         for context, batches in grid.decode_batches:
             print(f"decode batches {list(batches)} at context {context} (+ mixed chunks)", flush=True)
             llm.reset_prefix_cache()

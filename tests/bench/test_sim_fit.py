@@ -10,11 +10,11 @@ import math
 
 import pytest
 
-from prefixkv.bench import sim_fit
+from prefixkv.bench import sim_fit, sim_validate
 from prefixkv.sim.cost_model import BatchShape, StepCostModel, load_cost_model
 
 TINY_GRID = sim_fit.FitGrid(
-    prefill_chunks=(8, 32), prefill_starts=(0, 32), decode_batches=((32, (1, 2)),), mixed_chunks=(8,), repeats=1
+    prefills=((0, (8, 32)), (32, (8,))), decode_batches=((32, (2,)),), mixed_chunks=(8,), repeats=1
 )
 
 
@@ -53,14 +53,45 @@ def test_fit_on_a_tiny_grid_writes_a_cost_model_the_simulator_loads(new_llm, tmp
         "prefill 8 @ 0",
         "prefill 32 @ 0",
         "prefill 8 @ 32",
-        "prefill 32 @ 32",
-        "decode 1 x ctx 32",
-        "decode 1 x ctx 32 + chunk 8",
         "decode 2 x ctx 32",
         "decode 2 x ctx 32 + chunk 8",
     ]  # every shape of the grid was built as planned (a missed prefix hit would drop its point)
     by_label = {p["label"]: p for p in record["fit"]["points"]}
-    assert by_label["prefill 32 @ 32"]["attended_pairs"] == 32 * 32 + 32 * 33 // 2
+    assert by_label["prefill 8 @ 32"]["attended_pairs"] == 8 * 32 + 8 * 9 // 2  # the chunk after a 32-token hit
     assert by_label["decode 2 x ctx 32 + chunk 8"]["num_decodes"] == 2
     assert all(p["seconds"] > 0 and math.isfinite(p["relative_error"]) for p in record["fit"]["points"])
     assert llm.llm_engine.kv.num_used_pages() == 0  # nothing left running or holding pages
+
+
+def test_validate_on_a_tiny_trace_gets_the_simulators_hits_and_finite_ratios(new_llm, tmp_path):
+    trace = tmp_path / "tiny.jsonl"
+    rows = [  # 512-token blocks, 16 tokens each after scaling; A and B share block 0, C extends A, D shares nothing
+        (0, 1024, 64, [0, 1]),
+        (0, 1024, 64, [0, 2]),
+        (0, 1500, 32, [0, 1, 3]),
+        (0, 400, 64, [4]),
+        (300, 1024, 64, [5, 6]),  # 0.3 s later: the engine waits for it on the wall clock
+    ]
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": ids}) + "\n"
+            for t, n, o, ids in rows
+        )
+    )
+    output = tmp_path / "validate.json"
+    argv = ["--trace", str(trace), "--cost-model", "smollm2-cpu-2t", "--output", str(output), "--dtype", "float32"]
+    args = parse(sim_validate, argv)
+    llm = new_llm(kv_cache_tokens=1024)
+    assert sim_validate.run(args, llm_factory=lambda **_: llm) == 0
+
+    result = json.loads(output.read_text())
+    assert result["requests"] == 5 and result["rejected"] == {"real": 0, "simulated": 0}
+    real, simulated = result["hit_rate"]["real"], result["hit_rate"]["simulated"]
+    # B and C wait one step for A's first page (computed once), then hit it: 16 + 32 of 32 + 32 + 47 + 12 + 32
+    assert real == simulated == {"hit_tokens": 48, "prompt_tokens": 155, "token_hit_rate": 48 / 155}
+    assert result["requests_with_different_hits"] == []
+    for metric in ("ttft_s", "queue_s"):
+        for cell in result["percentiles"][metric].values():
+            assert math.isfinite(cell["ratio"]) and cell["real"] > 0
+    assert "512->16 tokens/block" in result["scaling"]
+    assert llm.llm_engine.kv.num_used_pages() == 0
