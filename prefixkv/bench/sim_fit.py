@@ -150,14 +150,14 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None, 
 
 
 # -- measuring ---------------------------------------------------------------------------------------------------
-class _StepTimer:
+class StepTimer:
     """Times Engine.step and records the shape of what it scheduled.
 
     The shape must be read between Scheduler.schedule and Scheduler.update (update advances the requests), and
     the engine does both inside step(); so the timer wraps this engine's scheduler.schedule for its lifetime."""
 
-    def __init__(self, llm) -> None:
-        self.engine = llm.llm_engine
+    def __init__(self, engine) -> None:
+        self.engine = engine
         self.scheduler = self.engine.scheduler
         self._schedule = self.scheduler.schedule
         self.last_shape = BatchShape(0, 0, 0, 0)
@@ -193,7 +193,7 @@ class _Measurer:
         self.engine = llm.llm_engine
         self.grid = grid
         self.sampler = sampler
-        self.timer = _StepTimer(llm)
+        self.timer = StepTimer(llm.llm_engine)
         self._ids = itertools.count()
         self.budget = self.engine.config.max_num_batched_tokens
         self.max_seqs = self.engine.config.max_num_seqs
