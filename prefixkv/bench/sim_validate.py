@@ -207,6 +207,10 @@ def step_check(cost: StepCostModel, steps: Sequence[tuple[BatchShape, float]]) -
         "predicted_s": predicted,
         "ratio": ratio(predicted, measured),
         "step_ratio": {f"p{p}": percentile(ratios, p) for p in (10, 50, 90)},
+        "points": [  # the same records as `simulate fit` writes: a refit can use them
+            {**dataclasses.asdict(shape), "seconds": seconds, "predicted_seconds": cost.step_time(shape)}
+            for shape, seconds in steps
+        ],
     }
 
 
