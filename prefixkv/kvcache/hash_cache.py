@@ -67,8 +67,9 @@ class HashPrefixCache(KVCacheManager):
         bs = self.page_size
         tokens = request.token_ids
         parent = hashes[-1] if hashes else ROOT_KEY
+        plain = request.lora_id is None and request.cache_salt is None and not request.mm_hashes
         for i in range(len(hashes), num_blocks):
-            extra = block_extra_keys(i, bs, request.lora_id, request.cache_salt, request.mm_hashes)
+            extra = () if plain else block_extra_keys(i, bs, request.lora_id, request.cache_salt, request.mm_hashes)
             parent = hash_block(self._hash_fn, parent, tokens[i * bs : (i + 1) * bs], extra)
             hashes.append(parent)
         return hashes
