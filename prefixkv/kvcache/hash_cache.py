@@ -259,6 +259,7 @@ class HashPrefixCache(KVCacheManager):
         out.update(
             block_size=self.page_size,
             hash_algo=self.hash_algo,
+            eviction=self.eviction.name if self.caching else None,
             cached_blocks=len(self.cached),
             cached_tokens=len(self.cached) * self.page_size,
             evictable_blocks=sum(1 for b in self.free_queue if b.block_hash is not None) if self.caching else 0,

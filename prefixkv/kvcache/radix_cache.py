@@ -249,6 +249,7 @@ class RadixPrefixCache(KVCacheManager):
         out = super().summary()
         tree = self.tree
         out.update(
+            eviction=tree.eviction.name,
             nodes=tree.num_nodes,
             namespaces=len(tree.roots),
             cached_tokens=tree.evictable_tokens + tree.protected_tokens,

@@ -4,6 +4,7 @@ import argparse
 
 import pytest
 
+from prefixkv.bench import schedule_cost
 from prefixkv.config import EngineConfig
 from prefixkv.engine_args import add_engine_args, engine_config
 from prefixkv.kvcache.eviction import EVICTION_POLICIES, make_eviction_policy
@@ -22,6 +23,7 @@ def test_evicted_pages_counts_every_cached_page_dropped(kind):
     run_to_completion(kv, second)
     kv.check_invariants()
     assert kv.stats.evicted_pages == 3 and kv.summary()["evicted_pages"] == 3
+    assert kv.summary()["eviction"] == "lru"
     kv.free(second)
     assert kv.reset_prefix_cache()
     assert kv.stats.evicted_pages == 3 + 1 + 6  # first's last cached page and second's 6, dropped by the reset
@@ -87,3 +89,10 @@ def test_unknown_eviction_is_a_clear_error():
     add_engine_args(parser)
     assert engine_config(parser.parse_args(["--eviction", "lfu"])).eviction == "lfu"
     assert engine_config(parser.parse_args([])).eviction == "lru"
+
+
+@pytest.mark.parametrize("kind", ["hash", "radix"])
+def test_schedule_cost_times_every_policy_under_constant_eviction(kind):
+    cases = [schedule_cost.eviction_cost(kind, name, 64, 4, 64, 16, 0) for name in EVICTION_POLICIES]
+    assert all(c["evicted_pages"] > 0 and c["alloc_free_us_per_evicted_page"] > 0 for c in cases)
+    assert len({c["requests"] for c in cases}) == 1
