@@ -58,9 +58,9 @@ class _RequestState:
 class RadixPrefixCache(KVCacheManager):
     name = "radix"
 
-    def __init__(self, num_pages: int, page_size: int = 1) -> None:
+    def __init__(self, num_pages: int, page_size: int = 1, eviction: str = "lru") -> None:
         super().__init__(num_pages, page_size)
-        self.tree = RadixTree(page_size)
+        self.tree = RadixTree(page_size, eviction)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._requests: dict[str, _RequestState] = {}  # by request id, from allocate to free
         self._lookups: dict[str, _Keys] = {}  # by request id, from the first lookup to free
@@ -249,6 +249,7 @@ class RadixPrefixCache(KVCacheManager):
         out = super().summary()
         tree = self.tree
         out.update(
+            eviction=tree.eviction.name,
             nodes=tree.num_nodes,
             namespaces=len(tree.roots),
             cached_tokens=tree.evictable_tokens + tree.protected_tokens,
@@ -381,10 +382,12 @@ class RadixPrefixCache(KVCacheManager):
         assert count == tree.num_nodes, f"node counter {tree.num_nodes} != {count}"
         assert evictable == tree.evictable_tokens, f"evictable counter {tree.evictable_tokens} != {evictable}"
         assert protected == tree.protected_tokens, f"protected counter {tree.protected_tokens} != {protected}"
-        entries = tree.evictable_leaf_entries()
+        entries = tree.evictable_leaf_priorities()
         for node in tree.nodes():
             if node.lock_ref == 0 and not node.children:
-                assert (id(node), node.last_access) in entries, "evictable leaf missing from the LRU heap"
+                assert id(node) in entries, "evictable leaf missing from the eviction heap"
+                if tree.eviction.name == "lru":
+                    assert entries[id(node)] == node.last_access, "stale LRU heap entry"
         for rid, state in self._requests.items():
             assert state.committed % ps == 0 and state.committed == tree.depth(state.node), "committed != node depth"
             assert state.node.parent is not None or tree.roots.get(state.node.namespace) is state.node, "node evicted"
