@@ -157,23 +157,25 @@ class KLPMPolicy(LPMPolicy):
     def order(self, waiting, kv, step):
         if self.k == 1 or len(waiting) <= 1 or self._fallback(waiting):
             return list(waiting)
+        n = len(waiting)
         hit = [kv.lookup(r) for r in waiting]
-        by_hit = sorted(range(len(waiting)), key=lambda i: -hit[i])  # stable: ties keep queue order
-        placed = [False] * len(waiting)
+        by_hit = iter(sorted(range(n), key=hit.__getitem__, reverse=True))  # stable: ties keep queue order
+        placed = bytearray(n)
         out: list[Request] = []
-        oldest = best = 0
-        while len(out) < len(waiting):
+        oldest = 0
+        while len(out) < n:
             while placed[oldest]:
                 oldest += 1
-            placed[oldest] = True
+            placed[oldest] = 1
             out.append(waiting[oldest])
-            group_end = min(len(out) + self.k - 1, len(waiting))
-            while len(out) < group_end:
-                i = by_hit[best]
-                best += 1
+            room = min(self.k - 1, n - len(out))
+            for i in by_hit if room else ():  # the longest hits not placed yet, each looked at once
                 if not placed[i]:
-                    placed[i] = True
+                    placed[i] = 1
                     out.append(waiting[i])
+                    room -= 1
+                    if not room:
+                        break
         return out
 
 
