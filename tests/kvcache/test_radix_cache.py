@@ -278,7 +278,11 @@ def test_long_decode_keeps_one_node(page_size):
     kv.check_invariants()
     assert kv.tree.num_nodes <= 3
     assert kv.tree.evictable_tokens == 1500 - 1500 % page_size
-    assert kv.lookup(make_request(list(range(500)) + list(range(10_000, 11_000)))) == 1499 - 1499 % page_size
+    conversation = make_request(list(range(500)) + list(range(10_000, 11_000)) + [7])
+    assert kv.lookup(conversation) == 1500 - 1500 % page_size
+    kv._free.extend(kv.tree.evict(640 // page_size))  # the one big leaf is trimmed from its tail
+    kv.check_invariants()
+    assert kv.lookup(conversation) == 1500 - 1500 % page_size - 640
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
