@@ -1,7 +1,7 @@
 """Scheduling policies that look at the prefix cache: lpm, dfs-weight (both from SGLang), bounded-lpm (ours) and
 k-lpm.
 
-All three work with any KV manager through `kv.lookup`; dfs-weight also needs the identity of the cached prefix
+All of them work with any KV manager through `kv.lookup`; dfs-weight also needs the identity of the cached prefix
 (`kv.prefix_path`: tree nodes on the radix cache, block keys on the hash cache) and degrades to FCFS without a
 cache.
 

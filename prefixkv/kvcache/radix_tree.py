@@ -204,16 +204,16 @@ class RadixTree:
     @staticmethod
     def _grows_in_place(node: RadixNode) -> bool:
         """Whether tokens computed after `node` (the caller's deepest node, locked by it) may extend it instead of
-        hanging below it as a child. Only a leaf (no other branch to keep apart) held by the caller alone (no
-        other request's path ends inside what it becomes) that no admission has hit yet (a node's `hits` count
-        every one of its tokens, and the new tokens have none). So a decoding request keeps one node instead of
-        adding one per page; a later turn that hits it starts a node of its own, as SGLang's tree does."""
+        hanging below it as a child. Only a leaf (no other branch to keep apart), held by the caller alone
+        (another holder's path would end inside the longer node), that no admission has hit yet (a node's `hits`
+        count for every one of its tokens, and the new tokens have none). So a decoding request keeps one node
+        instead of adding one per page; a later turn that hits it starts a node of its own, as SGLang's does."""
         return node.parent is not None and not node.children and node.lock_ref == 1 and node.hits == 0
 
     def _grow(self, node: RadixNode, tokens: Sequence, pages: list[int]) -> None:
         """Append tokens and their pages to a node (see _grows_in_place). It stays locked, so its new tokens are
         protected and no LRU heap entry changes. A longer node can lengthen a memoised match that ended at its
-        old end: `version` tells lookups that the tree changed, and their memo notices the node's length."""
+        old end: `version` tells lookups that the tree changed, and their memo notices the node's new last page."""
         node.tokens.extend(tokens)
         node.pages.extend(pages)
         node.last_access = next(self._clock)
