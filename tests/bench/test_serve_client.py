@@ -100,6 +100,8 @@ def check_trace_replay(base: str, tmp_path) -> None:
     assert res["scaling"] == "512->16 tokens/block, time x0.5, output x0.03125, all requests"
     assert res["config"]["trace_format"] == "mooncake" and res["config"]["concurrency"] == 3
     assert at_least <= res["cached_tokens"] < 236
+    bound = unbounded_hit_tokens(requests, 16)
+    assert res["unbounded_hit_rate"] == bound.rate and bound.hit_tokens == 16 + 32 + 48 + 16
     assert res["ttft_ms"]["p90"] > 0 and res["cached_fraction"] == res["cached_tokens"] / 236
 
 
