@@ -149,3 +149,9 @@ def test_unbounded_equals_both_caches_with_a_big_pool(kind, page_size):
         kv.free(req)
     assert tuple(hits) == unbounded_hit_tokens(reqs, page_size).per_request
     kv.check_invariants()
+
+
+def test_page_accesses_must_match_the_page_size():
+    acc = page_accesses(random_trace(0, n=3), 4)
+    with pytest.raises(ValueError, match="made for 4-token pages, not 2"):
+        unbounded_hit_tokens(acc, 2)
