@@ -258,7 +258,7 @@ def create_kv(config: EngineConfig) -> KVCacheManager:
         raise ValueError("the simulator needs kv_cache_tokens (a pool size in tokens)")
     num_pages = config.kv_cache_pages(bytes_per_token=1)
     return create_kv_cache_manager(
-        config.prefix_cache, num_pages, config.tokens_per_page, config.prefix_caching_hash_algo
+        config.prefix_cache, num_pages, config.tokens_per_page, config.prefix_caching_hash_algo, config.eviction
     )
 
 
