@@ -91,9 +91,9 @@ def plot_sweep(results: dict, path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     first_scale = results["grid"]["time_scales"][0]
     largest = max(results["grid"]["fractions"])
-    labels = sorted({(r["policy"], r["eviction"]) for r in runs}, key=str)
+    labels = sorted({(r["policy"], r["eviction"]) for r in runs})
     for policy, eviction in labels:
-        name = policy if eviction is None else f"{policy} / {eviction}"
+        name = f"{policy} / {eviction}"
         mine = [r for r in runs if r["policy"] == policy and r["eviction"] == eviction]
         by_size = sorted((r["fraction"], r["token_hit_rate"]) for r in mine if r["time_scale"] == first_scale)
         left.plot([x for x, _ in by_size], [y for _, y in by_size], marker="o", label=name)
