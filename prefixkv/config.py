@@ -13,6 +13,7 @@ from typing import Any
 PREFIX_CACHES = ("hash", "radix", "off")
 SCHEDULE_POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "bounded-lpm")
 HASH_ALGOS = ("sha256", "xxhash")
+EVICTIONS = ("lru", "lfu", "cost")  # the policies of prefixkv/kvcache/eviction.py
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -48,6 +49,12 @@ class EngineConfig:
         None, "tokens per KV page (default 16 for hash/off, 1 for radix)", aliases=("--block-size",)
     )
     prefix_caching_hash_algo: str = _option("sha256", "hash of the hash cache's block keys", HASH_ALGOS)
+    eviction: str = _option(
+        "lru",
+        "which cached KV goes first when the pool is full: least recently used, LFU with aging (hot shared "
+        "prefixes stay), or cost-aware GreedyDual (deep and widely shared prefixes stay); leaves/chain tails only",
+        EVICTIONS,
+    )
     schedule_policy: str = _option("fcfs", "order in which waiting requests are admitted", SCHEDULE_POLICIES)
     lpm_fallback_threshold: int | None = _option(
         128, "lpm, bounded-lpm: past this many waiting requests, order FCFS like SGLang (none: never)"
@@ -72,6 +79,8 @@ class EngineConfig:
         self.kernel_overrides()  # a malformed value fails here, before any model is loaded
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.prefix_caching_hash_algo not in HASH_ALGOS:

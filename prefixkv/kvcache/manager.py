@@ -34,6 +34,7 @@ class PrefixCacheStats:
     readmission_queries: int = 0  # tokens looked up when a preempted request came back
     readmission_hits: int = 0
     readmissions: int = 0
+    evicted_pages: int = 0  # cached pages dropped to make room or by a reset (counted by the manager itself)
 
     @property
     def hit_rate(self) -> float:
@@ -119,6 +120,7 @@ class KVCacheManager(ABC):
             "hit_rate": self.stats.hit_rate,
             "readmission_queries": self.stats.readmission_queries,
             "readmission_hits": self.stats.readmission_hits,
+            "evicted_pages": self.stats.evicted_pages,
         }
 
     # -- optional views (defaults for caches that have nothing to show) ----------------------------------------

@@ -58,9 +58,9 @@ class _RequestState:
 class RadixPrefixCache(KVCacheManager):
     name = "radix"
 
-    def __init__(self, num_pages: int, page_size: int = 1) -> None:
+    def __init__(self, num_pages: int, page_size: int = 1, eviction: str = "lru") -> None:
         super().__init__(num_pages, page_size)
-        self.tree = RadixTree(page_size)
+        self.tree = RadixTree(page_size, eviction)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._requests: dict[str, _RequestState] = {}  # by request id, from allocate to free
         self._lookups: dict[str, _Keys] = {}  # by request id, from the first lookup to free
@@ -155,10 +155,15 @@ class RadixPrefixCache(KVCacheManager):
     # -- changes -------------------------------------------------------------------------------------------
     def _take(self, n: int) -> list[int]:
         if len(self._free) < n:
-            self._free.extend(self.tree.evict(n - len(self._free)))
+            self._release(self.tree.evict(n - len(self._free)))
         taken = self._free[-n:] if n else []
         del self._free[len(self._free) - n :]
         return taken
+
+    def _release(self, evicted: list[int]) -> None:
+        """Evicted tree pages go to the free list, and into the eviction count."""
+        self.stats.evicted_pages += len(evicted)
+        self._free.extend(evicted)
 
     def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
         ps = self.page_size
@@ -232,11 +237,11 @@ class RadixPrefixCache(KVCacheManager):
         vLLM (which refuses and keeps everything while blocks are in use) what running requests hold stays
         and the rest goes; False tells the caller something stayed."""
         if salt_filter is None:
-            self._free.extend(self.tree.evict(self.tree.evictable_tokens // self.page_size))
+            self._release(self.tree.evict(self.tree.evictable_tokens // self.page_size))
             return not self._requests
         chosen = [ns for ns in self.tree.roots if isinstance(ns, tuple) and salt_filter(ns[1])]
         for namespace in chosen:
-            self._free.extend(self.tree.evict_namespace(namespace))
+            self._release(self.tree.evict_namespace(namespace))
         return not any(ns in self.tree.roots for ns in chosen)
 
     # -- views ---------------------------------------------------------------------------------------------
@@ -244,6 +249,7 @@ class RadixPrefixCache(KVCacheManager):
         out = super().summary()
         tree = self.tree
         out.update(
+            eviction=tree.eviction.name,
             nodes=tree.num_nodes,
             namespaces=len(tree.roots),
             cached_tokens=tree.evictable_tokens + tree.protected_tokens,
@@ -376,10 +382,12 @@ class RadixPrefixCache(KVCacheManager):
         assert count == tree.num_nodes, f"node counter {tree.num_nodes} != {count}"
         assert evictable == tree.evictable_tokens, f"evictable counter {tree.evictable_tokens} != {evictable}"
         assert protected == tree.protected_tokens, f"protected counter {tree.protected_tokens} != {protected}"
-        entries = tree.evictable_leaf_entries()
+        entries = tree.evictable_leaf_priorities()
         for node in tree.nodes():
             if node.lock_ref == 0 and not node.children:
-                assert (id(node), node.last_access) in entries, "evictable leaf missing from the LRU heap"
+                assert id(node) in entries, "evictable leaf missing from the eviction heap"
+                if tree.eviction.name == "lru":
+                    assert entries[id(node)] == node.last_access, "stale LRU heap entry"
         for rid, state in self._requests.items():
             assert state.committed % ps == 0 and state.committed == tree.depth(state.node), "committed != node depth"
             assert state.node.parent is not None or tree.roots.get(state.node.namespace) is state.node, "node evicted"

@@ -3,6 +3,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixkv.engine.scheduler import admit_request
+from prefixkv.kvcache.eviction import EVICTION_POLICIES
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 from prefixkv.kvcache.radix_tree import RadixTree, common_prefix_len
@@ -261,9 +262,11 @@ class RadixMachine(RuleBasedStateMachine):
     for: a request may only write its private pages, and everything it has computed must still read back as
     its own tokens (so no locked page was ever evicted and reused)."""
 
-    @initialize(num_pages=st.integers(3, 24), page_size=st.sampled_from([1, 2, 4]))
-    def setup(self, num_pages, page_size):
-        self.kv = RadixPrefixCache(num_pages, page_size)
+    @initialize(
+        num_pages=st.integers(3, 24), page_size=st.sampled_from([1, 2, 4]), eviction=st.sampled_from(EVICTION_POLICIES)
+    )
+    def setup(self, num_pages, page_size, eviction):
+        self.kv = RadixPrefixCache(num_pages, page_size, eviction)
         self.waiting = []
         self.running = []
         self.slot_content = {}
