@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 PREFIX_CACHES = ("hash", "radix", "off")
-SCHEDULE_POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "bounded-lpm")
+SCHEDULE_POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "bounded-lpm", "k-lpm")
 HASH_ALGOS = ("sha256", "xxhash")
 EVICTIONS = ("lru", "lfu", "cost")  # the policies of prefixkv/kvcache/eviction.py
 DTYPES = ("float32", "bfloat16", "float16")
@@ -57,10 +57,13 @@ class EngineConfig:
     )
     schedule_policy: str = _option("fcfs", "order in which waiting requests are admitted", SCHEDULE_POLICIES)
     lpm_fallback_threshold: int | None = _option(
-        128, "lpm, bounded-lpm: past this many waiting requests, order FCFS like SGLang (none: never)"
+        128, "lpm, bounded-lpm, k-lpm: past this many waiting requests, order FCFS like SGLang (none: never)"
     )
     max_wait_steps: int = _option(
         128, "bounded-lpm: no request goes ahead of one that arrived this many steps before it"
+    )
+    lpm_k: int = _option(
+        4, "k-lpm: admit in groups of k: the oldest waiting request, then the k-1 with the longest cached prefix"
     )
     num_threads: int | None = _option(None, "torch CPU threads (default: all cores)")
     seed: int | None = _option(
@@ -89,7 +92,7 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "lpm_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.page_size is None:

@@ -35,6 +35,8 @@ class _LookupMemo(NamedTuple):
     hit: int
     node: RadixNode | None  # deepest node matched in full (None: no root for the namespace)
     start: int  # depth of `node`
+    end_page: int  # node's last page then (-1: a root): one that grew in place has a new last page, a split
+    # keeps it (the lower part keeps the tail), so an unchanged last page means the node still ends at `start`
     inside: RadixNode | None  # the child the match stopped inside, if it did
 
 
@@ -97,7 +99,8 @@ class RadixPrefixCache(KVCacheManager):
         the deepest node it matched in full, so it resumes there instead of at the root; if it stopped inside
         a child that is still that node's child (not split, so no branch was added inside it), the answer
         stands. Between two engine steps, which mostly insert, re-ordering a long queue then costs a dict
-        probe per request instead of re-comparing long prefixes."""
+        probe per request instead of re-comparing long prefixes. If that node has grown in place since (its
+        last page changed), it no longer ends where the match did: the match starts over at the root."""
         limit = request.num_tokens - 1
         if limit <= 0:
             return 0
@@ -110,6 +113,8 @@ class RadixPrefixCache(KVCacheManager):
             node, start, inside = memo.node, memo.start, memo.inside
             if start == 0:  # the namespace root may have been dropped and made again
                 node = tree.roots.get(self._namespace(request))
+            elif node is not None and node.pages[-1] != memo.end_page:
+                node, start, inside = tree.roots.get(self._namespace(request)), 0, None
         else:
             node, start, inside = tree.roots.get(self._namespace(request)), 0, None
         keys = self._keys(request)
@@ -126,7 +131,8 @@ class RadixPrefixCache(KVCacheManager):
             path, hit, node, start = tree.walk(node, keys, start, limit)
             if hit > start:
                 inside = path[-1]
-        known.memo = _LookupMemo(tree.evict_version, limit, tree.version, hit, node, start, inside)
+        end_page = node.pages[-1] if node is not None and node.pages else -1
+        known.memo = _LookupMemo(tree.evict_version, limit, tree.version, hit, node, start, end_page, inside)
         return hit
 
     def prefix_path(self, request: Request) -> list:

@@ -3,7 +3,8 @@
 Each node holds a run of tokens and the ids of the pages holding their KV; a child is keyed by its first token
 (its first page's token tuple when page_size > 1), so siblings never share a first page and a lookup is one dict
 probe per node. Everything is page aligned: a node's run is a whole number of pages, so a page is never shared
-between two nodes and a match covers whole pages only.
+between two nodes and a match covers whole pages only. Tokens a request computes after its own unshared leaf
+extend that leaf in place, so a request decoding 1,000 tokens adds one node, not one per page.
 
 Lifetime: a request that uses a prefix holds a lock reference on every node from its deepest node up to the
 namespace root. Unlocked nodes are evictable, leaves only, in the order of the eviction policy (eviction.py;
@@ -81,7 +82,7 @@ class RadixTree:
         self.evictable_tokens = 0  # tokens in unlocked nodes (all of them evictable, leaves first)
         self.protected_tokens = 0  # tokens in locked nodes
         self.num_nodes = 0  # excluding roots
-        self.version = 0  # bumped whenever a match result can change (insert, evict); lookups memoise on it
+        self.version = 0  # bumped whenever a match result can change (insert, grow, evict); lookups memoise on it
         self.evict_version = 0  # bumped when cached tokens go: only then can a match shrink
         self._clock = itertools.count(1)
         self.eviction = make_eviction_policy(eviction)
@@ -125,7 +126,7 @@ class RadixTree:
         """Continue a match from `node`, which ends at token i. Returns the nodes entered, the match length, and
         the deepest node matched in full with the token where it ends. Without evictions that node stays in
         the tree (splits keep the lower part's identity and end), so a later match can resume there: only
-        insertions below it can make the match longer."""
+        insertions below it, or its own growth in place (its run gets longer), can make the match longer."""
         limit -= limit % self.page_size
         path: list[RadixNode] = []
         full, full_end = node, i
@@ -181,12 +182,15 @@ class RadixTree:
         self, node: RadixNode, tokens: Sequence, start: int, end: int, pages: list[int]
     ) -> tuple[RadixNode, list[int]]:
         """Add tokens[start:end] (KV in `pages`) below `node`, which ends at token `start` and is locked by the
-        caller. Returns the new deepest node, now locked in place of `node` (the lock moves down), and the
-        tree's page ids for the range: where the tokens were already cached these are the tree's pages, and
-        the caller's pages for them are duplicates it must free."""
+        caller. Returns the new deepest node, now locked in place of `node` (the lock moves down; `node` itself
+        when it grew in place), and the tree's page ids for the range: where the tokens were already cached
+        these are the tree's pages, and the caller's pages for them are duplicates it must free."""
         ps = self.page_size
         assert start % ps == 0 and end % ps == 0 and len(pages) * ps == end - start
         top, out, i = node, [], start
+        if start < end and self._grows_in_place(node):
+            self._grow(node, tokens[start:end], pages)
+            return node, list(pages)
         while i < end:
             child = node.children.get(self.key(tokens, i))
             if child is None:
@@ -212,6 +216,25 @@ class RadixTree:
             self._inc(up)
             up = up.parent
         return node, out
+
+    @staticmethod
+    def _grows_in_place(node: RadixNode) -> bool:
+        """Whether tokens computed after `node` (the caller's deepest node, locked by it) may extend it instead of
+        hanging below it as a child. Only a leaf (no other branch to keep apart), held by the caller alone
+        (another holder's path would end inside the longer node), that no admission has hit yet (a node's `hits`
+        count for every one of its tokens, and the new tokens have none). So a decoding request keeps one node
+        instead of adding one per page; a later turn that hits it starts a node of its own, as SGLang's does."""
+        return node.parent is not None and not node.children and node.lock_ref == 1 and node.hits == 0
+
+    def _grow(self, node: RadixNode, tokens: Sequence, pages: list[int]) -> None:
+        """Append tokens and their pages to a node (see _grows_in_place). It stays locked, so its new tokens are
+        protected and no LRU heap entry changes. A longer node can lengthen a memoised match that ended at its
+        old end: `version` tells lookups that the tree changed, and their memo notices the node's new last page."""
+        node.tokens.extend(tokens)
+        node.pages.extend(pages)
+        node.last_access = next(self._clock)
+        self.protected_tokens += len(tokens)
+        self.version += 1
 
     # -- locks and recency ---------------------------------------------------------------------------------
     def _inc(self, node: RadixNode) -> None:
