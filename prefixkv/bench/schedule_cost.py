@@ -26,7 +26,7 @@ from prefixkv.request import Request
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.sim.simulator import make_policy
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "bounded-lpm")
+POLICIES = ("fcfs", "lpm", "dfs-weight", "bounded-lpm", "k-lpm")
 
 
 def build(cache: str, n: int, num_prefixes: int, prefix_len: int, suffix_len: int, seed: int):

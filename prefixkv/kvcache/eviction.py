@@ -12,13 +12,16 @@ time; a cache stores the age at release with the page for that, and both caches 
 - ``lfu``: LFU with dynamic aging (LFU-DA, Arlitt et al., "Evaluating content management techniques for Web
   proxy caches", 2000): priority = age + uses, where age is the priority of the last page evicted. Plain LFU keeps
   pages that were hot once forever; the age makes every page released later start where the evicted ones ended,
-  so old counts fade. Prefix workloads are the case it is made for: a system prompt or few-shot header hit by
-  thousands of requests outranks a stream of one-off suffixes, which plain LRU lets push it out.
+  so old counts fade. On prefix workloads it keeps a system prompt or few-shot header hit by thousands of
+  requests through a scan of one-off prompts, which LRU lets flush it (the case SGLang's frequency-aware radix
+  policies, lfu and slru, were added for: RAG and batch "scan" traffic).
 - ``cost``: GreedyDual-Size-Frequency (Cherkasova, "Improving WWW proxies performance with Greedy-Dual-Size-
-  Frequency caching policy", 1998) with the page's recompute cost as its cost: priority = age + uses * cost.
-  Recomputing a page of n tokens that starts d tokens deep costs n tokens of weights work plus attention over
-  d + n/2 tokens of context per token; ``ATTENTION_CONTEXT_PER_TOKEN`` converts context to token work. Deep
-  pages (long conversations, long documents) and widely shared ones are kept longest.
+  Frequency caching policy", 1998) with the page's recompute cost as its cost: priority = age + uses * cost /
+  tokens. Recomputing a page of n tokens that starts d tokens deep costs n tokens of weights work plus attention
+  over d + n/2 tokens of context per token; ``ATTENTION_CONTEXT_PER_TOKEN`` converts context to token work. Deep
+  pages (long conversations, long documents) and widely shared ones are kept longest. Marconi (Pan et al.,
+  "Prefix caching for the era of hybrid LLMs", MLSys 2025) argues for the same on prefix caches: rank entries by
+  recency plus the compute a hit saves per byte of cache, which grows with depth since attention does.
 
 A policy object owns one piece of state, the age; each cache owns one policy object.
 """
@@ -32,9 +35,9 @@ from typing import Generic, Protocol, TypeVar
 
 from prefixkv.config import EVICTIONS as EVICTION_POLICIES
 
-# Context tokens whose attention costs as much as one token's pass through the weights: roughly
-# params / (4 * layers * kv_width); about 1k for SmolLM2-135M, tens of thousands for 8B models. A middle value:
-# the ranking only needs deep pages to cost more, and this keeps a shallow page's cost near its token count.
+# Context tokens whose attention costs as much as one token's pass through the weights: 2 * params FLOPs per token
+# against 4 * layers * hidden per context token, so params / (2 * layers * hidden): about 3.9k for SmolLM2-135M,
+# about 30k for an 8B Llama. The ranking only needs deep pages to cost more; a shallow page costs its tokens.
 ATTENTION_CONTEXT_PER_TOKEN = 4096
 
 

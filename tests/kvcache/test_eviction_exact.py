@@ -8,16 +8,16 @@ import pytest
 
 from prefixkv.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(temperature=0, max_tokens=4)
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
 
 
 def prompts() -> list[list[int]]:
-    """A system prompt asked three questions, between one-off prompts: on a pool of eight 16-token
+    """A system prompt asked two questions, each after a one-off prompt: on a pool of six 16-token
     pages every policy has to evict, and has hits to lose."""
     rng = random.Random(3)
     system = [rng.randrange(200, 30000) for _ in range(35)]
     out = []
-    for _question in range(3):
+    for _question in range(2):
         out.append(system + [rng.randrange(200, 30000) for _ in range(6)])
         out.append([rng.randrange(200, 30000) for _ in range(40)])
     return out
@@ -35,10 +35,10 @@ def expected(new_llm):
 # caches evict alike under every policy
 @pytest.mark.parametrize("eviction, cache", [("lru", "radix"), ("lfu", "hash"), ("cost", "radix")])
 def test_greedy_output_with_each_policy_equals_caching_off(new_llm, expected, cache, eviction):
-    llm = new_llm(prefix_cache=cache, page_size=16, kv_cache_tokens=128, max_num_seqs=2, eviction=eviction)
+    llm = new_llm(prefix_cache=cache, page_size=16, kv_cache_tokens=96, max_num_seqs=2, eviction=eviction)
     got = [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0] for p in prompts()]
     assert [o.outputs[0].token_ids for o in got] == expected
-    assert sum(o.num_cached_tokens for o in got) >= 2 * 32
+    assert sum(o.num_cached_tokens for o in got) >= 32
     kv = llm.llm_engine.kv
     assert kv.stats.hits > 0 and kv.stats.evicted_pages > 0
     kv.check_invariants()
