@@ -32,6 +32,7 @@ from prefixkv.bench.workloads import TokenSampler, sampler_for
 from prefixkv.sim.cost_model import BatchShape, StepCostModel
 
 FEATURES = ("computed_tokens", "attended_pairs", "num_sequences")  # the step overhead is the constant term
+BUSY_LOAD_PER_CPU = 0.5  # load average beyond the fit's own threads, per CPU, that says other work shared the cores
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,12 @@ class FitGrid:
 
 # Attention dominates long contexts on a CPU (a 2048-token chunk after 4096 cached tokens is ~10 M pairs, seconds
 # of compute), so long starts and contexts get the small chunks and batches only: the grid spans the features
-# (tokens up to 2048 per step, pairs up to ~10 M, 1-64 sequences) in about two minutes on 2 cores.
+# (tokens up to 2048 per step, pairs up to ~2 M, 1-64 sequences) in about three minutes on 2 idle cores.
 DEFAULT_GRID = FitGrid(
     prefills=((0, (64, 256, 1024, 2048)), (1024, (64, 256, 1024)), (4096, (64, 512))),
     decode_batches=((128, (1, 8, 32, 64)), (1024, (1, 8, 16)), (4096, (1, 2))),
     mixed_chunks=(64, 512),
-    repeats=3,
+    repeats=5,  # round by round over minutes: a shared machine's load comes and goes, its minimum is the cost
 )
 QUICK_GRID = FitGrid(
     prefills=((0, (32, 256)), (512, (32, 256))),
@@ -122,13 +123,21 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None, 
     if args.kv_cache_tokens is None and args.kv_cache_memory is None:
         overrides["kv_cache_tokens"] = grid.kv_tokens_needed()
     llm = common.factory_for(args, llm_factory)(**overrides)
+    load = [os.getloadavg()[0]]
     started = time.perf_counter()
     steps = measure(llm, grid, seed=0 if args.seed is None else args.seed)
     measure_s = time.perf_counter() - started
-    model = fit(steps, name=args.name or default_name(llm), source=describe_source(llm, grid))
+    load.append(os.getloadavg()[0])
+    model = fit(steps, name=args.name or default_name(llm), source=describe_source(llm, grid, load))
     report = fit_report(model, steps)
     print_fit(model, report, measure_s)
-    record = {**model.to_json(), "fit": {**report, "measure_seconds": measure_s, "grid": grid.describe()}}
+    if max(load) - _num_threads() > BUSY_LOAD_PER_CPU * (os.cpu_count() or 1):  # beyond the fit's own threads
+        print(
+            f"warning: the machine was busy (1-minute load average {load[0]:.1f} -> {load[1]:.1f} on "
+            f"{os.cpu_count()} CPUs): the times include waiting for a CPU; fit again on an idle machine for a preset"
+        )
+    fit_record = {**report, "measure_seconds": measure_s, "grid": grid.describe(), "load_average": load}
+    record = {**model.to_json(), "fit": fit_record}
     directory = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(directory, exist_ok=True)
     with open(args.output, "w") as f:
@@ -207,15 +216,16 @@ class _Measurer:
         for n in chunks:
             if n > self.budget:
                 print(f"  skipped: a chunk of {n} tokens exceeds max_num_batched_tokens={self.budget}")
-                continue
-            timed = []
-            for _ in range(self.grid.repeats):
+        timed: dict[int, list] = {n: [] for n in chunks if n <= self.budget}
+        for _ in range(self.grid.repeats):  # round by round: a burst of load elsewhere spoils one repeat, not all
+            for n, times in timed.items():
                 self.add(prefix + self.sampler.tokens(n), 1)
                 shape, seconds, model_seconds, _ = self.timer.step()
                 self.run_to_completion()  # nothing left, unless a hit was shorter than planned (then not timed)
                 if shape.computed_tokens == n:
-                    timed.append((shape, seconds, model_seconds))
-            self.keep_fastest(f"prefill {n} @ {start}", timed)
+                    times.append((shape, seconds, model_seconds))
+        for n, times in timed.items():
+            self.keep_fastest(f"prefill {n} @ {start}", times)
 
     def decodes(self, context: int, batches: Sequence[int]) -> None:
         """Pure decode steps of each batch size at `context` tokens of distinct contexts, then the same decodes
@@ -236,16 +246,20 @@ class _Measurer:
                 shape, *_ = self.timer.step()
                 if shape.num_decodes == batch == shape.num_sequences:
                     break
-            pure = [self.timer.step()[:3] for _ in range(repeats)]
-            self.keep_fastest(f"decode {batch} x ctx {context}", [t for t in pure if t[0].num_decodes == batch])
-            for n in mixed:
-                timed = []
-                for _ in range(repeats):
+            pure: list = []
+            with_chunk: dict[int, list] = {n: [] for n in mixed}
+            for _ in range(repeats):  # round by round, as for prefills
+                shape, seconds, model_seconds, _ = self.timer.step()
+                if shape.num_decodes == batch == shape.num_sequences:
+                    pure.append((shape, seconds, model_seconds))
+                for n, times in with_chunk.items():
                     self.add(self.sampler.tokens(n), 1)
                     shape, seconds, model_seconds, _ = self.timer.step()
                     if shape.num_decodes == batch and shape.computed_tokens == batch + n:
-                        timed.append((shape, seconds, model_seconds))
-                self.keep_fastest(f"decode {batch} x ctx {context} + chunk {n}", timed)
+                        times.append((shape, seconds, model_seconds))
+            self.keep_fastest(f"decode {batch} x ctx {context}", pure)
+            for n, times in with_chunk.items():
+                self.keep_fastest(f"decode {batch} x ctx {context} + chunk {n}", times)
             for rid in ids:
                 self.engine.abort(rid)
             self.run_to_completion()
@@ -360,8 +374,8 @@ def default_name(llm) -> str:
     return f"fit-{model}-{engine.config.dtype}-{_num_threads()}t"
 
 
-def describe_source(llm, grid: FitGrid) -> str:
-    """Where the numbers come from: machine, model, dtype, threads, date, grid."""
+def describe_source(llm, grid: FitGrid, load: Sequence[float] = ()) -> str:
+    """Where the numbers come from: machine, model, dtype, threads, date, grid, and how busy the machine was."""
     engine = llm.llm_engine
     config = engine.config
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -370,6 +384,7 @@ def describe_source(llm, grid: FitGrid) -> str:
         f"model {engine.model_name}, {config.dtype} on {config.device}, {_num_threads()} threads, "
         f"prefix cache {config.prefix_cache} (page {engine.kv.page_size}), max_num_batched_tokens "
         f"{config.max_num_batched_tokens}; Engine.step wall time, fastest repeat; grid: {grid.describe()}"
+        + (f"; 1-minute load average {load[0]:.1f} -> {load[-1]:.1f} while measuring" if load else "")
     )
 
 

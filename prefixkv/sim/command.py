@@ -65,6 +65,9 @@ def register(sub) -> argparse.ArgumentParser:
         "simulate",
         help="replay a request trace through the real scheduler and caches on a simulated clock",
         description=__doc__,
+        # no abbreviations: argparse matches them against every argument, so a subcommand's own flag (fit's
+        # --output) would be an "ambiguous option" for this parser (--output-dir, --output-scale)
+        allow_abbrev=False,
     )
     add_trace_arguments(p)
     _sim_defaults(p)

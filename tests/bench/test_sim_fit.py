@@ -95,3 +95,14 @@ def test_validate_on_a_tiny_trace_gets_the_simulators_hits_and_finite_ratios(new
             assert math.isfinite(cell["ratio"]) and cell["real"] > 0
     assert "512->16 tokens/block" in result["scaling"]
     assert llm.llm_engine.kv.num_used_pages() == 0
+
+
+def test_the_cli_routes_fit_and_validate_with_their_own_output_flag():
+    from prefixkv import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register_simulate(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["simulate", "fit", "--quick", "--output", "m.json"])
+    assert (args.func, args.quick, args.output, args.dtype) == (sim_fit.run, True, "m.json", "bfloat16")
+    args = parser.parse_args(["simulate", "validate", "--trace", "t.jsonl", "--cost-model", "m.json", "--output", "v"])
+    assert (args.func, args.trace, args.cost_model, args.output) == (sim_validate.run, "t.jsonl", "m.json", "v")
