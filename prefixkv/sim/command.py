@@ -293,6 +293,8 @@ def _try_plot(draw: Callable[[], None], png: str) -> None:
 def sweep_command(args: argparse.Namespace) -> int:
     """The grid over one loaded trace: bounds once per pool size, one simulation per cell."""
     _require_trace(args)
+    if args.kv_cache_tokens is not None or args.kv_cache_fraction is not None:
+        raise ValueError("sweep takes its pool sizes from --fractions, not --kv-cache-tokens / --kv-cache-fraction")
     cost = load_cost_model(args.cost_model)
     base = _base_config(args)
     fractions = _split(args.fractions, float)
