@@ -63,7 +63,7 @@ def test_a_pool_given_as_a_fraction_of_the_unique_tokens(trace_file, tmp_path):
 
 
 def test_sweep_runs_the_grid_over_one_trace(trace_file, tmp_path, capsys):
-    argv = ["simulate", "sweep", "--trace", trace_file, *TRACE_OPTIONS, "--cache", "radix", "--no-plot"]
+    argv = ["simulate", "sweep", "--trace", trace_file, *TRACE_OPTIONS, "--cache", "radix"]
     argv += ["--fractions", "2.5,5", "--policies", "fcfs,k-lpm", "--evictions", "lru,cost", "--time-scales", "1,0.001"]
     argv += ["--output-dir", str(tmp_path)]
     assert main(argv) == 0
@@ -79,6 +79,7 @@ def test_sweep_runs_the_grid_over_one_trace(trace_file, tmp_path, capsys):
     assert set(results["bounds"]["offline"]) == {"2.5", "5.0"}
     table = capsys.readouterr().out
     assert "TTFT p99" in table and "k-lpm" in table and "cost" in table
+    assert (tmp_path / "sweep.png").exists()
 
 
 @pytest.mark.parametrize(
