@@ -53,12 +53,15 @@ class FitGrid:
         )
 
     def kv_tokens_needed(self) -> int:
-        """Pool tokens for the largest phase (a cached prefix and its chunks, or one context length's decodes),
-        with room to spare so the prefix being reused is never the page evicted."""
-        prefill = max(start + max(chunks) * (self.repeats + 1) for start, chunks in self.prefills)
-        decode = max(batch * (ctx + 64) for ctx, batches in self.decode_batches for batch in batches)
-        largest = max(prefill, decode + max(self.mixed_chunks, default=0) * (self.repeats + 1))
-        return largest + largest // 4
+        """Pool tokens for every cached prefix and decode context at once, plus a round's chunks and decodes
+        (their pages are cached too, and must be what eviction takes, not a prefix still in use)."""
+        cached = sum(start for start, _ in self.prefills)
+        cached += sum(ctx * max(batches) for ctx, batches in self.decode_batches)
+        chunks = sum(sum(chunks) for _, chunks in self.prefills)
+        chunks += sum(len(batches) * sum(self.mixed_chunks) for _, batches in self.decode_batches)
+        decodes = sum(batch * 64 for _, batches in self.decode_batches for batch in batches)
+        needed = cached + chunks + decodes  # decodes: a tail page and an output page each, at most 64 tokens
+        return needed + needed // 8
 
 
 # Attention dominates long contexts on a CPU (a 2048-token chunk after 4096 cached tokens is ~10 M pairs, seconds
@@ -147,14 +150,14 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None, 
 
 
 # -- measuring ---------------------------------------------------------------------------------------------------
-class _StepTimer:
+class StepTimer:
     """Times Engine.step and records the shape of what it scheduled.
 
     The shape must be read between Scheduler.schedule and Scheduler.update (update advances the requests), and
     the engine does both inside step(); so the timer wraps this engine's scheduler.schedule for its lifetime."""
 
-    def __init__(self, llm) -> None:
-        self.engine = llm.llm_engine
+    def __init__(self, engine) -> None:
+        self.engine = engine
         self.scheduler = self.engine.scheduler
         self._schedule = self.scheduler.schedule
         self.last_shape = BatchShape(0, 0, 0, 0)
@@ -180,109 +183,110 @@ class _StepTimer:
 
 
 class _Measurer:
-    """Builds each grid shape on one engine and keeps the fastest repeat of each."""
+    """Builds each grid shape on one engine, round after round, and keeps the fastest sample of each.
+
+    Every cached prefix and decode context is computed once, untimed, and stays cached for the whole run (the
+    pool holds them all); each round then takes one sample of every shape, so a shape's samples are spread over
+    the whole run and a burst of load elsewhere on a shared machine spoils one of them, not all."""
 
     def __init__(self, llm, grid: FitGrid, sampler: TokenSampler) -> None:
-        self.llm = llm
         self.engine = llm.llm_engine
         self.grid = grid
         self.sampler = sampler
-        self.timer = _StepTimer(llm)
-        self.steps: list[MeasuredStep] = []
+        self.timer = StepTimer(llm.llm_engine)
         self._ids = itertools.count()
         self.budget = self.engine.config.max_num_batched_tokens
         self.max_seqs = self.engine.config.max_num_seqs
+        self.prefixes: dict[int, list[int]] = {}  # start -> its cached prefix
+        self.contexts: dict[int, list[list[int]]] = {}  # context length -> distinct cached contexts
+        self.samples: dict[str, list[tuple[BatchShape, float, float]]] = {}  # label -> (shape, s, model s)
 
     def add(self, prompt: list[int], max_tokens: int) -> str:
         return self.engine.add_request(f"fit-{next(self._ids)}", prompt, common.greedy(max_tokens))
 
     def run_to_completion(self) -> None:
-        """Untimed: run whatever is queued until the engine is idle (computing prefixes and contexts)."""
+        """Untimed: run whatever is queued until the engine is idle."""
         while self.engine.has_unfinished_requests():
             self.engine.step()
 
-    def keep_fastest(self, label: str, timed: Sequence[tuple[BatchShape, float, float]]) -> None:
-        if not timed:
-            return
-        shape, seconds, model_seconds = min(timed, key=lambda t: t[1])
-        self.steps.append(MeasuredStep(label, shape, seconds, model_seconds, len(timed)))
+    def sample(self, label: str, shape: BatchShape, seconds: float, model_seconds: float, planned: bool) -> None:
+        """Keep a timed step under `label` when it had the planned shape (a shorter hit than planned: dropped)."""
+        samples = self.samples.setdefault(label, [])
+        if planned:
+            samples.append((shape, seconds, model_seconds))
 
-    def prefill(self, start: int, chunks: Sequence[int]) -> None:
-        """Lone prefill chunks after `start` cached tokens: each repeat is the cached prefix + fresh tokens."""
-        prefix = self.sampler.tokens(start)
-        if start:
-            self.add(prefix + self.sampler.tokens(1), 1)  # computes the prefix (untimed); its pages stay cached
-            self.run_to_completion()
+    def prepare(self) -> None:
+        """Compute every prefix and decode context once (untimed); their pages stay cached."""
+        for start, chunks in self.grid.prefills:
+            for n in chunks:
+                if n > self.budget:
+                    print(f"  skipped: a chunk of {n} tokens exceeds max_num_batched_tokens={self.budget}")
+            self.prefixes[start] = self.sampler.tokens(start)
+        for context, batches in self.grid.decode_batches:
+            count = max((b for b in batches if b <= self.max_seqs), default=0)
+            self.contexts[context] = [self.sampler.tokens(context) for _ in range(count)]
+        to_compute = [p for p in self.prefixes.values() if p] + [c for cs in self.contexts.values() for c in cs]
+        for tokens in to_compute:
+            self.add(tokens + self.sampler.tokens(1), 1)
+        self.run_to_completion()
+
+    def prefill_round(self, start: int, chunks: Sequence[int]) -> None:
+        """One lone prefill chunk of each size after `start` cached tokens: the cached prefix + fresh tokens."""
         for n in chunks:
             if n > self.budget:
-                print(f"  skipped: a chunk of {n} tokens exceeds max_num_batched_tokens={self.budget}")
-        timed: dict[int, list] = {n: [] for n in chunks if n <= self.budget}
-        for _ in range(self.grid.repeats):  # round by round: a burst of load elsewhere spoils one repeat, not all
-            for n, times in timed.items():
-                self.add(prefix + self.sampler.tokens(n), 1)
-                shape, seconds, model_seconds, _ = self.timer.step()
-                self.run_to_completion()  # nothing left, unless a hit was shorter than planned (then not timed)
-                if shape.computed_tokens == n:
-                    times.append((shape, seconds, model_seconds))
-        for n, times in timed.items():
-            self.keep_fastest(f"prefill {n} @ {start}", times)
+                continue
+            self.add(self.prefixes[start] + self.sampler.tokens(n), 1)
+            shape, seconds, model_seconds, _ = self.timer.step()
+            self.run_to_completion()  # nothing left, unless a hit was shorter than planned
+            self.sample(f"prefill {n} @ {start}", shape, seconds, model_seconds, shape.computed_tokens == n)
 
-    def decodes(self, context: int, batches: Sequence[int]) -> None:
-        """Pure decode steps of each batch size at `context` tokens of distinct contexts, then the same decodes
-        with one fresh prefill chunk beside them (mixed steps)."""
-        batches = [b for b in batches if b <= self.max_seqs]
-        if not batches:
-            return
-        contexts = [self.sampler.tokens(context) for _ in range(max(batches))]
-        for ctx in contexts:  # computed once (untimed); each batch below hits them
-            self.add(ctx + self.sampler.tokens(1), 1)
-        self.run_to_completion()
-        repeats = self.grid.repeats
-        for batch in batches:
+    def decode_round(self, context: int, batches: Sequence[int]) -> None:
+        """For each batch size: a pure decode step over that many distinct contexts, then the same decodes with
+        one fresh prefill chunk of each mixed size beside them."""
+        for batch in (b for b in batches if b <= self.max_seqs):
             mixed = [n for n in self.grid.mixed_chunks if batch + n <= self.budget and batch < self.max_seqs]
-            max_tokens = 6 + repeats * (1 + len(mixed))  # outlives every step below
-            ids = [self.add(ctx + self.sampler.tokens(1), max_tokens) for ctx in contexts[:batch]]
-            for _ in range(4 * batch + 4):  # the last prompt tokens (1 each, hits cover the rest), then decoding
-                shape, *_ = self.timer.step()
-                if shape.num_decodes == batch == shape.num_sequences:
-                    break
-            pure: list = []
-            with_chunk: dict[int, list] = {n: [] for n in mixed}
-            for _ in range(repeats):  # round by round, as for prefills
+            ids = [self.add(ctx + self.sampler.tokens(1), 4 + len(mixed)) for ctx in self.contexts[context][:batch]]
+            self.timer.step()  # their last prompt tokens (the hits cover the rest): the next steps are decodes
+            shape, seconds, model_seconds, _ = self.timer.step()
+            planned = shape.num_decodes == batch == shape.num_sequences
+            self.sample(f"decode {batch} x ctx {context}", shape, seconds, model_seconds, planned)
+            for n in mixed:
+                self.add(self.sampler.tokens(n), 1)
                 shape, seconds, model_seconds, _ = self.timer.step()
-                if shape.num_decodes == batch == shape.num_sequences:
-                    pure.append((shape, seconds, model_seconds))
-                for n, times in with_chunk.items():
-                    self.add(self.sampler.tokens(n), 1)
-                    shape, seconds, model_seconds, _ = self.timer.step()
-                    if shape.num_decodes == batch and shape.computed_tokens == batch + n:
-                        times.append((shape, seconds, model_seconds))
-            self.keep_fastest(f"decode {batch} x ctx {context}", pure)
-            for n, times in with_chunk.items():
-                self.keep_fastest(f"decode {batch} x ctx {context} + chunk {n}", times)
+                planned = shape.num_decodes == batch and shape.computed_tokens == batch + n
+                self.sample(f"decode {batch} x ctx {context} + chunk {n}", shape, seconds, model_seconds, planned)
             for rid in ids:
                 self.engine.abort(rid)
             self.run_to_completion()
 
+    def fastest(self) -> list[MeasuredStep]:
+        """Per shape, in grid order, the fastest sample with that sample's own shape."""
+        steps = []
+        for label, samples in self.samples.items():
+            if samples:
+                shape, seconds, model_seconds = min(samples, key=lambda t: t[1])
+                steps.append(MeasuredStep(label, shape, seconds, model_seconds, len(samples)))
+        return steps
+
 
 def measure(llm, grid: FitGrid, seed: int = 0) -> list[MeasuredStep]:
-    """Run the grid on `llm`'s engine (its prefix cache is emptied first and used throughout)."""
+    """Run the grid on `llm`'s engine (its prefix cache is emptied before and after)."""
     sampler = sampler_for(llm, seed=seed)
     common.warmup(llm, sampler)
     measurer = _Measurer(llm, grid, sampler)
     try:
-        for start, chunks in grid.prefills:
-            print(f"prefill chunks {list(chunks)} after {start} cached tokens", flush=True)
-            llm.reset_prefix_cache()
-            measurer.prefill(start, chunks)
-        for context, batches in grid.decode_batches:
-            print(f"decode batches {list(batches)} at context {context} (+ mixed chunks)", flush=True)
-            llm.reset_prefix_cache()
-            measurer.decodes(context, batches)
+        print("computing the cached prefixes and decode contexts", flush=True)
+        measurer.prepare()
+        for r in range(grid.repeats):
+            print(f"round {r + 1} of {grid.repeats}: every shape once", flush=True)
+            for start, chunks in grid.prefills:
+                measurer.prefill_round(start, chunks)
+            for context, batches in grid.decode_batches:
+                measurer.decode_round(context, batches)
     finally:
         measurer.timer.close()
         llm.reset_prefix_cache()
-    return measurer.steps
+    return measurer.fastest()
 
 
 # -- fitting -----------------------------------------------------------------------------------------------------

@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixkv.bench import common
+from prefixkv.bench.sim_fit import StepTimer
 from prefixkv.bench.workloads import sampler_for
 from prefixkv.config import EngineConfig
-from prefixkv.sim.cost_model import load_cost_model
+from prefixkv.sim.cost_model import BatchShape, StepCostModel, load_cost_model
 from prefixkv.sim.simulator import simulate_trace
 from prefixkv.sim.traces import ScaledRequest, TraceScaling, load_trace, scale_trace
 from prefixkv.stats import percentile, ratio
@@ -78,7 +79,8 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
     engine = llm.llm_engine
     common.warmup(llm, sampler_for(llm))  # lazy torch initialisation is no request's TTFT
     engine.reset_prefix_cache()
-    real = replay(engine, requests)
+    steps: list[tuple[BatchShape, float]] = []
+    real = replay(engine, requests, steps)
     sim_config = simulator_config(engine)
     sim_result, _ = simulate_trace(sim_config, requests, cost)
     simulated = [
@@ -86,6 +88,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
         for m in sorted(sim_result.metrics, key=lambda m: int(m.request_id[1:]))  # "r<index>" in arrival order
     ]
     result = compare(real, simulated)
+    result["real_steps"] = step_check(cost, steps)
     result |= {
         "trace": args.trace,
         "scaling": scaling_text,
@@ -102,10 +105,19 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
     return 0
 
 
-def replay(engine, requests: Sequence[ScaledRequest]) -> list[Served]:
+def replay(engine, requests: Sequence[ScaledRequest], steps: list | None = None) -> list[Served]:
     """The real engine on `requests` with wall-clock arrivals: each is added once its time has come (between
     steps: a request arriving mid-step waits for the step, in the engine as in the simulator), greedy with
-    exactly output_len tokens; an idle engine sleeps until the next arrival. Per request, in arrival order."""
+    exactly output_len tokens; an idle engine sleeps until the next arrival. Per request, in arrival order.
+    `steps`, when given, receives (shape, wall seconds) of every step that ran something."""
+    timer = StepTimer(engine)
+    try:
+        return _replay(engine, timer, requests, steps if steps is not None else [])
+    finally:
+        timer.close()
+
+
+def _replay(engine, timer: StepTimer, requests: Sequence[ScaledRequest], steps: list) -> list[Served]:
     served = [Served(r.prompt_len) for r in requests]
     pending = deque(enumerate(requests))
     index_of: dict[str, int] = {}
@@ -126,7 +138,10 @@ def replay(engine, requests: Sequence[ScaledRequest]) -> list[Served]:
             if pending:
                 time.sleep(max(0.0, start + pending[0][1].arrival_s - time.monotonic()))
             continue
-        for out in engine.step():
+        shape, seconds, _, outputs = timer.step()
+        if shape.num_sequences:
+            steps.append((shape, seconds))
+        for out in outputs:
             if not out.finished or out.request_id not in index_of:
                 continue
             record = served[index_of.pop(out.request_id)]
@@ -180,6 +195,21 @@ def compare(real: Sequence[Served], simulated: Sequence[Served]) -> dict:
     }
 
 
+def step_check(cost: StepCostModel, steps: Sequence[tuple[BatchShape, float]]) -> dict:
+    """The cost model on the real run's own steps: total measured vs predicted time, and the spread of the
+    per-step ratio. Separates the cost model's error from its amplification by queueing in the TTFTs."""
+    ratios = [cost.step_time(shape) / seconds for shape, seconds in steps]
+    measured = sum(seconds for _, seconds in steps)
+    predicted = sum(cost.step_time(shape) for shape, _ in steps)
+    return {
+        "steps": len(steps),
+        "measured_s": measured,
+        "predicted_s": predicted,
+        "ratio": ratio(predicted, measured),
+        "step_ratio": {f"p{p}": percentile(ratios, p) for p in (10, 50, 90)},
+    }
+
+
 def _values(run: Sequence[Served], metric: str) -> list[float]:
     return [v for x in run if not x.rejected and (v := getattr(x, metric)) is not None]
 
@@ -198,6 +228,12 @@ def print_comparison(result: dict, cost_name: str) -> None:
     print(
         f"token hit rate: real {hits['real']['token_hit_rate']:.4f} ({hits['real']['hit_tokens']} tokens), "
         f"simulated {hits['simulated']['token_hit_rate']:.4f} ({hits['simulated']['hit_tokens']} tokens)"
+    )
+    check = result["real_steps"]
+    spread = ", ".join(f"{k} {v:.2f}" for k, v in check["step_ratio"].items())
+    print(
+        f"cost model on the real run's {check['steps']} steps: measured {check['measured_s']:.1f} s, predicted "
+        f"{check['predicted_s']:.1f} s (x{check['ratio']:.2f}); per-step predicted / measured: {spread}"
     )
     differing = result["requests_with_different_hits"]
     if differing:

@@ -94,6 +94,8 @@ def test_validate_on_a_tiny_trace_gets_the_simulators_hits_and_finite_ratios(new
         for cell in result["percentiles"][metric].values():
             assert math.isfinite(cell["ratio"]) and cell["real"] > 0
     assert "512->16 tokens/block" in result["scaling"]
+    steps = result["real_steps"]  # the cost model checked on the real run's own steps
+    assert steps["steps"] >= 3 and steps["measured_s"] > 0 and math.isfinite(steps["ratio"])
     assert llm.llm_engine.kv.num_used_pages() == 0
 
 
