@@ -206,6 +206,8 @@ def _offline(acc: bounds.PageAccesses, pool: int) -> dict:
 def _require_trace(args: argparse.Namespace) -> None:
     if not args.trace:
         raise ValueError("--trace FILE is required")
+    if not os.path.isfile(args.trace):
+        raise ValueError(f"--trace {args.trace}: no such file")
 
 
 def _options(args: argparse.Namespace) -> dict:

@@ -104,5 +104,7 @@ def test_a_missing_pool_size_or_trace_is_a_clear_error(trace_file, tmp_path, cap
     assert "--kv-cache-tokens N or --kv-cache-fraction F" in capsys.readouterr().err
     assert main(["simulate", "--kv-cache-tokens", "64"]) == 2
     assert "--trace FILE is required" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(tmp_path / "nope.jsonl"), "--kv-cache-tokens", "64"]) == 2
+    assert "nope.jsonl: no such file" in capsys.readouterr().err
     assert main(["simulate", "sweep", "--trace", trace_file, "--kv-cache-tokens", "64"]) == 2
     assert "pool sizes from --fractions" in capsys.readouterr().err
