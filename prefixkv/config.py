@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 PREFIX_CACHES = ("hash", "radix", "off")
-SCHEDULE_POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "bounded-lpm")
+SCHEDULE_POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "bounded-lpm", "k-lpm")
 HASH_ALGOS = ("sha256", "xxhash")
+EVICTIONS = ("lru", "lfu", "cost")  # the policies of prefixkv/kvcache/eviction.py
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -48,12 +49,21 @@ class EngineConfig:
         None, "tokens per KV page (default 16 for hash/off, 1 for radix)", aliases=("--block-size",)
     )
     prefix_caching_hash_algo: str = _option("sha256", "hash of the hash cache's block keys", HASH_ALGOS)
+    eviction: str = _option(
+        "lru",
+        "which cached KV goes first when the pool is full: least recently used, LFU with aging (hot shared "
+        "prefixes stay), or cost-aware GreedyDual (deep and widely shared prefixes stay); leaves/chain tails only",
+        EVICTIONS,
+    )
     schedule_policy: str = _option("fcfs", "order in which waiting requests are admitted", SCHEDULE_POLICIES)
     lpm_fallback_threshold: int | None = _option(
-        128, "lpm, bounded-lpm: past this many waiting requests, order FCFS like SGLang (none: never)"
+        128, "lpm, bounded-lpm, k-lpm: past this many waiting requests, order FCFS like SGLang (none: never)"
     )
     max_wait_steps: int = _option(
         128, "bounded-lpm: no request goes ahead of one that arrived this many steps before it"
+    )
+    lpm_k: int = _option(
+        4, "k-lpm: admit in groups of k: the oldest waiting request, then the k-1 with the longest cached prefix"
     )
     num_threads: int | None = _option(None, "torch CPU threads (default: all cores)")
     seed: int | None = _option(
@@ -72,6 +82,8 @@ class EngineConfig:
         self.kernel_overrides()  # a malformed value fails here, before any model is loaded
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
@@ -80,7 +92,7 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "lpm_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.page_size is None:

@@ -6,6 +6,9 @@ measures ours at 128, 1024 and 4096 with no fallback. Three timings per case:
   warm   the same queue again with the cache unchanged (memoised lookups)
   step   after a commit changed the cache, as between two engine steps (radix lookups are recomputed; the hash
          cache's per-request block keys stay memoised)
+And the eviction policies' cost (--evictions): the same kind of requests served one at a time on a pool that holds
+about half the prefixes, so nearly every admission evicts; the time of allocate() and free() (where eviction and
+its bookkeeping happen) per request and per evicted page, and the hit rate each policy keeps.
 Pure Python, no model; the times are real.
 """
 
@@ -16,12 +19,14 @@ import random
 import statistics
 import time
 
+from prefixkv.engine.scheduler import admit_request
+from prefixkv.kvcache.eviction import EVICTION_POLICIES
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.request import Request
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.sim.simulator import make_policy
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "bounded-lpm")
+POLICIES = ("fcfs", "lpm", "dfs-weight", "bounded-lpm", "k-lpm")
 
 
 def build(cache: str, n: int, num_prefixes: int, prefix_len: int, suffix_len: int, seed: int):
@@ -55,6 +60,42 @@ def change_cache(kv, k: int) -> None:
     kv.free(req)
 
 
+def eviction_cost(
+    cache: str, eviction: str, n: int, num_prefixes: int, prefix_len: int, suffix_len: int, seed: int
+) -> dict:
+    """n requests served one by one on a pool of about half the prefixes: every step evicts."""
+    _, requests = build(cache, n, num_prefixes, prefix_len, suffix_len, seed)
+    ps = 16 if cache == "hash" else 1
+    kv = create_kv_cache_manager(
+        cache, (num_prefixes // 2 + 1) * (prefix_len + suffix_len) // ps + 1, ps, eviction=eviction
+    )
+    evicting = total = 0.0
+    for req in requests:
+        t0 = time.perf_counter()
+        cached = kv.lookup(req)
+        t1 = time.perf_counter()
+        assert admit_request(kv, req, req.num_tokens - cached, cached)
+        t2 = time.perf_counter()
+        req.num_computed_tokens = req.num_tokens
+        kv.commit(req)
+        t3 = time.perf_counter()
+        kv.free(req)
+        t4 = time.perf_counter()
+        evicting += (t2 - t1) + (t4 - t3)
+        total += t4 - t0
+    evicted = kv.stats.evicted_pages
+    return {
+        "cache": cache,
+        "eviction": eviction,
+        "requests": n,
+        "evicted_pages": evicted,
+        "hit_rate": kv.stats.hit_rate,
+        "alloc_free_us_per_request": evicting / n * 1e6,
+        "alloc_free_us_per_evicted_page": evicting / evicted * 1e6 if evicted else 0.0,
+        "request_us": total / n * 1e6,
+    }
+
+
 def time_order(policy, waiting, kv, step: int) -> float:
     t0 = time.perf_counter()
     policy.order(waiting, kv, step)
@@ -71,16 +112,19 @@ def register(subparsers) -> None:
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--evictions", default=",".join(EVICTION_POLICIES), help="eviction policies to time (empty: none)")
+    p.add_argument("--eviction-requests", type=int, default=1024, help="requests per eviction timing")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> dict:
     from prefixkv.bench.common import print_table
 
-    results = {
-        "mode": "real time of policy.order(), no model",
+    results: dict = {
+        "mode": "real time of policy.order() and of eviction, no model",
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "cases": [],
+        "eviction_cases": [],
     }
     rows = []
     for cache in [c.strip() for c in args.caches.split(",") if c.strip()]:
@@ -110,6 +154,38 @@ def run(args: argparse.Namespace) -> dict:
         rows,
         title=f"schedule-cost: policy.order() with prefixes of {args.prefix_len} tokens",
     )
+    rows = []
+    for cache in [c.strip() for c in args.caches.split(",") if c.strip()]:
+        for eviction in [e.strip() for e in args.evictions.split(",") if e.strip()]:
+            case = eviction_cost(
+                cache,
+                eviction,
+                args.eviction_requests,
+                args.num_prefixes,
+                args.prefix_len,
+                args.suffix_len,
+                args.seed,
+            )
+            results["eviction_cases"].append(case)
+            rows.append(
+                [
+                    cache,
+                    eviction,
+                    case["evicted_pages"],
+                    case["hit_rate"],
+                    case["alloc_free_us_per_request"],
+                    case["alloc_free_us_per_evicted_page"],
+                    case["request_us"],
+                ]
+            )
+    if rows:
+        print()
+        print_table(
+            ["cache", "eviction", "evicted pages", "hit rate", "alloc+free us/req", "us/evicted page", "us/req"],
+            rows,
+            title=f"schedule-cost: eviction, {args.eviction_requests} requests served one at a time on a pool of "
+            "about half the prefixes",
+        )
     return results
 
 

@@ -1,9 +1,12 @@
 """`prefixkv bench serve`: drive any OpenAI-compatible server with streaming chat requests and measure it.
 
-Two workloads where prefix caching matters:
+Three workloads where prefix caching matters:
   system-prompt  every request shares one long system prompt and asks its own short question
   multi-turn     conversations that resend their growing history each turn (TTFT per turn shows whether
                  the history is recomputed)
+  --trace FILE   a production trace (Mooncake, Qwen-Bailian) rescaled by prefixkv.sim.traces and replayed at its
+                 wall-clock arrival times (open loop) as token-id prompts to /v1/completions, so the server's
+                 cache sees exactly the prefixes the trace shares
 Measured from the client side, over SSE: TTFT (request sent -> first content), time per output token after
 the first, end-to-end latency, output throughput, and the cached prompt tokens the server reports in
 usage.prompt_tokens_details (prefixkv and vLLM do; others report nothing and the field stays 0).
@@ -18,9 +21,14 @@ import math
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import httpx
+
+from prefixkv.sim.bounds import unbounded_hit_tokens
+from prefixkv.sim.traces import FORMATS, ScaledRequest, Trace, TraceScaling, load_trace, scale_trace
+
+DEFAULT_CONCURRENCY = 8
 
 _WORDS = (
     "time person year way day thing man world life hand part child eye woman place work week case point "
@@ -118,6 +126,87 @@ async def stream_chat(client: httpx.AsyncClient, s: Settings, messages: list[dic
     return result
 
 
+async def stream_completion(
+    client: httpx.AsyncClient, s: Settings, prompt: list[int], max_tokens: int, start: float | None = None
+) -> RequestResult:
+    """One streamed /v1/completions request with a token-id prompt; TTFT counts from `start` (the moment the
+    request was due, so a client-side wait counts too) up to the first generated token's event."""
+    body = {
+        "model": s.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": s.ignore_eos,
+    }
+    start = time.perf_counter() if start is None else start
+    result = RequestResult(ok=False)
+    events = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, timeout=s.timeout) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = str(event["error"])
+                    return result
+                if event.get("choices"):  # one event per generated token (its text may still be empty)
+                    if not events:
+                        result.ttft = time.perf_counter() - start
+                    events += 1
+                usage = event.get("usage")
+                if usage:
+                    result.prompt_tokens = usage.get("prompt_tokens") or 0
+                    result.output_tokens = usage.get("completion_tokens") or 0
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens") or 0
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or events
+    result.ok = True
+    return result
+
+
+async def _trace_workload(client, s: Settings, args, requests: list[ScaledRequest]) -> list[RequestResult]:
+    """Open loop: each request is sent at its (scaled) arrival time, whatever is still running; --concurrency,
+    if given, caps the requests in flight, and a request held back by it counts its wait in its TTFT."""
+    sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+    t0 = time.perf_counter()
+
+    async def one(req: ScaledRequest) -> RequestResult:
+        due = t0 + req.arrival_s
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        if sem is None:
+            return await stream_completion(client, s, req.prompt_tokens(), req.output_len, start=due)
+        async with sem:
+            return await stream_completion(client, s, req.prompt_tokens(), req.output_len, start=due)
+
+    return await asyncio.gather(*(one(r) for r in requests))
+
+
+def load_trace_slice(args) -> tuple[Trace, TraceScaling, list[ScaledRequest]]:
+    trace = load_trace(args.trace, args.trace_format)
+    scaling = TraceScaling(
+        tokens_per_block=args.tokens_per_block,
+        time_scale=args.time_scale,
+        output_scale=args.output_scale,
+        max_requests=args.max_requests,
+        start_s=args.trace_start,
+        duration_s=args.trace_duration,
+    )
+    return trace, scaling, scale_trace(trace, scaling, seed=args.seed)
+
+
 async def _system_prompt_workload(client, s: Settings, args) -> list[RequestResult]:
     system = filler_text(args.system_prompt_tokens, seed=args.seed)
     sem = asyncio.Semaphore(args.concurrency)
@@ -155,15 +244,15 @@ async def _multi_turn_workload(client, s: Settings, args) -> list[RequestResult]
 
 
 def _dist(values: list[float], scale: float = 1000.0) -> dict:
-    """mean / p50 / p99 in milliseconds (nearest-rank percentiles)."""
+    """mean / p50 / p90 / p99 in milliseconds (nearest-rank percentiles)."""
     if not values:
-        return {"mean": None, "p50": None, "p99": None}
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
     v = sorted(values)
 
     def pct(p: float) -> float:
         return v[max(0, math.ceil(p / 100 * len(v)) - 1)] * scale
 
-    return {"mean": statistics.fmean(v) * scale, "p50": pct(50), "p99": pct(99)}
+    return {"mean": statistics.fmean(v) * scale, "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -211,6 +300,10 @@ async def run_async(args: argparse.Namespace) -> dict:
     base = args.base_url.rstrip("/")
     if base.endswith("/v1"):
         base = base[:-3]
+    if args.trace:
+        return await _replay_trace(args, base, headers)
+    if args.concurrency is None:
+        args.concurrency = DEFAULT_CONCURRENCY
     limits = httpx.Limits(max_connections=args.concurrency + 2, max_keepalive_connections=args.concurrency + 2)
     async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=args.timeout) as client:
         model = args.model or await _resolve_model(client)
@@ -239,16 +332,60 @@ async def run_async(args: argparse.Namespace) -> dict:
     return summary
 
 
+async def _replay_trace(args: argparse.Namespace, base: str, headers: dict) -> dict:
+    try:
+        trace, scaling, requests = load_trace_slice(args)
+    except (OSError, ValueError) as e:  # TraceFormatError is a ValueError; the message names file, line, field
+        raise SystemExit(f"prefixkv bench serve: {e}") from None
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=args.timeout) as client:
+        model = args.model or await _resolve_model(client)
+        # ignore_eos always: the trace fixes every output length
+        s = Settings(base, model, args.api_key, 0, True, args.timeout)
+        start = time.perf_counter()
+        results = await _trace_workload(client, s, args, requests)
+        duration = time.perf_counter() - start
+    summary = summarize(results, duration)
+    summary["scaling"] = scaling.describe(trace.block_size)
+    summary["config"] = {
+        "base_url": args.base_url,
+        "workload": "trace",
+        "trace": trace.path,
+        "trace_format": trace.format,
+        "trace_requests": len(trace.requests),
+        "scaling": asdict(scaling),
+        "concurrency": args.concurrency,
+        "ignore_eos": True,
+        "seed": args.seed,
+        "model": model,
+    }
+    summary["expected_prompt_tokens"] = sum(r.prompt_len for r in requests)
+    summary["expected_output_tokens"] = sum(r.output_len for r in requests)
+    bound = unbounded_hit_tokens(requests, args.bound_page_size)
+    summary["unbounded_hit_rate"] = bound.rate  # what an infinite cache, cold at the start, could hit
+    summary["bound_page_size"] = args.bound_page_size
+    return summary
+
+
 def run(args: argparse.Namespace) -> dict:
     summary = asyncio.run(run_async(args))
     t = summary["ttft_ms"]
+    if "scaling" in summary:
+        print(f"trace {summary['config']['trace']} ({summary['config']['trace_format']}): {summary['scaling']}")
+    hit = summary["cached_fraction"]
     print(
         f"{summary['num_ok']}/{summary['num_requests']} ok in {summary['duration_s']:.1f} s; "
-        f"TTFT mean {_ms(t['mean'])} p50 {_ms(t['p50'])} p99 {_ms(t['p99'])}; "
+        f"TTFT mean {_ms(t['mean'])} p50 {_ms(t['p50'])} p90 {_ms(t['p90'])} p99 {_ms(t['p99'])}; "
         f"TPOT mean {_ms(summary['tpot_ms']['mean'])}; "
         f"{summary['output_throughput_tok_s'] or 0:.1f} output tok/s; "
-        f"cached {summary['cached_tokens']}/{summary['prompt_tokens']} prompt tokens"
+        f"cached {summary['cached_tokens']}/{summary['prompt_tokens']} prompt tokens "
+        f"(hit rate {'n/a' if hit is None else f'{hit:.1%}'})"
     )
+    if "unbounded_hit_rate" in summary:
+        print(
+            f"unbounded-cache hit rate of this slice at {summary['bound_page_size']}-token pages: "
+            f"{summary['unbounded_hit_rate']:.1%} (a cold cache, compulsory misses only; docs/traces.md)"
+        )
     return summary
 
 
@@ -290,7 +427,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000 (a /v1 suffix is fine)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument("--workload", choices=("system-prompt", "multi-turn"), default="system-prompt")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help=f"requests in flight (default {DEFAULT_CONCURRENCY}; a --trace replay is open loop unless given)",
+    )
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--system-prompt-tokens", type=int, default=2048, help="approximate (words)")
     p.add_argument("--output-tokens", type=int, default=32)
@@ -299,7 +441,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos so every answer is full length")
     p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="also picks the token runs a trace's hash ids map to")
+    t = p.add_argument_group("trace replay (docs/traces.md)")
+    t.add_argument("--trace", default=None, help="replay this trace file instead of a synthetic --workload")
+    t.add_argument("--trace-format", choices=tuple(FORMATS), default=None, help="default: detected")
+    t.add_argument("--tokens-per-block", type=int, default=None, help="default: the trace's own block size")
+    t.add_argument("--time-scale", type=float, default=1.0, help="multiplies arrival times (2 = half the load)")
+    t.add_argument("--output-scale", type=float, default=None, help="default: the prompts' scale factor")
+    t.add_argument("--max-requests", type=int, default=None, help="the first N requests of the window")
+    t.add_argument("--trace-start", type=float, default=0.0, help="window start, trace seconds")
+    t.add_argument("--trace-duration", type=float, default=None, help="window length, trace seconds")
+    t.add_argument(
+        "--bound-page-size", type=int, default=16, help="the server's page size, for the unbounded hit rate printed"
+    )
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ import time
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.sim.simulator import SimRequest, make_policy, simulate, summarize_run
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "bounded-lpm")
+POLICIES = ("fcfs", "lpm", "dfs-weight", "bounded-lpm", "k-lpm")
 SIMULATED = "simulated: real scheduler and KV manager, no model; step time = overhead + per-token cost model"
 
 

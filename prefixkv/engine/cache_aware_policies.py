@@ -1,13 +1,15 @@
-"""Scheduling policies that look at the prefix cache: lpm, dfs-weight (both from SGLang) and bounded-lpm (ours).
+"""Scheduling policies that look at the prefix cache: lpm, dfs-weight (both from SGLang), bounded-lpm (ours) and
+k-lpm.
 
-All three work with any KV manager through `kv.lookup`; dfs-weight also needs the identity of the cached prefix
+All of them work with any KV manager through `kv.lookup`; dfs-weight also needs the identity of the cached prefix
 (`kv.prefix_path`: tree nodes on the radix cache, block keys on the hash cache) and degrades to FCFS without a
 cache.
 
 Why order at all: with a pool that holds one hot prefix, FCFS alternates between groups and evicts each prefix
 just before it is needed again (thrashing). Serving the requests that hit first keeps the hot prefix resident.
 LPM's flaw is starvation: a request whose prefix is cold is passed over as long as hot requests keep coming.
-bounded-lpm keeps LPM's order but no request waits more than `max_wait_steps` steps behind it.
+bounded-lpm keeps LPM's order but no request waits more than `max_wait_steps` steps behind it; k-lpm gives every
+k-th place to the oldest waiting request.
 """
 
 from __future__ import annotations
@@ -131,6 +133,52 @@ class BoundedLPMPolicy(LPMPolicy):
         return out
 
 
+class KLPMPolicy(LPMPolicy):
+    """k-LPM: the order is made of groups of k, each the oldest waiting request not yet placed followed by the
+    k-1 others with the longest cached prefix (ties: queue order). Oldest means first in the waiting queue, as
+    FCFS sees it (arrival order, preempted requests in front). k=1 is FCFS; a large k approaches LPM.
+
+    A bound on overtaking counted in places, not steps: every group takes one request older than all the others
+    left, so a request with p requests ahead of it in the queue is placed within the first p+1 groups however
+    many newer requests hit the cache, and the queue's oldest request is always first. Unlike bounded-lpm, the
+    oldest request goes first even when it is cold, so a backlog of old cold requests admits one of them per k
+    admissions and the rest by prefix.
+
+    Cost: one lookup per request (memoised by the caches) and one sort by hit: O(n log n), then one pass."""
+
+    name = "k-lpm"
+
+    def __init__(self, k: int = 4, fallback_threshold: int | None = None) -> None:
+        super().__init__(fallback_threshold)
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.k = k
+
+    def order(self, waiting, kv, step):
+        if self.k == 1 or len(waiting) <= 1 or self._fallback(waiting):
+            return list(waiting)
+        n = len(waiting)
+        hit = [kv.lookup(r) for r in waiting]
+        by_hit = iter(sorted(range(n), key=hit.__getitem__, reverse=True))  # stable: ties keep queue order
+        placed = bytearray(n)
+        out: list[Request] = []
+        oldest = 0
+        while len(out) < n:
+            while placed[oldest]:
+                oldest += 1
+            placed[oldest] = 1
+            out.append(waiting[oldest])
+            room = min(self.k - 1, n - len(out))
+            for i in by_hit if room else ():  # the longest hits not placed yet, each looked at once
+                if not placed[i]:
+                    placed[i] = 1
+                    out.append(waiting[i])
+                    room -= 1
+                    if not room:
+                        break
+        return out
+
+
 def create(config: EngineConfig) -> SchedulingPolicy:
     name = config.schedule_policy
     if name == "lpm":
@@ -139,4 +187,6 @@ def create(config: EngineConfig) -> SchedulingPolicy:
         return DFSWeightPolicy()
     if name == "bounded-lpm":
         return BoundedLPMPolicy(config.max_wait_steps, config.lpm_fallback_threshold)
+    if name == "k-lpm":
+        return KLPMPolicy(config.lpm_k, config.lpm_fallback_threshold)
     raise ValueError(f"not a cache-aware policy: {name!r}")

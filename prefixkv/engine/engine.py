@@ -109,7 +109,7 @@ class Engine:
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
         self.kv = create_kv_cache_manager(
-            config.prefix_cache, runner.num_pages, runner.page_size, config.prefix_caching_hash_algo
+            config.prefix_cache, runner.num_pages, runner.page_size, config.prefix_caching_hash_algo, config.eviction
         )
         self.policy = create_policy(config)
         self.scheduler = Scheduler(config, self.kv, self.policy)

@@ -3,17 +3,23 @@ interface) imports none of them."""
 
 from __future__ import annotations
 
+from prefixkv.kvcache.eviction import make_eviction_policy
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.kvcache.no_cache import NoPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 
 
-def create_kv_cache_manager(kind: str, num_pages: int, page_size: int, hash_algo: str = "sha256") -> KVCacheManager:
+def create_kv_cache_manager(
+    kind: str, num_pages: int, page_size: int, hash_algo: str = "sha256", eviction: str = "lru"
+) -> KVCacheManager:
+    """eviction: one of eviction.EVICTION_POLICIES (ValueError otherwise); with caching off nothing is cached,
+    so it is checked and then has nothing to choose."""
+    make_eviction_policy(eviction)
     if kind == "off":
         return NoPrefixCache(num_pages, page_size)
     if kind == "hash":
-        return HashPrefixCache(num_pages, page_size, hash_algo=hash_algo)
+        return HashPrefixCache(num_pages, page_size, hash_algo=hash_algo, eviction=eviction)
     if kind == "radix":
-        return RadixPrefixCache(num_pages, page_size)
+        return RadixPrefixCache(num_pages, page_size, eviction=eviction)
     raise ValueError(f"prefix_cache must be one of 'hash', 'radix', 'off', got {kind!r}")

@@ -12,7 +12,20 @@ from collections.abc import Iterator
 class Block:
     """One page of the pool, created once at start. ref_cnt > 0 means some request uses it."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "cache_salt", "prev_free", "next_free")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "cache_salt",
+        "prev_free",
+        "next_free",
+        "parent_hash",
+        "position",
+        "hits",
+        "last_access",
+        "release_age",
+        "heap_seq",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -21,6 +34,13 @@ class Block:
         self.cache_salt: str | None = None  # the namespace (tenant) of the cached KV, for a per-tenant reset
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
+        # set while cached, for eviction policies other than LRU (they need the chain's shape and the block's use)
+        self.parent_hash: bytes | None = None  # the key of the block before it in its chain (ROOT_KEY for the first)
+        self.position = 0  # tokens before it in its sequence
+        self.hits = 0  # admissions that took it as part of their cache hit
+        self.last_access = 0  # logical time of the release that freed it (the cache's release clock)
+        self.release_age = 0.0  # the eviction policy's age at that release (what its priority starts from)
+        self.heap_seq = 0  # its current entry in the eviction heap (older entries are stale)
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -55,6 +75,10 @@ class FreeBlockQueue:
         block.prev_free = self._head
         self._head.next_free = block
         self.num_free += 1
+
+    def first(self) -> Block | None:
+        block = self._head.next_free
+        return None if block is self._tail else block
 
     def popleft(self) -> Block:
         block = self._head.next_free

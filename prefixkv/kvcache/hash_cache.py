@@ -4,6 +4,11 @@ Every page of the pool is a preallocated Block. A full block whose tokens have b
 hashing.py) and goes into one flat map key -> block. A new request walks its chain of keys from block 0 and
 stops at the first miss; the hit blocks are shared (ref_cnt) instead of recomputed. Freed blocks keep their key
 and sit in the free queue, least recently used at the head; allocation takes the head and evicts its key then.
+
+Other eviction policies (eviction.py) keep the free queue for its O(1) accounting and hit removal, uncached blocks
+at its head, and choose among cached free blocks with a heap of chain tails: blocks whose key no cached block
+names as its parent. Evicting anything else would strand cached blocks no lookup can reach, so a child count per
+key tells a tail; evicting a tail can make its parent one.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prefixkv.kvcache.eviction import EvictionHeap, make_eviction_policy
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
 from prefixkv.kvcache.hashing import HASH_FUNCTIONS, ROOT_KEY, block_extra_keys, hash_block
 from prefixkv.kvcache.manager import KVCacheManager
@@ -41,7 +47,7 @@ class HashPrefixCache(KVCacheManager):
     name = "hash"
     caching = True  # NoPrefixCache turns this off and keeps the same block pool
 
-    def __init__(self, num_pages: int, page_size: int = 16, hash_algo: str = "sha256") -> None:
+    def __init__(self, num_pages: int, page_size: int = 16, hash_algo: str = "sha256", eviction: str = "lru") -> None:
         super().__init__(num_pages, page_size)
         if hash_algo not in HASH_FUNCTIONS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_FUNCTIONS)}, got {hash_algo!r}")
@@ -53,6 +59,12 @@ class HashPrefixCache(KVCacheManager):
         self._held: dict[str, _Held] = {}  # by request id, from allocate to free
         self._keys: dict[str, _Keys] = {}  # by request id, from the first lookup to free
         self.num_evictions = 0  # keys only leave the map on eviction: a memoised match stays valid until then
+        self.eviction = make_eviction_policy(eviction)
+        # LRU: the free queue's order. Other policies: cached free chain tails by priority, and per key the number
+        # of cached blocks that continue it (a key with none ends its chain)
+        self._tails: EvictionHeap[Block] | None = None if self.eviction.name == "lru" else EvictionHeap()
+        self._num_children: dict[bytes, int] = {}
+        self._release_clock = 0  # counts free() calls: the last_access the policy sees
 
     # -- keys ----------------------------------------------------------------------------------------------
     def _keys_of(self, request: Request) -> _Keys:
@@ -67,8 +79,9 @@ class HashPrefixCache(KVCacheManager):
         bs = self.page_size
         tokens = request.token_ids
         parent = hashes[-1] if hashes else ROOT_KEY
+        plain = request.lora_id is None and request.cache_salt is None and not request.mm_hashes
         for i in range(len(hashes), num_blocks):
-            extra = block_extra_keys(i, bs, request.lora_id, request.cache_salt, request.mm_hashes)
+            extra = () if plain else block_extra_keys(i, bs, request.lora_id, request.cache_salt, request.mm_hashes)
             parent = hash_block(self._hash_fn, parent, tokens[i * bs : (i + 1) * bs], extra)
             hashes.append(parent)
         return hashes
@@ -122,9 +135,10 @@ class HashPrefixCache(KVCacheManager):
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
+            b.hits += 1
         blocks.extend(hit_blocks)
         for _ in range(max(0, num_new_blocks)):
-            b = self.free_queue.popleft()
+            b = self._take_free_block()
             self._evict(b)
             b.ref_cnt = 1
             blocks.append(b)
@@ -143,9 +157,16 @@ class HashPrefixCache(KVCacheManager):
         for i in range(start, num_full):
             key = keys[i]
             if key not in self.cached:  # else another request computed the same block first; ours stays private
-                held.blocks[i].block_hash = key
-                held.blocks[i].cache_salt = request.cache_salt
-                self.cached[key] = held.blocks[i]
+                block = held.blocks[i]
+                block.block_hash = key
+                block.cache_salt = request.cache_salt
+                block.hits = 0
+                self.cached[key] = block
+                if self._tails is not None:
+                    block.position = i * self.page_size
+                    block.parent_hash = parent = keys[i - 1] if i else None
+                    if parent is not None:
+                        self._num_children[parent] = self._num_children.get(parent, 0) + 1
         held.num_committed = num_full
 
     def free(self, request: Request) -> None:
@@ -153,6 +174,9 @@ class HashPrefixCache(KVCacheManager):
         held = self._held.pop(request.request_id, None)
         if held is None:
             return
+        tails = self._tails
+        if tails is not None:
+            self._release_clock += 1
         for b in reversed(held.blocks):  # tail first: chain ends are evicted before shared beginnings
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
@@ -160,6 +184,39 @@ class HashPrefixCache(KVCacheManager):
                     self.free_queue.appendleft(b)  # holds nothing reusable: hand it out before any cached block
                 else:
                     self.free_queue.append(b)
+                    if tails is not None:
+                        b.last_access, b.release_age = self._release_clock, self.eviction.age
+                        if b.block_hash not in self._num_children:
+                            self._push_tail(b)
+
+    # -- eviction ------------------------------------------------------------------------------------------
+    def _take_free_block(self) -> Block:
+        """The block the next allocation gets. LRU: the free queue's head. Other policies: an uncached block while
+        there is one (they sit at the head), else the chain tail the policy ranks lowest, else (every cached free
+        block is continued by a block a running request holds) the least recently freed."""
+        tails = self._tails
+        if tails is None:
+            return self.free_queue.popleft()
+        head = self.free_queue.first()
+        if head is not None and head.block_hash is not None:
+            entry = tails.pop(self._is_free_tail)
+            if entry is not None:
+                priority, head = entry
+                self.eviction.evicted(priority)
+        if head is None:
+            raise IndexError("no free blocks")
+        self.free_queue.remove(head)
+        return head
+
+    def _is_free_tail(self, block: Block) -> bool:
+        return block.ref_cnt == 0 and block.block_hash is not None and block.block_hash not in self._num_children
+
+    def _push_tail(self, block: Block) -> None:
+        assert self._tails is not None
+        priority = self.eviction.priority(
+            block.release_age, block.last_access, block.hits, block.position, self.page_size
+        )
+        self._tails.push(block, priority, block.last_access)
 
     def _evict(self, block: Block) -> None:
         key = block.block_hash
@@ -168,14 +225,31 @@ class HashPrefixCache(KVCacheManager):
                 del self.cached[key]
                 self.num_evictions += 1
                 self.stats.evicted_pages += 1
+                if self._tails is not None and block.parent_hash is not None:
+                    self._forget_child(block.parent_hash)
             block.block_hash = None
+
+    def _forget_child(self, parent: bytes) -> None:
+        """One cached block continuing `parent` went; with none left, the parent's block (if cached and free)
+        ends its chain now and can be evicted."""
+        left = self._num_children[parent] - 1
+        if left:
+            self._num_children[parent] = left
+            return
+        del self._num_children[parent]
+        block = self.cached.get(parent)
+        if block is not None and block.ref_cnt == 0:
+            self._push_tail(block)
 
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         """Drop every cached block no request holds (only those whose cache_salt passes salt_filter, when
         given); True when nothing of that is left cached."""
-        for b in self.free_queue:
+        for b in list(self.free_queue):
             if salt_filter is None or (b.block_hash is not None and salt_filter(b.cache_salt)):
                 self._evict(b)
+                if self._tails is not None:  # other policies keep uncached free blocks at the head
+                    self.free_queue.remove(b)
+                    self.free_queue.appendleft(b)
         if salt_filter is None:
             return not self.cached
         return not any(salt_filter(b.cache_salt) for b in self.cached.values())
@@ -186,6 +260,7 @@ class HashPrefixCache(KVCacheManager):
         out.update(
             block_size=self.page_size,
             hash_algo=self.hash_algo,
+            eviction=self.eviction.name if self.caching else None,
             cached_blocks=len(self.cached),
             cached_tokens=len(self.cached) * self.page_size,
             evictable_blocks=sum(1 for b in self.free_queue if b.block_hash is not None) if self.caching else 0,
@@ -215,9 +290,26 @@ class HashPrefixCache(KVCacheManager):
             assert b.block_hash == key, f"cached key maps to {b!r} whose key differs"
         for held in self._held.values():
             assert held.page_ids == [b.block_id for b in held.blocks], "page ids drifted from blocks"
+        if self._tails is not None:
+            self._check_tails(free)
         holders: dict[int, int] = {}
         for held in self._held.values():
             for b in held.blocks:
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
         for b in self.blocks:
             assert holders.get(b.block_id, 0) == b.ref_cnt, f"{b!r} ref_cnt != number of requests holding it"
+
+    def _check_tails(self, free: list[Block]) -> None:
+        """Child counts match the cached blocks, uncached free blocks come first, every free tail is in the heap."""
+        counts: dict[bytes, int] = {}
+        for b in self.cached.values():
+            if b.parent_hash is not None:
+                counts[b.parent_hash] = counts.get(b.parent_hash, 0) + 1
+        assert counts == self._num_children, "child counts drifted from the cached blocks"
+        cached_seen = False
+        for b in free:
+            assert b.block_hash is not None or not cached_seen, "an uncached free block behind a cached one"
+            cached_seen = cached_seen or b.block_hash is not None
+        assert self._tails is not None
+        in_heap = {id(b) for _, b in self._tails.current(self._is_free_tail)}
+        assert all(id(b) in in_heap for b in free if self._is_free_tail(b)), "a free chain tail is not in the heap"

@@ -65,7 +65,8 @@ def hash_block(
     hash_fn: Callable[[bytes], bytes], parent_key: bytes, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
 ) -> bytes:
     tokens = _token_bytes(token_ids)
-    return hash_fn(parent_key + struct.pack("<I", len(token_ids)) + tokens + _extra_bytes(extra_keys))
+    extra = _extra_bytes(extra_keys) if extra_keys else b""  # most blocks have none: skip the work
+    return hash_fn(parent_key + struct.pack("<I", len(token_ids)) + tokens + extra)
 
 
 def hash_prompt_blocks(

@@ -35,6 +35,8 @@ class _LookupMemo(NamedTuple):
     hit: int
     node: RadixNode | None  # deepest node matched in full (None: no root for the namespace)
     start: int  # depth of `node`
+    end_page: int  # node's last page then (-1: a root): one that grew in place has a new last page, a split
+    # keeps it (the lower part keeps the tail), so an unchanged last page means the node still ends at `start`
     inside: RadixNode | None  # the child the match stopped inside, if it did
 
 
@@ -58,9 +60,9 @@ class _RequestState:
 class RadixPrefixCache(KVCacheManager):
     name = "radix"
 
-    def __init__(self, num_pages: int, page_size: int = 1) -> None:
+    def __init__(self, num_pages: int, page_size: int = 1, eviction: str = "lru") -> None:
         super().__init__(num_pages, page_size)
-        self.tree = RadixTree(page_size)
+        self.tree = RadixTree(page_size, eviction)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._requests: dict[str, _RequestState] = {}  # by request id, from allocate to free
         self._lookups: dict[str, _Keys] = {}  # by request id, from the first lookup to free
@@ -97,7 +99,8 @@ class RadixPrefixCache(KVCacheManager):
         the deepest node it matched in full, so it resumes there instead of at the root; if it stopped inside
         a child that is still that node's child (not split, so no branch was added inside it), the answer
         stands. Between two engine steps, which mostly insert, re-ordering a long queue then costs a dict
-        probe per request instead of re-comparing long prefixes."""
+        probe per request instead of re-comparing long prefixes. If that node has grown in place since (its
+        last page changed), it no longer ends where the match did: the match starts over at the root."""
         limit = request.num_tokens - 1
         if limit <= 0:
             return 0
@@ -110,6 +113,8 @@ class RadixPrefixCache(KVCacheManager):
             node, start, inside = memo.node, memo.start, memo.inside
             if start == 0:  # the namespace root may have been dropped and made again
                 node = tree.roots.get(self._namespace(request))
+            elif node is not None and node.pages[-1] != memo.end_page:
+                node, start, inside = tree.roots.get(self._namespace(request)), 0, None
         else:
             node, start, inside = tree.roots.get(self._namespace(request)), 0, None
         keys = self._keys(request)
@@ -126,7 +131,8 @@ class RadixPrefixCache(KVCacheManager):
             path, hit, node, start = tree.walk(node, keys, start, limit)
             if hit > start:
                 inside = path[-1]
-        known.memo = _LookupMemo(tree.evict_version, limit, tree.version, hit, node, start, inside)
+        end_page = node.pages[-1] if node is not None and node.pages else -1
+        known.memo = _LookupMemo(tree.evict_version, limit, tree.version, hit, node, start, end_page, inside)
         return hit
 
     def prefix_path(self, request: Request) -> list:
@@ -249,6 +255,7 @@ class RadixPrefixCache(KVCacheManager):
         out = super().summary()
         tree = self.tree
         out.update(
+            eviction=tree.eviction.name,
             nodes=tree.num_nodes,
             namespaces=len(tree.roots),
             cached_tokens=tree.evictable_tokens + tree.protected_tokens,
@@ -381,10 +388,12 @@ class RadixPrefixCache(KVCacheManager):
         assert count == tree.num_nodes, f"node counter {tree.num_nodes} != {count}"
         assert evictable == tree.evictable_tokens, f"evictable counter {tree.evictable_tokens} != {evictable}"
         assert protected == tree.protected_tokens, f"protected counter {tree.protected_tokens} != {protected}"
-        entries = tree.evictable_leaf_entries()
+        entries = tree.evictable_leaf_priorities()
         for node in tree.nodes():
             if node.lock_ref == 0 and not node.children:
-                assert (id(node), node.last_access) in entries, "evictable leaf missing from the LRU heap"
+                assert id(node) in entries, "evictable leaf missing from the eviction heap"
+                if tree.eviction.name == "lru":
+                    assert entries[id(node)] == node.last_access, "stale LRU heap entry"
         for rid, state in self._requests.items():
             assert state.committed % ps == 0 and state.committed == tree.depth(state.node), "committed != node depth"
             assert state.node.parent is not None or tree.roots.get(state.node.namespace) is state.node, "node evicted"

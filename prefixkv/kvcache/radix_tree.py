@@ -3,27 +3,41 @@
 Each node holds a run of tokens and the ids of the pages holding their KV; a child is keyed by its first token
 (its first page's token tuple when page_size > 1), so siblings never share a first page and a lookup is one dict
 probe per node. Everything is page aligned: a node's run is a whole number of pages, so a page is never shared
-between two nodes and a match covers whole pages only.
+between two nodes and a match covers whole pages only. Tokens a request computes after its own unshared leaf
+extend that leaf in place, so a request decoding 1,000 tokens adds one node, not one per page.
 
 Lifetime: a request that uses a prefix holds a lock reference on every node from its deepest node up to the
-namespace root. Unlocked nodes are evictable, leaves first, least recently used first (a lazy heap); evicting
-a parent's last child makes the parent an evictable leaf. Counters of evictable and protected tokens are kept
-up to date on every lock change, so a free-page count never scans the tree.
+namespace root. Unlocked nodes are evictable, leaves only, in the order of the eviction policy (eviction.py;
+least recently used by default) kept in a lazy heap; evicting a parent's last child makes the parent an evictable
+leaf. Counters of evictable and protected tokens are kept up to date on every lock change, so a free-page count
+never scans the tree.
 
 The tree knows nothing about requests or the free list: eviction hands freed page ids back to the caller.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Hashable, Iterator, Sequence
+
+from prefixkv.kvcache.eviction import EvictionHeap, make_eviction_policy
 
 Namespace = Hashable  # (lora_id, cache_salt): separate roots, so tenants never match each other
 
 
 class RadixNode:
-    __slots__ = ("tokens", "pages", "children", "parent", "lock_ref", "last_access", "hits", "namespace")
+    __slots__ = (
+        "tokens",
+        "pages",
+        "children",
+        "parent",
+        "lock_ref",
+        "last_access",
+        "hits",
+        "namespace",
+        "release_age",
+        "heap_seq",
+    )
 
     def __init__(self, tokens: list, pages: list[int], parent: RadixNode | None, namespace: Namespace) -> None:
         self.tokens = tokens  # the token run this edge adds (len == len(pages) * page_size)
@@ -34,6 +48,8 @@ class RadixNode:
         self.last_access = 0  # logical clock of the last lock/unlock through here (LRU)
         self.hits = 0  # admissions whose cache hit passed through here
         self.namespace = namespace
+        self.release_age = 0.0  # the eviction policy's age at last_access (what its priority starts from)
+        self.heap_seq = 0  # the node's current entry in the eviction heap (older entries are stale)
 
     def __repr__(self) -> str:
         head = self.tokens[:4]
@@ -58,7 +74,7 @@ def common_prefix_len(run: Sequence, seq: Sequence, start: int, end: int) -> int
 
 
 class RadixTree:
-    def __init__(self, page_size: int = 1) -> None:
+    def __init__(self, page_size: int = 1, eviction: str = "lru") -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
@@ -66,11 +82,11 @@ class RadixTree:
         self.evictable_tokens = 0  # tokens in unlocked nodes (all of them evictable, leaves first)
         self.protected_tokens = 0  # tokens in locked nodes
         self.num_nodes = 0  # excluding roots
-        self.version = 0  # bumped whenever a match result can change (insert, evict); lookups memoise on it
+        self.version = 0  # bumped whenever a match result can change (insert, grow, evict); lookups memoise on it
         self.evict_version = 0  # bumped when cached tokens go: only then can a match shrink
         self._clock = itertools.count(1)
-        self._seq = itertools.count()
-        self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, seq, leaf); stale entries skipped
+        self.eviction = make_eviction_policy(eviction)
+        self._evictable: EvictionHeap[RadixNode] = EvictionHeap()  # unlocked leaves; stale entries skipped
 
     # -- keys and roots ------------------------------------------------------------------------------------
     def key(self, tokens: Sequence, i: int) -> Hashable:
@@ -110,7 +126,7 @@ class RadixTree:
         """Continue a match from `node`, which ends at token i. Returns the nodes entered, the match length, and
         the deepest node matched in full with the token where it ends. Without evictions that node stays in
         the tree (splits keep the lower part's identity and end), so a later match can resume there: only
-        insertions below it can make the match longer."""
+        insertions below it, or its own growth in place (its run gets longer), can make the match longer."""
         limit -= limit % self.page_size
         path: list[RadixNode] = []
         full, full_end = node, i
@@ -152,6 +168,7 @@ class RadixTree:
         assert parent is not None, "a root is never split"
         upper = RadixNode(node.tokens[:n], node.pages[: n // self.page_size], parent, node.namespace)
         upper.lock_ref, upper.last_access, upper.hits = node.lock_ref, node.last_access, node.hits
+        upper.release_age = node.release_age
         node.tokens = node.tokens[n:]
         node.pages = node.pages[n // self.page_size :]
         parent.children[self.key(upper.tokens, 0)] = upper
@@ -165,12 +182,15 @@ class RadixTree:
         self, node: RadixNode, tokens: Sequence, start: int, end: int, pages: list[int]
     ) -> tuple[RadixNode, list[int]]:
         """Add tokens[start:end] (KV in `pages`) below `node`, which ends at token `start` and is locked by the
-        caller. Returns the new deepest node, now locked in place of `node` (the lock moves down), and the
-        tree's page ids for the range: where the tokens were already cached these are the tree's pages, and
-        the caller's pages for them are duplicates it must free."""
+        caller. Returns the new deepest node, now locked in place of `node` (the lock moves down; `node` itself
+        when it grew in place), and the tree's page ids for the range: where the tokens were already cached
+        these are the tree's pages, and the caller's pages for them are duplicates it must free."""
         ps = self.page_size
         assert start % ps == 0 and end % ps == 0 and len(pages) * ps == end - start
         top, out, i = node, [], start
+        if start < end and self._grows_in_place(node):
+            self._grow(node, tokens[start:end], pages)
+            return node, list(pages)
         while i < end:
             child = node.children.get(self.key(tokens, i))
             if child is None:
@@ -197,6 +217,25 @@ class RadixTree:
             up = up.parent
         return node, out
 
+    @staticmethod
+    def _grows_in_place(node: RadixNode) -> bool:
+        """Whether tokens computed after `node` (the caller's deepest node, locked by it) may extend it instead of
+        hanging below it as a child. Only a leaf (no other branch to keep apart), held by the caller alone
+        (another holder's path would end inside the longer node), that no admission has hit yet (a node's `hits`
+        count for every one of its tokens, and the new tokens have none). So a decoding request keeps one node
+        instead of adding one per page; a later turn that hits it starts a node of its own, as SGLang's does."""
+        return node.parent is not None and not node.children and node.lock_ref == 1 and node.hits == 0
+
+    def _grow(self, node: RadixNode, tokens: Sequence, pages: list[int]) -> None:
+        """Append tokens and their pages to a node (see _grows_in_place). It stays locked, so its new tokens are
+        protected and no LRU heap entry changes. A longer node can lengthen a memoised match that ended at its
+        old end: `version` tells lookups that the tree changed, and their memo notices the node's new last page."""
+        node.tokens.extend(tokens)
+        node.pages.extend(pages)
+        node.last_access = next(self._clock)
+        self.protected_tokens += len(tokens)
+        self.version += 1
+
     # -- locks and recency ---------------------------------------------------------------------------------
     def _inc(self, node: RadixNode) -> None:
         if node.lock_ref == 0:
@@ -222,10 +261,12 @@ class RadixTree:
 
     def touch(self, node: RadixNode | None) -> None:
         """Mark the path as just used. Only locked paths are touched, so no heap entry needs fixing here;
-        the new stamp enters the heap when the lock is released."""
-        stamp = next(self._clock)
+        the new stamp enters the heap when the lock is released. A release touches first, so a node's last
+        touch before it becomes evictable is its release (a failed admission locks and unlocks, untouched)."""
+        stamp, age = next(self._clock), self.eviction.age
         while node is not None:
             node.last_access = stamp
+            node.release_age = age
             node = node.parent
 
     def record_hit(self, node: RadixNode | None) -> None:
@@ -236,21 +277,31 @@ class RadixTree:
     # -- eviction ------------------------------------------------------------------------------------------
     def _push_if_evictable(self, node: RadixNode) -> None:
         if node.parent is not None and node.lock_ref == 0 and not node.children:
-            heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
+            self._evictable.push(node, self._priority(node), node.last_access)
 
-    def _valid(self, stamp: int, node: RadixNode) -> bool:
-        return node.parent is not None and node.lock_ref == 0 and not node.children and node.last_access == stamp
+    def _priority(self, node: RadixNode) -> float:
+        """The policy's rank of the node's last page (the one a trim takes first; the pages above it rank no
+        higher: as often hit, released together, no deeper)."""
+        ps = self.page_size
+        depth = self.depth(node) - ps if self.eviction.uses_depth else 0
+        return self.eviction.priority(node.release_age, node.last_access, node.hits, depth, ps)
+
+    @staticmethod
+    def _is_evictable_leaf(node: RadixNode) -> bool:
+        return node.parent is not None and node.lock_ref == 0 and not node.children
 
     def evict(self, num_pages: int) -> list[int]:
-        """Free up to num_pages pages from unlocked leaves, least recently used first; returns their ids.
+        """Free up to num_pages pages from unlocked leaves, lowest eviction priority first; returns their ids.
 
         A leaf bigger than what is still needed is trimmed from its tail (SGLang drops whole leaves; keeping
         the head keeps the part more likely to be shared, and frees exactly what was asked)."""
         ps, freed = self.page_size, list[int]()
-        while len(freed) < num_pages and self._heap:
-            stamp, seq, node = heapq.heappop(self._heap)
-            if not self._valid(stamp, node):
-                continue
+        while len(freed) < num_pages:
+            entry = self._evictable.pop(self._is_evictable_leaf)
+            if entry is None:
+                break
+            priority, node = entry
+            self.eviction.evicted(priority)
             need = num_pages - len(freed)
             self.version += 1
             self.evict_version += 1
@@ -259,7 +310,7 @@ class RadixTree:
                 del node.pages[-need:]
                 del node.tokens[-need * ps :]
                 self.evictable_tokens -= need * ps
-                heapq.heappush(self._heap, (stamp, seq, node))
+                self._push_if_evictable(node)
                 break
             freed.extend(node.pages)
             self.evictable_tokens -= len(node.tokens)
@@ -303,15 +354,11 @@ class RadixTree:
             self._push_if_evictable(parent)
 
     def _maybe_compact_heap(self) -> None:
-        if len(self._heap) > 4 * self.num_nodes + 64:
-            self._heap = [
-                (n.last_access, next(self._seq), n) for n in self.nodes() if n.lock_ref == 0 and not n.children
-            ]
-            heapq.heapify(self._heap)
+        self._evictable.compact(self._is_evictable_leaf, 4 * self.num_nodes + 64)
 
-    def evictable_leaf_entries(self) -> set[tuple[int, int]]:
-        """(id(node), last_access) of the valid heap entries (for invariant checks)."""
-        return {(id(n), s) for s, _, n in self._heap if self._valid(s, n)}
+    def evictable_leaf_priorities(self) -> dict[int, float]:
+        """id(node) -> priority of the current heap entries (for invariant checks)."""
+        return {id(node): priority for priority, node in self._evictable.current(self._is_evictable_leaf)}
 
     # -- walking -------------------------------------------------------------------------------------------
     def nodes(self) -> Iterator[RadixNode]:

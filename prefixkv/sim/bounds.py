@@ -71,6 +71,7 @@ class PageAccesses:
 
 
 def page_accesses(requests: Sequence[BlockPrompt], page_size: int) -> PageAccesses:
+    """The trace as page accesses, computed once and shared by both bounds (the costly part on a long trace)."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     trie: dict[tuple[int, int], int] = {}
@@ -100,13 +101,21 @@ def page_accesses(requests: Sequence[BlockPrompt], page_size: int) -> PageAccess
     return PageAccesses(dense.astype(np.int64), starts, eligible, depth, prompt_tokens, page_size)
 
 
+def _accesses(requests: Sequence[BlockPrompt] | PageAccesses, page_size: int) -> PageAccesses:
+    if not isinstance(requests, PageAccesses):
+        return page_accesses(requests, page_size)
+    if requests.page_size != page_size:
+        raise ValueError(f"the page accesses were made for {requests.page_size}-token pages, not {page_size}")
+    return requests
+
+
 def _leading_run(mask: np.ndarray) -> int:
     return len(mask) if mask.all() else int(mask.argmin())
 
 
 def unbounded_hit_tokens(requests: Sequence[BlockPrompt] | PageAccesses, page_size: int) -> HitBound:
     """Compulsory misses only: each request hits the leading run of its pages that an earlier request held."""
-    acc = requests if isinstance(requests, PageAccesses) else page_accesses(requests, page_size)
+    acc = _accesses(requests, page_size)
     seen = np.zeros(acc.num_pages, dtype=bool)
     hits = []
     for r in range(acc.num_requests):
@@ -154,7 +163,7 @@ def offline_hit_tokens(requests: Sequence[BlockPrompt] | PageAccesses, page_size
     """
     if capacity_pages < 1:
         raise ValueError(f"capacity_pages must be >= 1, got {capacity_pages}")
-    acc = requests if isinstance(requests, PageAccesses) else page_accesses(requests, page_size)
+    acc = _accesses(requests, page_size)
     nexts = next_uses(acc)
     page_bits = max(acc.num_pages, 1).bit_length()
     depth_bits = max(int(acc.depth.max(initial=0)), 1).bit_length()

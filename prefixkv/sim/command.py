@@ -206,6 +206,8 @@ def _offline(acc: bounds.PageAccesses, pool: int) -> dict:
 def _require_trace(args: argparse.Namespace) -> None:
     if not args.trace:
         raise ValueError("--trace FILE is required")
+    if not os.path.isfile(args.trace):
+        raise ValueError(f"--trace {args.trace}: no such file")
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -293,14 +295,13 @@ def _try_plot(draw: Callable[[], None], png: str) -> None:
 def sweep_command(args: argparse.Namespace) -> int:
     """The grid over one loaded trace: bounds once per pool size, one simulation per cell."""
     _require_trace(args)
+    if args.kv_cache_tokens is not None or args.kv_cache_fraction is not None:
+        raise ValueError("sweep takes its pool sizes from --fractions, not --kv-cache-tokens / --kv-cache-fraction")
     cost = load_cost_model(args.cost_model)
     base = _base_config(args)
     fractions = _split(args.fractions, float)
     policies = _split(args.policies) if args.policies else [base.schedule_policy]
-    has_eviction = any(f.name == "eviction" for f in dataclasses.fields(EngineConfig))
-    if args.evictions and not has_eviction:
-        raise ValueError("--evictions: this build has no eviction option")
-    evictions = _split(args.evictions) if args.evictions else [getattr(base, "eviction", None)]
+    evictions = _split(args.evictions) if args.evictions else [base.eviction]
     scales = _split(args.time_scales, float)
     trace = load_trace(args.trace, args.format)
     page = base.tokens_per_page
@@ -318,7 +319,7 @@ def sweep_command(args: argparse.Namespace) -> int:
     cells = [(f, s, p, e) for f in fractions for s in scales for p in policies for e in evictions]
     for k, (fraction, scale, policy, eviction) in enumerate(cells, 1):
         config = EngineConfig.from_kwargs(**_cell_kwargs(base, pools[fraction], policy, eviction))
-        desc = f"[{k}/{len(cells)}] {fraction} {policy} {eviction or ''} x{scale}"
+        desc = f"[{k}/{len(cells)}] {fraction} {policy} {eviction} x{scale}"
         summary, _, _ = _run_one(config, by_scale[scale], cost, args.quiet, desc)
         summary = _with_bounds(summary, unbounded, offline.get(str(fraction)))
         summary.update(fraction=fraction, pool_tokens=pools[fraction], time_scale=scale, policy=policy)
@@ -349,11 +350,8 @@ def sweep_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cell_kwargs(base: EngineConfig, pool: int, policy: str, eviction: str | None) -> dict:
-    kwargs = dataclasses.asdict(base) | {"kv_cache_tokens": pool, "schedule_policy": policy}
-    if eviction is not None:
-        kwargs["eviction"] = eviction
-    return kwargs
+def _cell_kwargs(base: EngineConfig, pool: int, policy: str, eviction: str) -> dict:
+    return dataclasses.asdict(base) | {"kv_cache_tokens": pool, "schedule_policy": policy, "eviction": eviction}
 
 
 def _sweep_table(runs: list[dict]) -> str:
@@ -365,7 +363,7 @@ def _sweep_table(runs: list[dict]) -> str:
             r["pool_tokens"],
             r["time_scale"],
             r["policy"],
-            r["eviction"] or "-",
+            r["eviction"],
             r["token_hit_rate"],
             r.get("offline_bound_hit_rate", float("nan")),
             r.get("of_offline_bound") or float("nan"),

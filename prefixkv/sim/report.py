@@ -85,20 +85,25 @@ def plot_run(summary: dict, ttfts: Sequence[float], queues: Sequence[float], tit
 
 def plot_sweep(results: dict, path: str) -> None:
     """Hit rate vs pool size per policy and eviction (at the first time scale) with the bounds drawn in, and
-    TTFT p99 vs load (1 / time scale) per policy and eviction (at the largest pool)."""
+    TTFT p99 vs load (1 / time scale) per policy and eviction at the largest pool (vs pool size when the grid
+    has a single time scale)."""
     plt = _pyplot()
     runs = results["runs"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     first_scale = results["grid"]["time_scales"][0]
     largest = max(results["grid"]["fractions"])
-    labels = sorted({(r["policy"], r["eviction"]) for r in runs}, key=str)
+    by_load = len(results["grid"]["time_scales"]) > 1
+    labels = sorted({(r["policy"], r["eviction"]) for r in runs})
     for policy, eviction in labels:
-        name = policy if eviction is None else f"{policy} / {eviction}"
+        name = f"{policy} / {eviction}"
         mine = [r for r in runs if r["policy"] == policy and r["eviction"] == eviction]
         by_size = sorted((r["fraction"], r["token_hit_rate"]) for r in mine if r["time_scale"] == first_scale)
         left.plot([x for x, _ in by_size], [y for _, y in by_size], marker="o", label=name)
-        by_load = sorted((1 / r["time_scale"], r["ttft_s"]["p99"]) for r in mine if r["fraction"] == largest)
-        right.plot([x for x, _ in by_load], [y for _, y in by_load], marker="o", label=name)
+        if by_load:
+            ttft = sorted((1 / r["time_scale"], r["ttft_s"]["p99"]) for r in mine if r["fraction"] == largest)
+        else:
+            ttft = sorted((r["fraction"], r["ttft_s"]["p99"]) for r in mine)
+        right.plot([x for x, _ in ttft], [y for _, y in ttft], marker="o", label=name)
     bounds = sorted((float(f), b["offline_hit_rate"]) for f, b in results["bounds"]["offline"].items())
     if bounds:
         left.plot([x for x, _ in bounds], [y for _, y in bounds], "k--", label="offline bound")
@@ -107,9 +112,14 @@ def plot_sweep(results: dict, path: str) -> None:
     left.set_ylabel("prompt-token hit rate")
     left.set_title(f"time scale {first_scale}", fontsize=9)
     left.legend(fontsize=7)
-    right.set_xlabel("load (1 / time scale)")
+    if by_load:
+        right.set_xlabel("load (1 / time scale)")
+        right.set_title(f"pool {largest} of unique tokens", fontsize=9)
+    else:
+        right.set_xlabel("pool size (fraction of the trace's unique prompt tokens)")
+        right.set_title(f"time scale {first_scale}", fontsize=9)
     right.set_ylabel("TTFT p99 (simulated s)")
-    right.set_title(f"pool {largest} of unique tokens", fontsize=9)
+    right.ticklabel_format(axis="y", useOffset=False)
     right.legend(fontsize=7)
     fig.suptitle(results["title"], fontsize=9)
     fig.tight_layout()

@@ -258,7 +258,7 @@ def create_kv(config: EngineConfig) -> KVCacheManager:
         raise ValueError("the simulator needs kv_cache_tokens (a pool size in tokens)")
     num_pages = config.kv_cache_pages(bytes_per_token=1)
     return create_kv_cache_manager(
-        config.prefix_cache, num_pages, config.tokens_per_page, config.prefix_caching_hash_algo
+        config.prefix_cache, num_pages, config.tokens_per_page, config.prefix_caching_hash_algo, config.eviction
     )
 
 
@@ -275,7 +275,16 @@ def simulate(
     """Step-driven: each request arrives at its scheduler step. The Request objects are kept in the result
     (small workloads whose tests read them)."""
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    sim = Simulation(config, kv, policy, cost or TOY_COST, "steps", True, check_every, max_steps)
+    sim = Simulation(
+        config,
+        kv,
+        policy,
+        cost or TOY_COST,
+        clock="steps",
+        keep_requests=True,
+        check_every=check_every,
+        max_steps=max_steps,
+    )
     ordered = sorted(workload, key=lambda r: r.arrival_step)
     arrivals = (
         Arrival(
@@ -303,7 +312,7 @@ def simulate_trace(
     """Time-driven: the KV manager, policy and scheduler `config` names serve `requests` (in arrival order) at
     their arrival times; returns the result and the KV manager (its stats: hits, evictions)."""
     kv = create_kv(config)
-    sim = Simulation(config, kv, create_policy(config), cost, "seconds", False, check_every, None, on_done)
+    sim = Simulation(config, kv, create_policy(config), cost, clock="seconds", check_every=check_every, on_done=on_done)
     arrivals = (
         Arrival(r.arrival_s, f"r{i}", r.prompt_len, r.output_len, r.prompt_tokens, getattr(r, "session", None) or "")
         for i, r in enumerate(requests)

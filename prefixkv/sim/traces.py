@@ -198,8 +198,9 @@ class TraceScaling:
 class BlockTokens:
     """Hash id -> its fixed run of token ids: the id's base-V digits first, then seeded pseudo-random filler.
 
-    The digits make two different ids' runs differ (and differ already in their first token whenever the ids
-    differ modulo V), so a shared token prefix is exactly a shared block prefix. Runs are computed, not stored:
+    The digits make two different ids' runs differ (already in their first token unless the ids are equal modulo
+    V, and then in the second), so a shared token prefix is a shared block prefix, give or take that one token
+    (docs/traces.md says when it can matter). Runs are computed, not stored:
     the full Mooncake trace is ~145M prompt tokens, so a prompt is built when asked for, from a table of int
     objects shared by every prompt (8 bytes a token).
     """

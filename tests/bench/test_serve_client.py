@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
+
+import pytest
 
 from prefixkv.bench.serve_client import _dist, add_arguments, plot, run
+from prefixkv.sim.bounds import unbounded_hit_tokens
+from prefixkv.sim.traces import TraceScaling, load_trace, scale_trace
 from tests.server.live_server import running_server
 
 
@@ -49,7 +54,59 @@ def test_bench_serve_workloads(tmp_path, new_engine):
         bad = run(_args(base, "--num-requests", "1", "--model", "nope"))
         assert bad["num_errors"] == 1 and "404" in bad["errors"][0]
 
+        check_trace_replay(base, tmp_path)  # on the same server: one engine and server start for the file
+
 
 def test_percentiles_nearest_rank():
     d = _dist([i / 1000 for i in range(1, 101)])
     assert d["p50"] == 50 and d["p99"] == 99 and abs(d["mean"] - 50.5) < 1e-9
+
+
+def _trace_file(tmp_path) -> str:
+    """Six Mooncake-format requests of 512-token blocks: a shared first block, one conversation growing."""
+    rows = [
+        (0, 1300, [0, 1, 2]),
+        (100, 1100, [0, 3, 4]),
+        (200, 1536, [0, 1, 2]),
+        (250, 2000, [0, 1, 2, 5]),
+        (400, 600, [6, 7]),
+        (500, 1024, [0, 3]),
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": n, "output_length": 96, "hash_ids": ids}) + "\n"
+            for t, n, ids in rows
+        )
+    )
+    return str(path)
+
+
+def check_trace_replay(base: str, tmp_path) -> None:
+    """A warm-up replay of the first request, then the slice: every request must hit at least the pages it
+    shares with the first (they stay cached in a pool that holds everything), whatever the timing."""
+    trace = _trace_file(tmp_path)
+    flags = ["--trace", trace, "--tokens-per-block", "16", "--time-scale", "0.5"]
+    requests = scale_trace(load_trace(trace), TraceScaling(tokens_per_block=16))
+    # what each request hits when only the first was seen before: whole pages, at most prompt_len - 1 tokens
+    at_least = sum(unbounded_hit_tokens([requests[0], r], 16).per_request[1] for r in requests)
+    assert at_least == 32 + 16 + 32 + 32 + 0 + 16
+    warm = run(_args(base, *flags, "--max-requests", "1"))
+    assert warm["num_ok"] == 1 and warm["cached_tokens"] == 0
+    res = run(_args(base, *flags))
+    assert res["num_ok"] == 6 and res["num_errors"] == 0
+    assert res["prompt_tokens"] == res["expected_prompt_tokens"] == sum(r.prompt_len for r in requests) == 236
+    assert res["output_tokens"] == res["expected_output_tokens"] == 6 * 3  # 96 * 16 / 512, ignore_eos
+    assert res["scaling"] == "512->16 tokens/block, time x0.5, output x0.03125, all requests"
+    assert res["config"]["trace_format"] == "mooncake" and res["config"]["concurrency"] == 3
+    assert at_least <= res["cached_tokens"] < 236
+    bound = unbounded_hit_tokens(requests, 16)
+    assert res["unbounded_hit_rate"] == bound.rate and bound.hit_tokens == 16 + 32 + 48 + 16
+    assert res["ttft_ms"]["p90"] > 0 and res["cached_fraction"] == res["cached_tokens"] / 236
+
+
+def test_bench_serve_trace_errors_name_line_and_field(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n{"timestamp": 1}\n')
+    with pytest.raises(SystemExit, match=rf"{path}:2: field 'input_length' is missing"):
+        run(_args("http://127.0.0.1:9", "--trace", str(path)))

@@ -1,9 +1,15 @@
+import argparse
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixkv.bench.thrash import pool_pages
 from prefixkv.config import EngineConfig
-from prefixkv.engine.cache_aware_policies import BoundedLPMPolicy, DFSWeightPolicy, LPMPolicy, create
+from prefixkv.engine.cache_aware_policies import BoundedLPMPolicy, DFSWeightPolicy, KLPMPolicy, LPMPolicy, create
 from prefixkv.engine.policy_factory import create_policy
+from prefixkv.engine_args import add_engine_args, engine_config
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 from prefixkv.sim.simulator import SimRequest, make_policy, simulate
@@ -34,8 +40,17 @@ def test_create_maps_names():
     bounded = create_policy(EngineConfig(schedule_policy="bounded-lpm", max_wait_steps=7, lpm_fallback_threshold=None))
     assert isinstance(bounded, BoundedLPMPolicy) and bounded.max_wait_steps == 7
     assert bounded.fallback_threshold is None
+    k_lpm = create_policy(EngineConfig(schedule_policy="k-lpm", lpm_k=3))
+    assert isinstance(k_lpm, KLPMPolicy) and k_lpm.k == 3 and k_lpm.fallback_threshold == 128
+    assert create(EngineConfig(schedule_policy="k-lpm")).k == 4
     with pytest.raises(ValueError):
         create(EngineConfig(schedule_policy="fcfs"))
+    with pytest.raises(ValueError, match="lpm_k"):
+        EngineConfig(schedule_policy="k-lpm", lpm_k=0)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config(parser.parse_args(["--schedule-policy", "k-lpm", "--lpm-k", "2"]))
+    assert config.schedule_policy == "k-lpm" and config.lpm_k == 2
 
 
 @pytest.mark.parametrize("kv", caches(), ids=lambda kv: f"{kv.name}{kv.page_size}")
@@ -88,6 +103,58 @@ def test_bounded_lpm_never_lets_newcomers_pass_a_request_older_than_the_bound():
     assert ids(BoundedLPMPolicy(max_wait_steps=100).order([cold] + hot, kv, 25)) == ids(hot + [cold])
 
 
+@pytest.mark.parametrize("kv", caches(), ids=lambda kv: f"{kv.name}{kv.page_size}")
+def test_k_lpm_takes_the_oldest_then_k_minus_1_longest_hits(kv):
+    warm(kv, P + [1] * 40)
+    cold = [make_request(Q + [i]) for i in range(3)]
+    short = make_request(P[:32] + [7] * 8)
+    mid = make_request(P + [6] * 8)
+    long1 = make_request(P + [1] * 20 + [9])
+    long2 = make_request(P + [1] * 20 + [8])
+    waiting = [cold[0], short, cold[1], long1, long2, cold[2], mid]
+    # groups of 3: [oldest, 2 longest hits] x 2, then the last one
+    assert ids(KLPMPolicy(3).order(waiting, kv, 0)) == ids([cold[0], long1, long2, short, mid, cold[1], cold[2]])
+    assert KLPMPolicy(1).order(waiting, kv, 0) == waiting  # k=1: FCFS
+    assert ids(KLPMPolicy(100).order(waiting, kv, 0)) == ids([cold[0]] + LPMPolicy().order(waiting[1:], kv, 0))
+    assert KLPMPolicy(3, fallback_threshold=6).order(waiting, kv, 0) == waiting
+
+
+def _k_lpm_queue():
+    kv = RadixPrefixCache(512, 1)
+    warm(kv, P + [1] * 40, Q + [2] * 40)
+    return kv
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["cold", "p8", "p64", "p100", "q50"]), min_size=1, max_size=24),
+    k=st.integers(1, 6),
+)
+def test_k_lpm_groups_and_starvation_bound(kinds, k):
+    """Every group of k is the oldest request left, then the k-1 longest hits left (ties: queue order). So the
+    request with p requests ahead of it in the queue is placed within the first p+1 groups, whatever the hits
+    (the oldest is always first), and the queue is placed in ceil(n/k) groups."""
+    kv = _k_lpm_queue()
+    prefix = {"cold": [], "p8": P[:8], "p64": P, "p100": P + [1] * 36, "q50": Q[:50]}
+    waiting = [make_request(prefix[kind] + [-1, i]) for i, kind in enumerate(kinds)]
+    hit = {r.request_id: kv.lookup(r) for r in waiting}
+    position = {r.request_id: i for i, r in enumerate(waiting)}
+    order = KLPMPolicy(k).order(waiting, kv, 0)
+    assert sorted(ids(order)) == sorted(ids(waiting))
+    assert order[0] is waiting[0]
+    left = list(waiting)
+    for g in range(math.ceil(len(waiting) / k)):
+        group = order[g * k : (g + 1) * k]
+        assert group[0] is left[0]
+        left.remove(group[0])
+        rest = sorted(left, key=lambda r: -hit[r.request_id])[: k - 1]
+        assert ids(group[1:]) == ids(rest)
+        for r in group[1:]:
+            left.remove(r)
+    for at, r in enumerate(order):
+        assert at // k <= position[r.request_id]
+
+
 # (the deferral of duplicate prefills is the scheduler's now, for every policy: tests/engine/test_duplicate_prefill.py)
 
 
@@ -100,7 +167,7 @@ def hot_stream_and_one_cold(steps=400):
 
 
 @pytest.mark.parametrize("cache", ["radix", "hash"])
-def test_lpm_starves_a_cold_request_and_bounded_lpm_admits_it_within_its_bound(cache):
+def test_lpm_starves_a_cold_request_and_bounded_lpm_and_k_lpm_admit_it(cache):
     def run(policy):
         kv = (RadixPrefixCache if cache == "radix" else HashPrefixCache)(pool_pages(256, 3, 8, 8, 16), 16)
         res = simulate(
@@ -121,3 +188,6 @@ def test_lpm_starves_a_cold_request_and_bounded_lpm_admits_it_within_its_bound(c
     assert bounded_wait <= 20 + 20  # the bound, plus the running hot requests draining (8 output tokens each)
     hot_hits = [sum(r.num_cached_tokens for r in res.requests) for res in (lpm, bounded)]
     assert hot_hits[1] >= 0.95 * hot_hits[0]  # the detour costs about two prefix misses
+    k_lpm, k_lpm_wait = run("k-lpm")
+    assert k_lpm_wait <= 20  # oldest once the three hot requests before it are in: admitted at the next free seat
+    assert sum(r.num_cached_tokens for r in k_lpm.requests) >= 0.95 * hot_hits[0]

@@ -4,9 +4,10 @@ import sys
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixkv.engine.scheduler import admit_request
+from prefixkv.kvcache.eviction import EVICTION_POLICIES
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.hashing import hash_prompt_blocks
@@ -200,9 +201,9 @@ def test_two_processes_compute_the_same_keys(algo):
 
 # -- property-based: random add / step / finish / abort / preempt / reset on a small pool --------------------
 class HashCacheMachine(RuleBasedStateMachine):
-    def __init__(self):
-        super().__init__()
-        self.kv = HashPrefixCache(num_pages=12, page_size=4)
+    @initialize(eviction=st.sampled_from(EVICTION_POLICIES))
+    def setup(self, eviction):
+        self.kv = HashPrefixCache(num_pages=12, page_size=4, eviction=eviction)
         self.running = []
 
     @rule(
@@ -259,11 +260,15 @@ class HashCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def accounting(self):
+        if not hasattr(self, "kv"):
+            return
         self.kv.check_invariants()
         kv = self.kv
         assert kv.free_queue.num_free + sum(1 for b in kv.blocks if b.ref_cnt > 0) == kv.num_pages
 
     def teardown(self):
+        if not hasattr(self, "kv"):
+            return
         for req in self.running:
             self.kv.free(req)
         assert self.kv.num_free_pages() == self.kv.num_pages

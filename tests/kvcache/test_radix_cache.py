@@ -1,8 +1,10 @@
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixkv.engine.scheduler import admit_request
+from prefixkv.kvcache.eviction import EVICTION_POLICIES
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 from prefixkv.kvcache.radix_tree import RadixTree, common_prefix_len
@@ -251,6 +253,134 @@ def test_tree_insert_moves_the_lock_down():
     assert sorted(tree.evict(5)) == [10, 11, 12] and tree.roots == {}
 
 
+# -- growth in place: a request's own leaf gets longer instead of gaining a child per page ----------------------
+def decode(kv, req, tokens, check_every=0):
+    """Sample `tokens` one at a time: room for each, then a forward pass computes it and commits."""
+    for n, token in enumerate(tokens, 1):
+        req.token_ids.append(token)
+        assert kv.allocate(req, 1)
+        compute(kv, req, 1)
+        if check_every and n % check_every == 0:
+            kv.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_long_decode_keeps_one_node(page_size):
+    """500-token prompt, 1,000 output tokens: one node per page before (1,000 at page size 1); SGLang keeps 2."""
+    kv = RadixPrefixCache(2048, page_size)
+    req = make_request(range(500))
+    assert admit(kv, req, budget=200)  # chunked prefill: the later chunks grow the first chunk's node too
+    compute(kv, req)
+    assert kv.allocate(req, 300)
+    compute(kv, req)
+    decode(kv, req, range(10_000, 11_000), check_every=100)
+    assert kv.tree.num_nodes <= 3
+    kv.free(req)
+    kv.check_invariants()
+    assert kv.tree.num_nodes <= 3
+    assert kv.tree.evictable_tokens == 1500 - 1500 % page_size
+    conversation = make_request(list(range(500)) + list(range(10_000, 11_000)) + [7])
+    assert kv.lookup(conversation) == 1500 - 1500 % page_size
+    kv._free.extend(kv.tree.evict(640 // page_size))  # the one big leaf is trimmed from its tail
+    kv.check_invariants()
+    assert kv.lookup(conversation) == 1500 - 1500 % page_size - 640
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_multi_turn_adds_one_node_per_turn(page_size):
+    """Turn t+1's prompt is turn t's prompt, its answer and a new message: it hits all of turn t's committed
+    tokens and hangs its own message and answer below them as one node."""
+    kv = RadixPrefixCache(4096, page_size)
+    conversation = list(range(300))
+    hits = []
+    for turn in range(4):
+        req = make_request(conversation)
+        assert admit(kv, req)
+        hits.append(req.num_cached_tokens)
+        compute(kv, req)
+        decode(kv, req, range(10_000 * (turn + 1), 10_000 * (turn + 1) + 100))
+        kv.free(req)
+        kv.check_invariants()
+        assert kv.tree.num_nodes == turn + 1
+        conversation = req.token_ids + list(range(1000 * (turn + 1), 1000 * (turn + 1) + 40))
+    assert hits[0] == 0
+    for turn in range(1, 4):  # everything the previous turn committed (whole pages)
+        committed = 300 + turn * 140 - 40
+        assert hits[turn] == committed - committed % page_size
+    assert [n.hits for n in kv.tree.nodes()] == [3, 2, 1, 0]  # one chain, root side first
+
+
+def test_a_shared_or_hit_leaf_gets_a_child_not_growth():
+    kv = RadixPrefixCache(256, 1)
+    a = make_request(range(10))
+    run_to_completion(kv, a)
+    b = make_request(range(10))
+    assert admit(kv, b)  # both hold a's node now: neither may grow it
+    decode(kv, a, [50])
+    decode(kv, b, [60])
+    kv.check_invariants()
+    assert kv.tree.num_nodes == 3
+    decode(kv, a, [51, 52])  # a's own new leaf grows
+    assert kv.tree.num_nodes == 3 and kv.tree.depth(kv._requests[a.request_id].node) == 13
+    kv.free(a)
+    kv.free(b)
+    c = make_request(list(range(10)) + [50, 51, 52, 7])  # hits a's whole path, which is then nobody's but c's
+    assert admit(kv, c) and c.num_cached_tokens == 13
+    decode(kv, c, [8, 9])  # the hit node counts a hit for every token of it: the new ones go below
+    kv.check_invariants()
+    assert kv.tree.num_nodes == 4
+
+
+def test_a_split_keeps_the_growing_lower_part_with_its_request():
+    kv = RadixPrefixCache(256, 4)
+    a = make_request(range(20))
+    run_to_completion(kv, a)
+    decode(kv, a, range(100, 112))
+    b = make_request(list(range(12)) + [-1] * 5)  # its hit ends inside a's node: split at 12
+    assert admit(kv, b) and b.num_cached_tokens == 12
+    a_node = kv._requests[a.request_id].node
+    decode(kv, a, range(200, 208))
+    kv.check_invariants()
+    assert kv._requests[a.request_id].node is a_node and not a_node.children
+    assert kv.tree.depth(a_node) == 40 and kv.tree.num_nodes == 2
+    assert kv.page_table(b)[:3] == kv.page_table(a)[:3]
+
+
+def test_memoised_lookup_sees_a_node_that_grew():
+    """A waiting request's match ended at the end of a running request's leaf; the leaf then grows by the very
+    tokens the waiting request has next: the memo must not resume at the leaf's old end."""
+    for page_size in (1, 4):
+        kv = RadixPrefixCache(256, page_size)
+        a = make_request(range(16))
+        run_to_completion(kv, a)
+        waiting = make_request(list(range(16)) + list(range(100, 120)) + [7])
+        assert kv.lookup(waiting) == 16
+        decode(kv, a, range(100, 112))
+        fresh = kv.tree.match(waiting.extra_keys, waiting.token_ids, waiting.num_tokens - 1)[1]
+        assert fresh == 28
+        assert kv.lookup(waiting) == fresh
+        decode(kv, a, range(112, 120))
+        assert kv.lookup(waiting) == 36
+        kv.check_invariants()
+
+
+def test_memoised_lookup_sees_growth_after_a_split():
+    """A split takes 8 tokens off the head of the memo's node and growth adds 8 at its tail: same length, later
+    end. The memo tells by the node's last page, which a split keeps and growth replaces."""
+    kv = RadixPrefixCache(256, 1)
+    a = make_request(range(16))
+    run_to_completion(kv, a)
+    waiting = make_request(list(range(16)) + list(range(100, 120)) + [7])
+    assert kv.lookup(waiting) == 16
+    b = make_request(list(range(8)) + [-1, -1])
+    assert admit(kv, b) and b.num_cached_tokens == 8
+    a_node = kv._requests[a.request_id].node
+    assert len(a_node.tokens) == 8
+    decode(kv, a, range(100, 108))
+    assert len(a_node.tokens) == 16 and kv.lookup(waiting) == 24
+    kv.check_invariants()
+
+
 # -- property test: random operations through the KVCacheManager API ----------------------------------------
 PREFIXES = [[], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5]]
 
@@ -261,11 +391,14 @@ class RadixMachine(RuleBasedStateMachine):
     for: a request may only write its private pages, and everything it has computed must still read back as
     its own tokens (so no locked page was ever evicted and reused)."""
 
-    @initialize(num_pages=st.integers(3, 24), page_size=st.sampled_from([1, 2, 4]))
-    def setup(self, num_pages, page_size):
-        self.kv = RadixPrefixCache(num_pages, page_size)
+    @initialize(
+        num_pages=st.integers(3, 24), page_size=st.sampled_from([1, 2, 4]), eviction=st.sampled_from(EVICTION_POLICIES)
+    )
+    def setup(self, num_pages, page_size, eviction):
+        self.kv = RadixPrefixCache(num_pages, page_size, eviction)
         self.waiting = []
         self.running = []
+        self.finished = []
         self.slot_content = {}
         self.next_token = 1000
 
@@ -279,6 +412,13 @@ class RadixMachine(RuleBasedStateMachine):
     )
     def arrive(self, prefix, suffix, salt):
         self.waiting.append(make_request(prefix + suffix, cache_salt=salt))
+
+    @precondition(lambda self: self.finished)
+    @rule(i=st.integers(0, 10), suffix=st.lists(st.integers(0, 3), min_size=1, max_size=4))
+    def follow_up(self, i, suffix):
+        """The next turn of a finished conversation: all its tokens, then a new message."""
+        done = self.finished[i % len(self.finished)]
+        self.waiting.append(make_request(done.token_ids + suffix, cache_salt=done.cache_salt))
 
     @precondition(lambda self: self.waiting)
     @rule(i=st.integers(0, 10), chunk=st.integers(1, 12))
@@ -311,7 +451,10 @@ class RadixMachine(RuleBasedStateMachine):
             assert pos // ps >= state.committed // ps, "writing into a shared tree page"
             self.slot_content[table[pos // ps] * ps + pos % ps] = self._ns_keys(req, pos)
         req.num_computed_tokens = max(req.num_computed_tokens, end)
+        nodes, node, grows = self.kv.tree.num_nodes, state.node, self.kv.tree._grows_in_place(state.node)
         self.kv.commit(req)
+        if grows:  # the request's own unshared leaf takes the new pages: no node is added
+            assert self.kv.tree.num_nodes == nodes and self.kv._requests[req.request_id].node is node
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 10), k=st.integers(1, 12))
@@ -342,6 +485,7 @@ class RadixMachine(RuleBasedStateMachine):
     def finish(self, i):
         req = self.running.pop(i % len(self.running))
         self.kv.free(req)
+        self.finished.append(req)
 
     @rule(n=st.integers(1, 8))
     def evict(self, n):

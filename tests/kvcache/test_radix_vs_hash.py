@@ -1,12 +1,16 @@
 """With no eviction pressure, a radix tree with 16-token pages and a hash chain with 16-token blocks are the same
 index: every request of any workload sees the same hit. Both managers get the same admissions, chunks, decodes,
-preemptions and frees, and must agree on every lookup and every admission's cached-token count."""
+preemptions and frees, and must agree on every lookup and every admission's cached-token count. Under eviction
+pressure they still agree, for every eviction policy, as long as no two requests compute the same page at once
+(the radix tree returns such a duplicate page at commit, the hash cache keeps it private until free)."""
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixkv.engine.scheduler import admit_request
+from prefixkv.kvcache.eviction import EVICTION_POLICIES
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 from tests.kvcache.helpers import make_request
@@ -15,10 +19,10 @@ BASES = [list(range(100, 150)), list(range(100, 120)) + list(range(200, 230)), [
 
 
 class SameHits(RuleBasedStateMachine):
-    @initialize()
-    def setup(self):
-        self.hash = HashPrefixCache(4096, 16)
-        self.radix = RadixPrefixCache(4096, 16)
+    @initialize(eviction=st.sampled_from(EVICTION_POLICIES))
+    def setup(self, eviction):
+        self.hash = HashPrefixCache(4096, 16, eviction=eviction)
+        self.radix = RadixPrefixCache(4096, 16, eviction)
         self.waiting: list[tuple] = []
         self.running: list[tuple] = []
 
@@ -89,6 +93,7 @@ class SameHits(RuleBasedStateMachine):
             assert self.hash.lookup(h) == self.radix.lookup(r), (h.token_ids, r.token_ids)
         assert self.hash.stats == self.radix.stats
         self.radix.check_invariants()
+        self.hash.check_invariants()
 
 
 SameHits.TestCase.settings = settings(
@@ -132,3 +137,52 @@ def test_same_hits_on_a_seeded_chat_workload():
             convs.append(done[0].token_ids)
     assert caches[0].stats == caches[1].stats and caches[0].stats.hit_rate > 0.3
     caches[1].check_invariants()
+
+
+@pytest.mark.parametrize("eviction", EVICTION_POLICIES)
+def test_same_hits_and_evictions_under_pressure(eviction):
+    """A pool of 60 four-token pages under a few hundred requests on shared prefixes: both caches evict the same
+    pages in the same order (the radix tree a whole leaf where the hash cache takes its blocks one by one), so
+    every admission's hit and the eviction count agree. Decoded tokens are unique, so no page is computed twice."""
+    import random
+
+    rng = random.Random(7)
+    caches = (HashPrefixCache(60, 4, eviction=eviction), RadixPrefixCache(60, 4, eviction))
+    bases = [[rng.randrange(1000) for _ in range(rng.randrange(10, 120))] for _ in range(6)]
+    running: list[tuple] = []
+    for step in range(500):
+        if rng.random() < 0.45:
+            base = rng.choice(bases)
+            tokens = base[: rng.randrange(len(base) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(1, 40))]
+            pair = (make_request(tokens), make_request(tokens))
+            admitted = []
+            for kv, req in zip(caches, pair):
+                cached = kv.lookup(req)
+                admitted.append(admit_request(kv, req, req.num_tokens - cached, cached))
+                if admitted[-1]:
+                    req.num_computed_tokens = req.num_tokens
+                    kv.commit(req)
+            assert admitted[0] == admitted[1] and pair[0].num_cached_tokens == pair[1].num_cached_tokens
+            if admitted[0]:
+                running.append(pair)
+        elif running:
+            pair = running.pop(rng.randrange(len(running)))
+            grown = []
+            if rng.random() < 0.5:  # decode one token, else finish
+                for kv, req in zip(caches, pair):
+                    req.token_ids.append(10_000 + step)
+                    grown.append(kv.allocate(req, 1))
+                    if grown[-1]:
+                        req.num_computed_tokens += 1
+                        kv.commit(req)
+                assert grown[0] == grown[1]
+            if grown and grown[0]:
+                running.append(pair)
+            else:
+                for kv, req in zip(caches, pair):
+                    kv.free(req)
+        assert caches[0].stats == caches[1].stats, step
+        if step % 50 == 0:
+            for kv in caches:
+                kv.check_invariants()
+    assert caches[0].stats.evicted_pages > 500 and caches[0].stats.hit_rate > 0.2

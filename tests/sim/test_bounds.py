@@ -130,3 +130,28 @@ def test_real_trace_unbounded_rate():
     assert unbounded_hit_tokens(head, 16).per_request == tuple(
         simulate(head, 16, 10**9, lambda cache, cands, r: cands[0])
     )
+
+
+@pytest.mark.parametrize("kind, page_size", [("hash", 4), ("hash", 3), ("radix", 4), ("radix", 1)])
+def test_unbounded_equals_both_caches_with_a_big_pool(kind, page_size):
+    """The bound's hit rule is the engine's: each request served alone, in order, on the real KV managers."""
+    from prefixkv.kvcache.factory import create_kv_cache_manager
+    from tests.kvcache.helpers import admit, compute, make_request
+
+    reqs = random_trace(7, n=20)
+    kv = create_kv_cache_manager(kind, 4096 // page_size, page_size)
+    hits = []
+    for spec in reqs:
+        req = make_request(spec.prompt_tokens())
+        hits.append(kv.lookup(req))
+        assert admit(kv, req)
+        compute(kv, req)
+        kv.free(req)
+    assert tuple(hits) == unbounded_hit_tokens(reqs, page_size).per_request
+    kv.check_invariants()
+
+
+def test_page_accesses_must_match_the_page_size():
+    acc = page_accesses(random_trace(0, n=3), 4)
+    with pytest.raises(ValueError, match="made for 4-token pages, not 2"):
+        unbounded_hit_tokens(acc, 2)

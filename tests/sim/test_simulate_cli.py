@@ -49,6 +49,7 @@ def test_simulate_writes_every_field_and_counts_the_hand_made_hits(trace_file, t
     assert s["output_tokens"] == 15 and s["rejected_requests"] == 0
     assert results["scaling"].startswith("512->4 tokens/block, time x1")
     assert results["engine_config"]["prefix_cache"] == cache and results["cost_model"]["name"] == "smollm2-cpu-2t"
+    assert results["engine_config"]["eviction"] == "lru" and results["options"]["eviction"] == "lru"
     assert results["options"]["kv_cache_tokens"] == 256 and results["unique_prompt_tokens"] == 20
     assert (out / "simulate.png").exists() == plot
 
@@ -62,22 +63,23 @@ def test_a_pool_given_as_a_fraction_of_the_unique_tokens(trace_file, tmp_path):
 
 
 def test_sweep_runs_the_grid_over_one_trace(trace_file, tmp_path, capsys):
-    argv = ["simulate", "sweep", "--trace", trace_file, *TRACE_OPTIONS, "--cache", "radix", "--no-plot"]
-    argv += ["--fractions", "2.5,5", "--policies", "fcfs,lpm", "--time-scales", "1,0.001"]
+    argv = ["simulate", "sweep", "--trace", trace_file, *TRACE_OPTIONS, "--cache", "radix"]
+    argv += ["--fractions", "2.5,5", "--policies", "fcfs,k-lpm", "--evictions", "lru,cost", "--time-scales", "1,0.001"]
     argv += ["--output-dir", str(tmp_path)]
     assert main(argv) == 0
     results = json.loads((tmp_path / "sweep.json").read_text())
     runs = results["runs"]
-    assert len(runs) == 2 * 2 * 2
-    assert {(r["fraction"], r["policy"], r["time_scale"]) for r in runs} == {
-        (f, p, s) for f in (2.5, 5.0) for p in ("fcfs", "lpm") for s in (1.0, 0.001)
+    assert len(runs) == 2 * 2 * 2 * 2
+    assert {(r["fraction"], r["policy"], r["eviction"], r["time_scale"]) for r in runs} == {
+        (f, p, e, s) for f in (2.5, 5.0) for p in ("fcfs", "k-lpm") for e in ("lru", "cost") for s in (1.0, 0.001)
     }
     assert all(r["token_hit_rate"] <= r["offline_bound_hit_rate"] + 1e-9 for r in runs)
     spaced = [r for r in runs if r["time_scale"] == 1.0 and r["fraction"] == 5.0]
     assert all(r["hit_tokens"] == HAND_COUNT for r in spaced)
     assert set(results["bounds"]["offline"]) == {"2.5", "5.0"}
     table = capsys.readouterr().out
-    assert "TTFT p99" in table and "lpm" in table
+    assert "TTFT p99" in table and "k-lpm" in table and "cost" in table
+    assert (tmp_path / "sweep.png").exists()
 
 
 @pytest.mark.parametrize(
@@ -102,3 +104,7 @@ def test_a_missing_pool_size_or_trace_is_a_clear_error(trace_file, tmp_path, cap
     assert "--kv-cache-tokens N or --kv-cache-fraction F" in capsys.readouterr().err
     assert main(["simulate", "--kv-cache-tokens", "64"]) == 2
     assert "--trace FILE is required" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(tmp_path / "nope.jsonl"), "--kv-cache-tokens", "64"]) == 2
+    assert "nope.jsonl: no such file" in capsys.readouterr().err
+    assert main(["simulate", "sweep", "--trace", trace_file, "--kv-cache-tokens", "64"]) == 2
+    assert "pool sizes from --fractions" in capsys.readouterr().err
