@@ -66,7 +66,7 @@ class FitGrid:
 
 # Attention dominates long contexts on a CPU (a 2048-token chunk after 4096 cached tokens is ~10 M pairs, seconds
 # of compute), so long starts and contexts get the small chunks and batches only: the grid spans the features
-# (tokens up to 2048 per step, pairs up to ~2 M, 1-64 sequences) in about three minutes on 2 idle cores.
+# (tokens up to 2048 per step, pairs up to ~2 M, 1-64 sequences) in under two minutes on 2 idle cores.
 DEFAULT_GRID = FitGrid(
     prefills=((0, (64, 256, 1024, 2048)), (1024, (64, 256, 1024)), (4096, (64, 512))),
     decode_batches=((128, (1, 8, 32, 64)), (1024, (1, 8, 16)), (4096, (1, 2))),

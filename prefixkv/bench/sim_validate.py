@@ -62,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) -> int:
-    cost = load_cost_model(args.cost_model)  # a bad file fails here, before the model loads
+    cost = load_cost_model(args.cost_model)  # bad input fails here, before the model loads
+    if not os.path.isfile(args.trace):
+        raise ValueError(f"--trace {args.trace}: no such file")
     scaling = TraceScaling(
         tokens_per_block=args.tokens_per_block,
         time_scale=args.time_scale,

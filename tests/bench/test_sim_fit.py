@@ -108,3 +108,12 @@ def test_the_cli_routes_fit_and_validate_with_their_own_output_flag():
     assert (args.func, args.quick, args.output, args.dtype) == (sim_fit.run, True, "m.json", "bfloat16")
     args = parser.parse_args(["simulate", "validate", "--trace", "t.jsonl", "--cost-model", "m.json", "--output", "v"])
     assert (args.func, args.trace, args.cost_model, args.output) == (sim_validate.run, "t.jsonl", "m.json", "v")
+
+
+def test_validate_names_a_missing_trace_or_cost_model_before_loading_the_model(tmp_path):
+    args = parse(sim_validate, ["--trace", str(tmp_path / "none.jsonl"), "--cost-model", "smollm2-cpu-2t"])
+    with pytest.raises(ValueError, match="none.jsonl: no such file"):
+        sim_validate.run(args, llm_factory=lambda **_: pytest.fail("the model must not be built"))
+    args = parse(sim_validate, ["--trace", str(tmp_path / "none.jsonl"), "--cost-model", str(tmp_path / "m.json")])
+    with pytest.raises(ValueError, match="neither a preset"):
+        sim_validate.run(args)
