@@ -29,7 +29,7 @@ from prefixkv.request import Request
 class _LookupMemo(NamedTuple):
     """Where the last lookup of a request ended, and the tree versions it was valid for."""
 
-    evict_version: int  # tree.evict_version then: an eviction can shrink any match
+    evict_version: int  # tree.evict_version then: the match stands while its own nodes have not shrunk since
     limit: int  # tokens the match was allowed to cover (num_tokens - 1)
     version: int  # tree.version then: unchanged means the answer stands
     hit: int
@@ -38,6 +38,17 @@ class _LookupMemo(NamedTuple):
     end_page: int  # node's last page then (-1: a root): one that grew in place has a new last page, a split
     # keeps it (the lower part keeps the tail), so an unchanged last page means the node still ends at `start`
     inside: RadixNode | None  # the child the match stopped inside, if it did
+
+
+def _intact(memo: _LookupMemo, evict_version: int) -> bool:
+    """Whether no eviction since the memo was made touched its match: evictions take tokens from leaves only,
+    so if neither the deepest node matched in full nor the child the match stopped inside has shrunk, every
+    node of the match is still in the tree with all its tokens."""
+    if memo.evict_version == evict_version:
+        return True
+    since = memo.evict_version
+    node, inside = memo.node, memo.inside
+    return (node is None or node.shrunk_at <= since) and (inside is None or inside.shrunk_at <= since)
 
 
 @dataclass(slots=True)
@@ -100,14 +111,16 @@ class RadixPrefixCache(KVCacheManager):
         a child that is still that node's child (not split, so no branch was added inside it), the answer
         stands. Between two engine steps, which mostly insert, re-ordering a long queue then costs a dict
         probe per request instead of re-comparing long prefixes. If that node has grown in place since (its
-        last page changed), it no longer ends where the match did: the match starts over at the root."""
+        last page changed), it no longer ends where the match did: the match starts over at the root.
+        Evictions elsewhere in the tree leave the memo valid (see _intact): under pool pressure every step
+        evicts, and a queue of thousands would otherwise be matched again from the root each step."""
         limit = request.num_tokens - 1
         if limit <= 0:
             return 0
         tree = self.tree
         known = self._known(request)
         memo = known.memo
-        if memo is not None and memo.evict_version == tree.evict_version and memo.limit == limit:
+        if memo is not None and memo.limit == limit and _intact(memo, tree.evict_version):
             if memo.version == tree.version or memo.hit == limit - limit % self.page_size:
                 return memo.hit
             node, start, inside = memo.node, memo.start, memo.inside

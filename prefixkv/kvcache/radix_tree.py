@@ -37,6 +37,7 @@ class RadixNode:
         "namespace",
         "release_age",
         "heap_seq",
+        "shrunk_at",
     )
 
     def __init__(self, tokens: list, pages: list[int], parent: RadixNode | None, namespace: Namespace) -> None:
@@ -50,6 +51,7 @@ class RadixNode:
         self.namespace = namespace
         self.release_age = 0.0  # the eviction policy's age at last_access (what its priority starts from)
         self.heap_seq = 0  # the node's current entry in the eviction heap (older entries are stale)
+        self.shrunk_at = 0  # the tree's evict_version when this node last lost tokens (trimmed or removed)
 
     def __repr__(self) -> str:
         head = self.tokens[:4]
@@ -83,7 +85,7 @@ class RadixTree:
         self.protected_tokens = 0  # tokens in locked nodes
         self.num_nodes = 0  # excluding roots
         self.version = 0  # bumped whenever a match result can change (insert, grow, evict); lookups memoise on it
-        self.evict_version = 0  # bumped when cached tokens go: only then can a match shrink
+        self.evict_version = 0  # bumped when cached tokens go: only then can a match shrink (see shrunk_at)
         self._clock = itertools.count(1)
         self.eviction = make_eviction_policy(eviction)
         self._evictable: EvictionHeap[RadixNode] = EvictionHeap()  # unlocked leaves; stale entries skipped
@@ -303,8 +305,7 @@ class RadixTree:
             priority, node = entry
             self.eviction.evicted(priority)
             need = num_pages - len(freed)
-            self.version += 1
-            self.evict_version += 1
+            self._shrink(node)
             if len(node.pages) > need:
                 freed.extend(node.pages[-need:])
                 del node.pages[-need:]
@@ -335,12 +336,18 @@ class RadixTree:
             if node.lock_ref == 0 and not node.children:
                 freed.extend(node.pages)
                 self.evictable_tokens -= len(node.tokens)
+                self._shrink(node)
                 self._remove(node)
-        if freed:
-            self.version += 1
-            self.evict_version += 1
         self._maybe_compact_heap()
         return freed
+
+    def _shrink(self, node: RadixNode) -> None:
+        """Record that `node` is about to lose tokens. Only leaves lose tokens, so a match whose deepest node
+        and partly matched child have not shrunk since it was made still holds: every node above them is
+        intact (lookups check this instead of redoing every match after any eviction)."""
+        self.version += 1
+        self.evict_version += 1
+        node.shrunk_at = self.evict_version
 
     def _remove(self, node: RadixNode) -> None:
         parent = node.parent

@@ -240,6 +240,26 @@ def test_lookup_memo_follows_tree_changes():
     assert kv.lookup(probe) == 0
 
 
+def test_lookup_memo_survives_evictions_elsewhere_and_sees_its_own():
+    """An eviction invalidates only the memos whose own nodes lost tokens: the rest resume where they were (a long
+    queue is not matched again from the root after every eviction), and those that did shrink see it."""
+    kv = RadixPrefixCache(64, 1)
+    cached_then_freed(kv, range(100, 110))  # A: one 10-token leaf
+    cached_then_freed(kv, range(200, 210))  # B
+    on_a, on_b = make_request([*range(100, 110), 1, 2]), make_request([*range(200, 208), 3, 4])
+    assert kv.lookup(on_a) == 10 and kv.lookup(on_b) == 8  # on_b stops inside B's leaf
+    cached_then_freed(kv, range(100, 110))  # touch A: B is now the least recently used leaf
+    memo_a = kv._lookups[on_a.request_id].memo
+    kv._free.extend(kv.tree.evict(3))  # trims B's tail (LRU leaf first)
+    assert kv.lookup(on_b) == 7  # B lost its last 3 tokens: the match inside it shrinks
+    assert kv.lookup(on_a) == 10 and kv._lookups[on_a.request_id].memo.node is memo_a.node  # resumed, not redone
+    kv._free.extend(kv.tree.evict(7))  # the rest of B
+    assert kv.lookup(on_b) == 0 and kv.lookup(on_a) == 10
+    kv._free.extend(kv.tree.evict(10))  # A
+    assert kv.lookup(on_a) == 0
+    kv.check_invariants()
+
+
 def test_tree_insert_moves_the_lock_down():
     tree = RadixTree(1)
     root = tree.root("ns", create=True)
