@@ -156,7 +156,12 @@ class RadixPrefixCache(KVCacheManager):
         hit = self.lookup(request)
         if not hit:
             return []
-        node = self.tree.match_node(self._namespace(request), self._keys(request), hit)
+        memo = self._lookups[request.request_id].memo
+        node = memo.node if memo is not None and memo.start == hit else None
+        # the lookup has just checked that the memo's node is in the tree; an unchanged last page says it still
+        # ends at the hit (it may have grown since, and a full match returns without looking)
+        if node is None or memo is None or not node.pages or node.pages[-1] != memo.end_page:
+            node = self.tree.match_node(self._namespace(request), self._keys(request), hit)
         path = []
         while node.parent is not None:
             path.append(node)

@@ -536,6 +536,9 @@ class RadixMachine(RuleBasedStateMachine):
         for req in self.waiting:  # the memoised lookup equals a fresh match from the root
             fresh = self.kv.tree.match(req.extra_keys, req.token_ids, req.num_tokens - 1)[1]
             assert self.kv.lookup(req) == fresh
+            path = self.kv.prefix_path(req)  # dfs-weight's view: the nodes of exactly that prefix, attached
+            assert sum(len(n.tokens) for n in path) == fresh and all(n.parent is not None for n in path)
+            assert all(a is b.parent for a, b in zip(path, path[1:]))
         if not self.running:
             assert self.kv.num_free_pages() == self.kv.num_pages
 
