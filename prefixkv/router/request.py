@@ -1,0 +1,56 @@
+"""What a router knows about one request: the prompt as the engine will see it, and the keys of its cache.
+
+Routing uses the rendered prompt (after the chat template), never the first message alone: a multi-turn chat
+shares its whole history with its previous turn, and a system prompt alone would send every conversation of a
+tenant to one replica. The adapter id and the tenant's cache salt are part of every block key, exactly as the
+engine's caches key them, so two tenants with the same prompt never look like one prefix to the router either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prefixkv.kvcache.hashing import hash_prompt_blocks
+
+
+def block_hash_int(key: bytes) -> int:
+    """A cache key as the int a KV event carries: its first 8 bytes, big-endian (the events' documented mapping)."""
+    return int.from_bytes(key[:8], "big")
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    algo: str = "sha256",
+    lora_id: str | None = None,
+    cache_salt: str | None = None,
+) -> list[int]:
+    """The event hashes of every full block of the prompt: what a replica's cache announces once it stores them."""
+    return [block_hash_int(k) for k in hash_prompt_blocks(token_ids, block_size, algo, lora_id, cache_salt)]
+
+
+@dataclass
+class RouteRequest:
+    """One request to route. `session_key` (a `prompt_cache_key` or session header) pins a conversation."""
+
+    token_ids: Sequence[int]
+    lora_id: str | None = None
+    cache_salt: str | None = None
+    session_key: str | None = None
+    request_id: str = ""
+    _hashes: dict[tuple[int, str], list[int]] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def block_hashes(self, block_size: int, algo: str = "sha256") -> list[int]:
+        """The prompt's block hashes at this block size (computed once per size: several policies may ask)."""
+        key = (block_size, algo)
+        hashes = self._hashes.get(key)
+        if hashes is None:
+            hashes = self._hashes[key] = prompt_block_hashes(
+                self.token_ids, block_size, algo, self.lora_id, self.cache_salt
+            )
+        return hashes

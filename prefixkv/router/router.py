@@ -1,0 +1,71 @@
+"""A router: one policy, the live replicas, and the conversations pinned by a session key.
+
+A request with a session key (`prompt_cache_key`, or a session header) goes where its conversation went before,
+as long as that replica is alive; the policy chooses for every other request and for a conversation's first.
+Pins are LRU-bounded, so a router serving millions of sessions holds only the recent ones. The router owns the
+pins; the policy owns what it learns (tree, index); every routed request reaches the policy's on_routed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from prefixkv.router.approximate import ApproximateRouting
+from prefixkv.router.baselines import LeastLoaded, PowerOfTwo, RoundRobin
+from prefixkv.router.policy import RoutingPolicy
+from prefixkv.router.precise import PreciseRouting
+from prefixkv.router.replica import ReplicaState
+from prefixkv.router.request import RouteRequest
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    p.name: p for p in (RoundRobin, LeastLoaded, PowerOfTwo, ApproximateRouting, PreciseRouting)
+}
+
+
+def create_policy(name: str, **options) -> RoutingPolicy:
+    """The policy `name` with its options (e.g. block_size for the cache-aware ones); ValueError for a bad name."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r} (known: {', '.join(POLICIES)})")
+    return POLICIES[name](**options)
+
+
+class Router:
+    def __init__(self, policy: RoutingPolicy, max_sessions: int = 100_000) -> None:
+        self.policy = policy
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session key -> replica id, least recent first
+
+    def route(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> str:
+        """The replica for `request` among the live `replicas`; ValueError when there are none."""
+        if not replicas:
+            raise ValueError("no live replica to route to")
+        chosen = None
+        key = request.session_key
+        if key is not None:
+            pinned = self._sessions.get(key)
+            if pinned is not None and any(r.replica_id == pinned for r in replicas):
+                chosen = pinned
+        if chosen is None:
+            chosen = self.policy.choose(request, replicas)
+        if key is not None:
+            self._sessions[key] = chosen
+            self._sessions.move_to_end(key)
+            if len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        self.policy.on_routed(request, chosen)
+        return chosen
+
+    def finished(self, request: RouteRequest, replica_id: str) -> None:
+        self.policy.on_finished(request, replica_id)
+
+    def kv_events(self, replica_id: str, events: Sequence[object]) -> None:
+        """Events one replica published (the precise policy indexes them; the others ignore them)."""
+        if events:
+            self.policy.on_kv_events(replica_id, events)
+
+    def remove_replica(self, replica_id: str) -> None:
+        """`replica_id` died or left: its pins, tree and index entries go; its sessions re-route on their next turn."""
+        for key in [k for k, r in self._sessions.items() if r == replica_id]:
+            del self._sessions[key]
+        self.policy.on_replica_removed(replica_id)
