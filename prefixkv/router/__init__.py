@@ -7,7 +7,7 @@ from prefixkv.router.block_index import BlockIndex
 from prefixkv.router.policy import RoutingPolicy
 from prefixkv.router.precise import PreciseRouting
 from prefixkv.router.replica import ReplicaState
-from prefixkv.router.request import RouteRequest, prompt_block_hashes
+from prefixkv.router.request import RouteRequest
 from prefixkv.router.router import POLICIES, Router, create_policy
 
 __all__ = [
@@ -23,5 +23,4 @@ __all__ = [
     "Router",
     "RoutingPolicy",
     "create_policy",
-    "prompt_block_hashes",
 ]

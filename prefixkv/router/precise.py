@@ -3,8 +3,10 @@
 The cost, after NVIDIA Dynamo's KV router, is in blocks of work a replica would have ahead of this request:
     cost = prefill_weight * blocks to prefill + decode_weight * blocks to decode
 where blocks to prefill are this prompt's blocks the replica misses plus the prompt tokens its queue still has
-to compute, and blocks to decode are the blocks its running requests hold. The lowest cost wins (ties: the less
-loaded). A big prefix hit wins unless the replica is that much busier; weights trade hit rate against load.
+to compute, and blocks to decode are the blocks its running requests hold. The lowest cost wins; among equal
+costs the less loaded, then the replica caching the fewest blocks (so on an idle fleet new prefixes spread out
+instead of piling onto the first replica). A big prefix hit wins unless the replica is that much busier; the
+weights trade hit rate against load.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class PreciseRouting(RoutingPolicy):
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> str:
         costs = self.costs(request, replicas)
-        return min(replicas, key=lambda r: (costs[r.replica_id], *load_key(r))).replica_id
+        cached = self.index.num_blocks
+        return min(replicas, key=lambda r: (costs[r.replica_id], r.load, cached(r.replica_id), *load_key(r))).replica_id
 
     def on_kv_events(self, replica_id: str, events: Sequence[object]) -> None:
         self.index.apply(replica_id, events)

@@ -4,6 +4,7 @@ Routing uses the rendered prompt (after the chat template), never the first mess
 shares its whole history with its previous turn, and a system prompt alone would send every conversation of a
 tenant to one replica. The adapter id and the tenant's cache salt are part of every block key, exactly as the
 engine's caches key them, so two tenants with the same prompt never look like one prefix to the router either.
+The hashes are the ones the caches' KV events carry (hashing.prompt_block_hashes), for either prefix cache.
 """
 
 from __future__ import annotations
@@ -11,23 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prefixkv.kvcache.hashing import hash_prompt_blocks
-
-
-def block_hash_int(key: bytes) -> int:
-    """A cache key as the int a KV event carries: its first 8 bytes, big-endian (the events' documented mapping)."""
-    return int.from_bytes(key[:8], "big")
-
-
-def prompt_block_hashes(
-    token_ids: Sequence[int],
-    block_size: int,
-    algo: str = "sha256",
-    lora_id: str | None = None,
-    cache_salt: str | None = None,
-) -> list[int]:
-    """The event hashes of every full block of the prompt: what a replica's cache announces once it stores them."""
-    return [block_hash_int(k) for k in hash_prompt_blocks(token_ids, block_size, algo, lora_id, cache_salt)]
+from prefixkv.kvcache.hashing import prompt_block_hashes
 
 
 @dataclass

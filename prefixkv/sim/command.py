@@ -17,6 +17,7 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine_args import add_engine_args, engine_kwargs
 from prefixkv.sim import bounds, report
 from prefixkv.sim.cost_model import PRESETS, StepCostModel, load_cost_model
+from prefixkv.sim.replicas import ROUTERS, simulate_replicas, summarize_replicas
 from prefixkv.sim.simulator import simulate_trace, summarize_trace
 from prefixkv.sim.traces import FORMATS, ScaledRequest, TraceScaling, load_trace, scale_trace
 
@@ -54,6 +55,19 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
         help=f"a preset ({', '.join(PRESETS)}) or a JSON file written by `prefixkv simulate fit`",
     )
     s.add_argument("--no-bounds", action="store_true", help="skip the offline bound (it replays the trace once more)")
+    s.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engine replicas behind a router, each with the pool the pool options give (default 1)",
+    )
+    s.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="round-robin",
+        help="how requests are spread over the replicas; 'pooled' is the bound: one engine with all replicas' pool "
+        "and compute (default round-robin)",
+    )
     s.add_argument("--output-dir", default="sim_results", help="where the JSON results and the plot go")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("--no-plot", action="store_true", help="write the JSON only")
@@ -93,6 +107,7 @@ def register_sweep(simulate_sub) -> None:
     p.add_argument("--policies", default=None, help="schedule policies (default: --schedule-policy)")
     p.add_argument("--evictions", default=None, help="eviction policies (default: --eviction)")
     p.add_argument("--time-scales", default="1", help="arrival-time multipliers (load = 1 / time scale)")
+    p.add_argument("--routers", default=None, help=f"routers ({', '.join(ROUTERS)}; default: --router)")
     p.set_defaults(func=sweep_command)
 
 
@@ -149,13 +164,26 @@ class _Progress:
 
 
 def _run_one(
-    config: EngineConfig, requests: list[ScaledRequest], cost: StepCostModel, quiet: bool, desc: str
+    config: EngineConfig,
+    requests: list[ScaledRequest],
+    cost: StepCostModel,
+    quiet: bool,
+    desc: str,
+    replicas: int = 1,
+    router: str = "round-robin",
 ) -> tuple[dict, list[float], list[float]]:
+    """One simulation: one engine, or `replicas` engines behind `router` (one replica needs no router)."""
     t0 = time.perf_counter()
     with _Progress(len(requests), quiet, desc) as on_done:
-        res, kv = simulate_trace(config, requests, cost, on_done=on_done)
-    summary = summarize_trace(res, kv)
+        if replicas == 1:
+            res, kv = simulate_trace(config, requests, cost, on_done=on_done)
+            summary = summarize_trace(res, kv)
+        else:
+            fleet = simulate_replicas(config, requests, cost, replicas, router, on_done=on_done)
+            summary = summarize_replicas(fleet)
+            res = fleet.merged()
     summary["wall_s"] = time.perf_counter() - t0
+    summary["replicas"], summary["router"] = replicas, router
     ttfts = [m.ttft_s for m in res.metrics if m.ttft_s is not None]
     queues = [m.queue_s for m in res.metrics if m.queue_s is not None]
     return summary, ttfts, queues
@@ -233,10 +261,12 @@ def run_command(args: argparse.Namespace) -> int:
     described = scaling.describe(trace.block_size)
     print(f"trace {args.trace}: {len(requests)} requests, {described}; {unique} unique prompt tokens", flush=True)
     print(f"pool {pool} tokens ({pool / unique:.1%} of unique), cost model {cost.name}", flush=True)
+    if args.replicas > 1:
+        print(f"{args.replicas} replicas of that pool behind the {args.router} router", flush=True)
     accesses = bounds.page_accesses(requests, page)
     unbounded = _unbounded(accesses)
-    offline = None if args.no_bounds else _offline(accesses, pool)
-    summary, ttfts, queues = _run_one(config, requests, cost, args.quiet, "simulate")
+    offline = None if args.no_bounds else _offline(accesses, pool * args.replicas)  # the bound of all the KV there is
+    summary, ttfts, queues = _run_one(config, requests, cost, args.quiet, "simulate", args.replicas, args.router)
     summary = _with_bounds(summary, unbounded, offline)
     results = {
         "command": "simulate",
@@ -259,6 +289,8 @@ def run_command(args: argparse.Namespace) -> int:
     png = os.path.join(args.output_dir, "simulate.png")
     title = f"{os.path.basename(args.trace)}: {described}\n{config.prefix_cache} cache, pages of {page}, pool {pool} "
     title += f"tokens, {config.schedule_policy}, cost model {cost.name}"
+    if args.replicas > 1:
+        title += f", {args.replicas} replicas, {args.router} router"
     if not args.no_plot:
         _try_plot(lambda: report.plot_run(summary, ttfts, queues, title, png), png)
     return 0
@@ -268,13 +300,14 @@ def _run_table(s: dict) -> str:
     rows = [
         ["token hit rate", s["token_hit_rate"]],
         ["unbounded-cache hit rate", s["unbounded_hit_rate"]],
-        ["offline bound (this pool)", s.get("offline_bound_hit_rate", "skipped")],
+        ["offline bound (all replicas' pool)", s.get("offline_bound_hit_rate", "skipped")],
         ["achieved / offline bound", s.get("of_offline_bound", "skipped")],
         ["TTFT p50 / p90 / p99 (sim s)", _ps(s["ttft_s"])],
         ["queueing p50 / p90 / p99 (sim s)", _ps(s["queue_s"])],
         ["output tok/s, req/s (sim)", f"{s['output_tok_s']:.1f}, {s['requests_per_s']:.3f}"],
         ["evicted pages, preemptions", f"{s['evicted_pages']}, {s['preemptions']}"],
         ["served, rejected requests", f"{s['served_requests']}, {s['rejected_requests']}"],
+        ["replicas, router", f"{s['replicas']}, {s['router']}"],
         ["simulated span (s), steps, wall (s)", f"{s['sim_seconds']:.1f}, {s['steps']}, {s['wall_s']:.1f}"],
     ]
     return report.format_table(["metric", "value"], rows)
@@ -303,6 +336,10 @@ def sweep_command(args: argparse.Namespace) -> int:
     policies = _split(args.policies) if args.policies else [base.schedule_policy]
     evictions = _split(args.evictions) if args.evictions else [base.eviction]
     scales = _split(args.time_scales, float)
+    routers = _split(args.routers) if args.routers else [args.router]
+    for router in routers:
+        if router not in ROUTERS:
+            raise ValueError(f"--routers: unknown router {router!r} (known: {', '.join(ROUTERS)})")
     trace = load_trace(args.trace, args.format)
     page = base.tokens_per_page
     by_scale = {scale: scale_trace(trace, _scaling(args, scale), seed=args.trace_seed) for scale in scales}
@@ -311,16 +348,16 @@ def sweep_command(args: argparse.Namespace) -> int:
     accesses = bounds.page_accesses(first, page)
     unbounded = _unbounded(accesses)
     pools = {f: pool_tokens(f, unique, page) for f in fractions}
-    offline = {} if args.no_bounds else {str(f): _offline(accesses, pools[f]) for f in fractions}
+    offline = {} if args.no_bounds else {str(f): _offline(accesses, pools[f] * args.replicas) for f in fractions}
     del accesses
     for cell in [(p, e) for p in policies for e in evictions]:  # fail on a bad name before the long runs
         EngineConfig.from_kwargs(**_cell_kwargs(base, pools[fractions[0]], *cell))
     runs = []
-    cells = [(f, s, p, e) for f in fractions for s in scales for p in policies for e in evictions]
-    for k, (fraction, scale, policy, eviction) in enumerate(cells, 1):
+    cells = [(f, s, p, e, r) for f in fractions for s in scales for p in policies for e in evictions for r in routers]
+    for k, (fraction, scale, policy, eviction, router) in enumerate(cells, 1):
         config = EngineConfig.from_kwargs(**_cell_kwargs(base, pools[fraction], policy, eviction))
-        desc = f"[{k}/{len(cells)}] {fraction} {policy} {eviction} x{scale}"
-        summary, _, _ = _run_one(config, by_scale[scale], cost, args.quiet, desc)
+        desc = f"[{k}/{len(cells)}] {fraction} {policy} {eviction} {router} x{scale}"
+        summary, _, _ = _run_one(config, by_scale[scale], cost, args.quiet, desc, args.replicas, router)
         summary = _with_bounds(summary, unbounded, offline.get(str(fraction)))
         summary.update(fraction=fraction, pool_tokens=pools[fraction], time_scale=scale, policy=policy)
         summary["eviction"] = eviction
@@ -328,11 +365,19 @@ def sweep_command(args: argparse.Namespace) -> int:
     described = _scaling(args, scales[0]).describe(trace.block_size)
     results = {
         "command": "simulate sweep",
-        "title": f"{os.path.basename(args.trace)}: {described}\n{base.prefix_cache} cache, cost model {cost.name}",
+        "title": f"{os.path.basename(args.trace)}: {described}\n{base.prefix_cache} cache, cost model {cost.name}"
+        + (f", {args.replicas} replicas" if args.replicas > 1 else ""),
         "trace": {"path": args.trace, "format": trace.format, "block_size": trace.block_size},
         "scaling": {str(s): _scaling(args, s).describe(trace.block_size) for s in scales},
         "unique_prompt_tokens": unique,
-        "grid": {"fractions": fractions, "policies": policies, "evictions": evictions, "time_scales": scales},
+        "grid": {
+            "fractions": fractions,
+            "policies": policies,
+            "evictions": evictions,
+            "time_scales": scales,
+            "routers": routers,
+            "replicas": args.replicas,
+        },
         "engine_config": dataclasses.asdict(base),
         "cost_model": cost.to_json(),
         "options": _options(args),
@@ -355,8 +400,9 @@ def _cell_kwargs(base: EngineConfig, pool: int, policy: str, eviction: str) -> d
 
 
 def _sweep_table(runs: list[dict]) -> str:
-    headers = ["pool", "tokens", "x time", "policy", "eviction", "hit rate", "offline", "/bound", "unbounded"]
-    headers += ["TTFT p50", "TTFT p99", "queue p99", "evicted", "preempt", "rejected", "wall s"]
+    headers = ["pool", "tokens", "x time", "policy", "eviction", "router", "hit rate", "offline", "/bound", "unbounded"]
+    headers += ["TTFT p50", "TTFT p90", "TTFT p99", "queue p99", "out tok/s", "evicted", "preempt", "rejected"]
+    headers += ["wall s"]
     rows = [
         [
             r["fraction"],
@@ -364,13 +410,16 @@ def _sweep_table(runs: list[dict]) -> str:
             r["time_scale"],
             r["policy"],
             r["eviction"],
+            r["router"],
             r["token_hit_rate"],
             r.get("offline_bound_hit_rate", float("nan")),
             r.get("of_offline_bound") or float("nan"),
             r["unbounded_hit_rate"],
             r["ttft_s"]["p50"],
+            r["ttft_s"]["p90"],
             r["ttft_s"]["p99"],
             r["queue_s"]["p99"],
+            r["output_tok_s"],
             r["evicted_pages"],
             r["preemptions"],
             r["rejected_requests"],

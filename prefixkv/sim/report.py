@@ -93,10 +93,11 @@ def plot_sweep(results: dict, path: str) -> None:
     first_scale = results["grid"]["time_scales"][0]
     largest = max(results["grid"]["fractions"])
     by_load = len(results["grid"]["time_scales"]) > 1
-    labels = sorted({(r["policy"], r["eviction"]) for r in runs})
-    for policy, eviction in labels:
-        name = f"{policy} / {eviction}"
-        mine = [r for r in runs if r["policy"] == policy and r["eviction"] == eviction]
+    labels = sorted({(r["policy"], r["eviction"], r.get("router", "")) for r in runs})
+    several_routers = len({router for _, _, router in labels}) > 1
+    for policy, eviction, router in labels:
+        name = f"{policy} / {eviction}" + (f" / {router}" if several_routers else "")
+        mine = [r for r in runs if (r["policy"], r["eviction"], r.get("router", "")) == (policy, eviction, router)]
         by_size = sorted((r["fraction"], r["token_hit_rate"]) for r in mine if r["time_scale"] == first_scale)
         left.plot([x for x, _ in by_size], [y for _, y in by_size], marker="o", label=name)
         if by_load:

@@ -155,7 +155,7 @@ class Simulation:
         while upcoming is not None or sched.has_work():
             now = res.sim_seconds if self.clock == "seconds" else sched.step_count
             while upcoming is not None and upcoming.due <= now:
-                self._arrive(upcoming)
+                self.arrive(upcoming)
                 upcoming = next(pending, None)
             if not sched.has_work():
                 if upcoming is not None and self.clock == "seconds":
@@ -165,7 +165,7 @@ class Simulation:
                     break
             if self.max_steps is not None and sched.step_count >= self.max_steps:
                 raise RuntimeError(f"simulation did not finish in {self.max_steps} steps")
-            scheduled = self._step()
+            scheduled = self.step()
             empty_steps = 0 if scheduled else empty_steps + 1
             if empty_steps > 10_000 and (upcoming is None or self.clock == "seconds"):
                 raise RuntimeError(
@@ -176,7 +176,9 @@ class Simulation:
         res.preemptions = sched.num_preemptions
         return res
 
-    def _arrive(self, arrival: Arrival) -> None:
+    def arrive(self, arrival: Arrival) -> None:
+        """Queue `arrival` (or count it rejected when it can never fit); run() calls it when the clock reaches it,
+        the multi-replica loop when its router has chosen this replica."""
         res = self.result
         arrival_s = arrival.due if self.clock == "seconds" else res.sim_seconds  # it may arrive mid-step
         metrics = RequestMetrics(arrival.request_id, arrival.group, arrival_s, arrival.prompt_len, arrival.output_len)
@@ -201,7 +203,7 @@ class Simulation:
         if self.keep_requests:
             res.requests.append(request)
 
-    def _step(self) -> bool:
+    def step(self) -> bool:
         """One scheduler step, charged the cost model's time for its batch; False when nothing was scheduled."""
         sched, res = self.scheduler, self.result
         step, start_s = sched.step_count, res.sim_seconds

@@ -1,0 +1,185 @@
+"""N engine replicas behind the router library, on one simulated clock.
+
+Each replica is a Simulation (the real Scheduler and KV manager, its own cost-model clock): it steps whenever it
+has work and its clock is the earliest, so replicas run in parallel in simulated time. An arrival is routed when
+the shared clock reaches it, on the replicas' states at that moment (each busy replica's state is the one after
+the step it has begun, at most one step ahead). With the precise policy, each replica's KV events are drained
+after every step and fed to the router's index, as the replicas' event streams would be.
+
+"pooled" is the bound the routers are measured against: one engine with the N replicas' pool, batch limits and
+compute together (its cost model's times divided by N), so no prefix is ever on the wrong replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prefixkv.config import EngineConfig
+from prefixkv.engine.policy_factory import create_policy as create_schedule_policy
+from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.router import ReplicaState, Router, RouteRequest
+from prefixkv.router import create_policy as create_routing_policy
+from prefixkv.sim.cost_model import StepCostModel
+from prefixkv.sim.simulator import Arrival, SimResult, Simulation, TimedRequest, create_kv, summarize_trace
+
+POOLED = "pooled"
+ROUTERS = ("round-robin", "least-loaded", "power-of-two", "approximate", "precise", POOLED)
+_MAX_IDLE_STEPS = 10_000  # steps of one replica scheduling nothing while it has work: a livelock, not a load
+
+
+@dataclass
+class ReplicaSetResult:
+    """Every replica's result and KV manager, and how many requests the router sent to each."""
+
+    results: list[SimResult]
+    kvs: list[KVCacheManager]
+    routed: list[int]
+    router: Router
+
+    def merged(self) -> SimResult:
+        """One SimResult over all replicas (the simulated span is the last replica's finish)."""
+        out = SimResult()
+        for res in self.results:
+            out.metrics += res.metrics
+            out.steps += res.steps
+            out.computed_tokens += res.computed_tokens
+            out.output_tokens += res.output_tokens
+            out.preemptions += res.preemptions
+            out.sim_seconds = max(out.sim_seconds, res.sim_seconds)
+        return out
+
+
+def replica_state(replica_id: str, sim: Simulation) -> ReplicaState:
+    """The load gauges a server would expose, read off the replica's scheduler and KV manager."""
+    sched, kv = sim.scheduler, sim.kv
+    pending = sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.waiting)
+    pending += sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in sched.running)
+    used = kv.num_used_pages()
+    return ReplicaState(
+        replica_id,
+        waiting=len(sched.waiting),
+        running=len(sched.running),
+        kv_usage=used / kv.num_pages,
+        pending_prefill_tokens=pending,
+        active_blocks=used,
+    )
+
+
+def pooled_config(config: EngineConfig, cost: StepCostModel, num_replicas: int) -> tuple[EngineConfig, StepCostModel]:
+    """One engine as big as `num_replicas` replicas: their pool, batch limits and compute together."""
+    assert config.kv_cache_tokens is not None
+    big = dataclasses.replace(
+        config,
+        kv_cache_tokens=config.kv_cache_tokens * num_replicas,
+        max_num_seqs=config.max_num_seqs * num_replicas,
+        max_num_batched_tokens=config.max_num_batched_tokens * num_replicas,
+    )
+    fast = dataclasses.replace(
+        cost,
+        name=f"{cost.name} / {num_replicas}",
+        step_overhead_s=cost.step_overhead_s / num_replicas,
+        per_token_s=cost.per_token_s / num_replicas,
+        per_attended_pair_s=cost.per_attended_pair_s / num_replicas,
+        per_sequence_s=cost.per_sequence_s / num_replicas,
+    )
+    return big, fast
+
+
+def simulate_replicas(
+    config: EngineConfig,
+    requests: Iterable[TimedRequest],
+    cost: StepCostModel,
+    num_replicas: int,
+    router: str,
+    router_options: dict | None = None,
+    on_done: Callable[[int], None] | None = None,
+) -> ReplicaSetResult:
+    """Serve `requests` (in arrival order) with `num_replicas` replicas, each configured by `config` (its pool is
+    one replica's), behind the routing policy `router` (or the pooled bound)."""
+    if num_replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {num_replicas}")
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r} (known: {', '.join(ROUTERS)})")
+    if router == POOLED:
+        config, cost = pooled_config(config, cost, num_replicas)
+        num_replicas = 1
+    options = {"block_size": config.tokens_per_page, "hash_algo": config.prefix_caching_hash_algo}
+    if router in ("round-robin", "least-loaded", "power-of-two", POOLED):
+        options = {}
+    policy = create_routing_policy("round-robin" if router == POOLED else router, **options | (router_options or {}))
+    listens = router == "precise"
+    sims, ids = [], [f"replica-{i}" for i in range(num_replicas)]
+    for _ in range(num_replicas):
+        kv = create_kv(config)
+        if listens:
+            kv.enable_events()
+        sims.append(Simulation(config, kv, create_schedule_policy(config), cost, clock="seconds", on_done=on_done))
+    loop = _Loop(Router(policy), ids, sims, listens)
+    loop.run(
+        Arrival(r.arrival_s, f"r{i}", r.prompt_len, r.output_len, r.prompt_tokens, getattr(r, "session", None) or "")
+        for i, r in enumerate(requests)
+    )
+    for sim in sims:
+        sim.result.steps = sim.scheduler.step_count
+        sim.result.preemptions = sim.scheduler.num_preemptions
+    return ReplicaSetResult([s.result for s in sims], [s.kv for s in sims], loop.routed, loop.router)
+
+
+class _Loop:
+    """The shared clock: the next thing to happen is the earliest of the next arrival and the busy replicas'
+    next steps (an arrival at the same instant as a step goes first, as in the one-replica loop)."""
+
+    def __init__(self, router: Router, ids: list[str], sims: list[Simulation], listens: bool) -> None:
+        self.router, self.ids, self.sims, self.listens = router, ids, sims, listens
+        self.routed = [0] * len(sims)
+        self._idle_steps = [0] * len(sims)
+
+    def run(self, arrivals: Iterable[Arrival]) -> None:
+        pending: Iterator[Arrival] = iter(arrivals)
+        upcoming = next(pending, None)
+        while True:
+            busy = [(s.result.sim_seconds, i) for i, s in enumerate(self.sims) if s.scheduler.has_work()]
+            next_step = min(busy) if busy else None
+            if upcoming is not None and (next_step is None or upcoming.due <= next_step[0]):
+                self._route(upcoming)
+                upcoming = next(pending, None)
+            elif next_step is not None:
+                self._step(next_step[1])
+            else:
+                return
+
+    def _route(self, arrival: Arrival) -> None:
+        tokens = arrival.make_prompt()
+        request = RouteRequest(tokens, arrival.lora_id, arrival.cache_salt, request_id=arrival.request_id)
+        states = [replica_state(rid, sim) for rid, sim in zip(self.ids, self.sims, strict=True)]
+        i = self.ids.index(self.router.route(request, states))
+        sim = self.sims[i]
+        if not sim.scheduler.has_work():  # an idle replica's clock waited at its last finish: bring it to now
+            sim.result.sim_seconds = max(sim.result.sim_seconds, arrival.due)
+        sim.arrive(dataclasses.replace(arrival, make_prompt=lambda: tokens))
+        self.routed[i] += 1
+
+    def _step(self, i: int) -> None:
+        sim = self.sims[i]
+        scheduled = sim.step()
+        self._idle_steps[i] = 0 if scheduled else self._idle_steps[i] + 1
+        if self._idle_steps[i] > _MAX_IDLE_STEPS:
+            sched = sim.scheduler
+            raise RuntimeError(
+                f"{self.ids[i]}: no progress for {self._idle_steps[i]} steps with {len(sched.waiting)} waiting and "
+                f"{len(sched.running)} running requests"
+            )
+        if self.listens:
+            self.router.kv_events(self.ids[i], sim.kv.drain_events())
+
+
+def summarize_replicas(fleet: ReplicaSetResult) -> dict:
+    """summarize_trace's figures over all replicas together, and how the router spread the requests."""
+    summary = summarize_trace(fleet.merged(), fleet.kvs[0])
+    summary["evicted_pages"] = sum(kv.stats.evicted_pages for kv in fleet.kvs)
+    summary["readmission_hit_tokens"] = sum(kv.stats.readmission_hits for kv in fleet.kvs)
+    summary["pool_pages"] = sum(kv.num_pages for kv in fleet.kvs)
+    summary["routed_per_replica"] = fleet.routed
+    return summary
