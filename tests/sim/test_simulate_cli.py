@@ -108,3 +108,19 @@ def test_a_missing_pool_size_or_trace_is_a_clear_error(trace_file, tmp_path, cap
     assert "nope.jsonl: no such file" in capsys.readouterr().err
     assert main(["simulate", "sweep", "--trace", trace_file, "--kv-cache-tokens", "64"]) == 2
     assert "pool sizes from --fractions" in capsys.readouterr().err
+
+
+def test_replicas_behind_routers_from_the_command_line(trace_file, tmp_path, capsys):
+    one = ["simulate", "--trace", trace_file, *TRACE_OPTIONS, "--kv-cache-tokens", "256", "--no-plot"]
+    assert main(one + ["--replicas", "2", "--router", "precise", "--output-dir", str(tmp_path / "one")]) == 0
+    s = json.loads((tmp_path / "one" / "simulate.json").read_text())["summary"]
+    assert (s["replicas"], s["router"], s["served_requests"], sum(s["routed_per_replica"])) == (2, "precise", 5, 5)
+    assert s["hit_tokens"] == HAND_COUNT  # one request at a time: the precise router finds every prefix
+    assert s["pool_pages"] == 2 * 64
+    sweep = ["simulate", "sweep", "--trace", trace_file, *TRACE_OPTIONS, "--fractions", "5", "--replicas", "2"]
+    assert main(sweep + ["--routers", "round-robin,pooled", "--output-dir", str(tmp_path / "sweep"), "--no-plot"]) == 0
+    runs = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["runs"]
+    assert [(r["router"], r["replicas"]) for r in runs] == [("round-robin", 2), ("pooled", 2)]
+    assert runs[1]["hit_tokens"] == HAND_COUNT and "pooled" in capsys.readouterr().out
+    assert main(sweep + ["--routers", "random"]) == 2
+    assert "--routers: unknown router 'random'" in capsys.readouterr().err
