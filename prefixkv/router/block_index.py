@@ -62,6 +62,9 @@ class BlockIndex:
         """The block hashes the index believes `replica_id` holds (a copy)."""
         return set(self._blocks.get(replica_id, ()))
 
+    def holds(self, replica_id: str, block_hash: int) -> bool:
+        return replica_id in self._holders.get(block_hash, ())
+
     def num_blocks(self, replica_id: str) -> int:
         return len(self._blocks.get(replica_id, ()))
 

@@ -28,27 +28,59 @@ def test_the_index_applies_stored_removed_cleared_and_a_dead_replica():
 
 
 def test_precise_routes_to_the_replica_holding_the_prefix_unless_it_is_much_busier():
-    policy = PreciseRouting(block_size=BS)
+    policy = PreciseRouting(block_size=BS, decode_weight=1.0, queue_weight=1.0)  # Dynamo's weights
     router = Router(policy)
     request = RouteRequest(list(range(40)))  # 10 blocks
     hashes = request.block_hashes(BS)
     router.kv_events("r1", [stored(hashes[:8])])
     idle = [ReplicaState("r0"), ReplicaState("r1")]
     assert policy.costs(request, idle) == {"r0": 10.0, "r1": 2.0}
-    assert router.route(request, idle) == "r1"
+    assert policy.choose(request, idle) == "r1"
     busy = [ReplicaState("r0"), ReplicaState("r1", running=3, active_blocks=9)]  # 2 + 9 > 10
-    assert router.route(request, busy) == "r0"
-    light = PreciseRouting(block_size=BS, decode_weight=0.5)  # weights are the trade-off's knobs
-    light.on_kv_events("r1", [stored(hashes[:8])])
-    assert light.choose(request, busy) == "r1"  # 2 + 4.5 < 10
+    assert policy.choose(request, busy) == "r0"
+    queued = [ReplicaState("r0"), ReplicaState("r1", waiting=2, pending_prefill_tokens=40)]  # 2 + 10 > 10
+    assert policy.choose(request, queued) == "r0"
+    default = PreciseRouting(block_size=BS)  # the defaults: misses 1, queued prefill 0.02, decode 0
+    default.on_kv_events("r1", [stored(hashes[:8])])
+    assert default.choose(request, busy) == "r1" and default.choose(request, queued) == "r1"
+    assert default.costs(request, queued) == {"r0": 10.0, "r1": 2.2}
+
+
+def test_a_prompt_routed_but_not_yet_computed_draws_its_followers():
+    policy = PreciseRouting(block_size=BS)
+    router = Router(policy)
+    first = RouteRequest(list(range(40)))
+    fleet = [ReplicaState("r0"), ReplicaState("r1", cached_blocks=0)]
+    router.kv_events("r0", [stored([12345])])  # r0 caches something else: r1 is the emptier one
+    assert router.route(first, fleet) == "r1"
+    follower = RouteRequest(list(range(40)) + [7] * 8)
+    assert policy.matched_blocks(follower, ["r0", "r1"]) == {"r0": 0, "r1": 10}  # no event yet: in flight
+    assert router.route(follower, fleet) == "r1"
+    router.kv_events("r1", [stored(first.block_hashes(BS))])  # computed: held now, the follower's 2 still coming
+    assert policy.matched_blocks(follower, ["r0", "r1"]) == {"r0": 0, "r1": 12}
+    router.kv_events("r1", [BlockRemoved(first.block_hashes(BS)[5:])])
+    assert policy.matched_blocks(follower, ["r0", "r1"])["r1"] == 5  # an event confirmed it: no longer in flight
+    bounded = PreciseRouting(block_size=BS, max_in_flight_blocks=4)
+    bounded.on_routed(first, "r1")
+    assert bounded.matched_blocks(first, ["r1"]) == {"r1": 0}  # only the 4 newest entries are kept
+
+
+def test_a_clearly_imbalanced_fleet_goes_to_the_least_loaded_first():
+    policy = PreciseRouting(block_size=BS)
+    request = RouteRequest(list(range(40)))
+    policy.on_kv_events("r1", [stored(request.block_hashes(BS))])
+    assert policy.choose(request, [ReplicaState("r0", running=10), ReplicaState("r1", running=70)]) == "r1"
+    assert policy.choose(request, [ReplicaState("r0", running=5), ReplicaState("r1", running=70)]) == "r0"
 
 
 def test_a_dead_replica_drops_out_of_the_precise_index():
     router = Router(PreciseRouting(block_size=BS))
     request = RouteRequest(list(range(40)))
     router.kv_events("r1", [stored(request.block_hashes(BS))])
+    router.route(RouteRequest(list(range(100, 140))), [ReplicaState("r1")])  # in flight on r1
     router.remove_replica("r1")
     assert router.policy.index.num_blocks("r1") == 0  # type: ignore[attr-defined]
+    assert router.policy.matched_blocks(RouteRequest(list(range(100, 140))), ["r1"]) == {"r1": 0}  # type: ignore
     assert router.route(request, [ReplicaState("r0")]) == "r0"
 
 
