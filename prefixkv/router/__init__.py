@@ -8,7 +8,7 @@ from prefixkv.router.policy import RoutingPolicy
 from prefixkv.router.precise import PreciseRouting
 from prefixkv.router.replica import ReplicaState
 from prefixkv.router.request import RouteRequest
-from prefixkv.router.router import POLICIES, Router, create_policy
+from prefixkv.router.router import POLICIES, Router, create_policy, policy_options
 
 __all__ = [
     "POLICIES",
@@ -23,4 +23,5 @@ __all__ = [
     "Router",
     "RoutingPolicy",
     "create_policy",
+    "policy_options",
 ]

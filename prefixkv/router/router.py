@@ -8,6 +8,7 @@ pins; the policy owns what it learns (tree, index); every routed request reaches
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -23,10 +24,20 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 }
 
 
+def policy_options(name: str) -> set[str]:
+    """The keyword options the policy `name` takes."""
+    return {p for p in inspect.signature(POLICIES[name]).parameters if p != "self"}
+
+
 def create_policy(name: str, **options) -> RoutingPolicy:
-    """The policy `name` with its options (e.g. block_size for the cache-aware ones); ValueError for a bad name."""
+    """The policy `name` with its options (e.g. block_size for the cache-aware ones); ValueError for a bad name or
+    an option the policy does not take."""
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r} (known: {', '.join(POLICIES)})")
+    unknown = set(options) - policy_options(name)
+    if unknown:
+        known = ", ".join(sorted(policy_options(name))) or "none"
+        raise ValueError(f"routing policy {name!r} has no option {', '.join(sorted(unknown))} (options: {known})")
     return POLICIES[name](**options)
 
 

@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine_args import add_engine_args, engine_kwargs
+from prefixkv.router import policy_options
 from prefixkv.sim import bounds, report
 from prefixkv.sim.cost_model import PRESETS, StepCostModel, load_cost_model
-from prefixkv.sim.replicas import ROUTERS, simulate_replicas, summarize_replicas
+from prefixkv.sim.replicas import POOLED, ROUTERS, simulate_replicas, summarize_replicas
 from prefixkv.sim.simulator import simulate_trace, summarize_trace
 from prefixkv.sim.traces import FORMATS, ScaledRequest, TraceScaling, load_trace, scale_trace
 
@@ -67,6 +68,13 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
         default="round-robin",
         help="how requests are spread over the replicas; 'pooled' is the bound: one engine with all replicas' pool "
         "and compute (default round-robin)",
+    )
+    s.add_argument(
+        "--router-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a routing policy option, e.g. decode_weight=1 or max_tree_tokens=1000000 (repeatable; numbers only)",
     )
     s.add_argument("--output-dir", default="sim_results", help="where the JSON results and the plot go")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -129,6 +137,20 @@ def _scaling(args: argparse.Namespace, time_scale: float) -> TraceScaling:
     )
 
 
+def router_options(args: argparse.Namespace) -> dict:
+    """--router-option KEY=VALUE pairs as keyword arguments (ints where they read as ints)."""
+    options: dict = {}
+    for item in args.router_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--router-option expects KEY=VALUE, got {item!r}")
+        try:
+            options[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            raise ValueError(f"--router-option {key}: expected a number, got {value!r}") from None
+    return options
+
+
 def _base_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags give, with a placeholder pool when the pool comes from --kv-cache-fraction."""
     kwargs = engine_kwargs(args)
@@ -171,6 +193,7 @@ def _run_one(
     desc: str,
     replicas: int = 1,
     router: str = "round-robin",
+    router_options: dict | None = None,
 ) -> tuple[dict, list[float], list[float]]:
     """One simulation: one engine, or `replicas` engines behind `router` (one replica needs no router)."""
     t0 = time.perf_counter()
@@ -179,7 +202,7 @@ def _run_one(
             res, kv = simulate_trace(config, requests, cost, on_done=on_done)
             summary = summarize_trace(res, kv)
         else:
-            fleet = simulate_replicas(config, requests, cost, replicas, router, on_done=on_done)
+            fleet = simulate_replicas(config, requests, cost, replicas, router, router_options, on_done=on_done)
             summary = summarize_replicas(fleet)
             res = fleet.merged()
     summary["wall_s"] = time.perf_counter() - t0
@@ -266,7 +289,10 @@ def run_command(args: argparse.Namespace) -> int:
     accesses = bounds.page_accesses(requests, page)
     unbounded = _unbounded(accesses)
     offline = None if args.no_bounds else _offline(accesses, pool * args.replicas)  # the bound of all the KV there is
-    summary, ttfts, queues = _run_one(config, requests, cost, args.quiet, "simulate", args.replicas, args.router)
+    options = router_options(args)
+    summary, ttfts, queues = _run_one(
+        config, requests, cost, args.quiet, "simulate", args.replicas, args.router, options
+    )
     summary = _with_bounds(summary, unbounded, offline)
     results = {
         "command": "simulate",
@@ -352,12 +378,17 @@ def sweep_command(args: argparse.Namespace) -> int:
     del accesses
     for cell in [(p, e) for p in policies for e in evictions]:  # fail on a bad name before the long runs
         EngineConfig.from_kwargs(**_cell_kwargs(base, pools[fractions[0]], *cell))
+    wanted = router_options(args)  # each router takes the options it has (decode_weight: precise only)
+    takers = set().union(*(policy_options(r) for r in routers if r != POOLED))
+    if set(wanted) - takers:
+        raise ValueError(f"--router-option {', '.join(sorted(set(wanted) - takers))}: no router in --routers takes it")
     runs = []
     cells = [(f, s, p, e, r) for f in fractions for s in scales for p in policies for e in evictions for r in routers]
     for k, (fraction, scale, policy, eviction, router) in enumerate(cells, 1):
         config = EngineConfig.from_kwargs(**_cell_kwargs(base, pools[fraction], policy, eviction))
         desc = f"[{k}/{len(cells)}] {fraction} {policy} {eviction} {router} x{scale}"
-        summary, _, _ = _run_one(config, by_scale[scale], cost, args.quiet, desc, args.replicas, router)
+        options = {k: v for k, v in wanted.items() if router != POOLED and k in policy_options(router)}
+        summary, _, _ = _run_one(config, by_scale[scale], cost, args.quiet, desc, args.replicas, router, options)
         summary = _with_bounds(summary, unbounded, offline.get(str(fraction)))
         summary.update(fraction=fraction, pool_tokens=pools[fraction], time_scale=scale, policy=policy)
         summary["eviction"] = eviction

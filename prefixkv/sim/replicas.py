@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from prefixkv.config import EngineConfig
 from prefixkv.engine.policy_factory import create_policy as create_schedule_policy
 from prefixkv.kvcache.manager import KVCacheManager
-from prefixkv.router import ReplicaState, Router, RouteRequest
+from prefixkv.router import ReplicaState, Router, RouteRequest, policy_options
 from prefixkv.router import create_policy as create_routing_policy
 from prefixkv.sim.cost_model import StepCostModel
 from prefixkv.sim.simulator import Arrival, SimResult, Simulation, TimedRequest, create_kv, summarize_trace
@@ -105,10 +105,10 @@ def simulate_replicas(
     if router == POOLED:
         config, cost = pooled_config(config, cost, num_replicas)
         num_replicas = 1
+    name = "round-robin" if router == POOLED else router
     options = {"block_size": config.tokens_per_page, "hash_algo": config.prefix_caching_hash_algo}
-    if router in ("round-robin", "least-loaded", "power-of-two", POOLED):
-        options = {}
-    policy = create_routing_policy("round-robin" if router == POOLED else router, **options | (router_options or {}))
+    options = {k: v for k, v in options.items() if k in policy_options(name)} | (router_options or {})
+    policy = create_routing_policy(name, **options)
     listens = router == "precise"
     sims, ids = [], [f"replica-{i}" for i in range(num_replicas)]
     for _ in range(num_replicas):

@@ -28,6 +28,7 @@ def test_import_graph_is_a_dag_with_the_contracted_edges():
     assert "prefixkv.engine" not in edges["prefixkv.model"]
     assert "prefixkv.bench" not in edges["prefixkv.sim"]
     assert "prefixkv.model" not in edges["prefixkv.engine"]
+    assert edges["prefixkv.router"] <= {"prefixkv.kvcache", "prefixkv.config", "prefixkv.request"}  # a pure library
 
 
 def test_import_graph_script_reports_a_cycle(tmp_path):
@@ -56,6 +57,8 @@ from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 from prefixkv.sim.simulator import SimRequest, make_policy, simulate, summarize_run
+from prefixkv.sim.replicas import simulate_replicas
+from prefixkv.router import Router
 from prefixkv.config import EngineConfig
 from prefixkv.engine_args import add_engine_args
 

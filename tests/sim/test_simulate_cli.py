@@ -124,3 +124,13 @@ def test_replicas_behind_routers_from_the_command_line(trace_file, tmp_path, cap
     assert runs[1]["hit_tokens"] == HAND_COUNT and "pooled" in capsys.readouterr().out
     assert main(sweep + ["--routers", "random"]) == 2
     assert "--routers: unknown router 'random'" in capsys.readouterr().err
+
+
+def test_router_options_reach_the_policy_that_takes_them(trace_file, tmp_path, capsys):
+    one = ["simulate", "--trace", trace_file, *TRACE_OPTIONS, "--kv-cache-tokens", "256", "--no-plot"]
+    one += ["--replicas", "2", "--output-dir", str(tmp_path), "--router", "precise"]
+    assert main(one + ["--router-option", "decode_weight=1", "--router-option", "balance_abs_threshold=8"]) == 0
+    assert main(one + ["--router-option", "max_tree_tokens=5"]) == 2
+    assert "routing policy 'precise' has no option max_tree_tokens" in capsys.readouterr().err
+    assert main(one + ["--router-option", "decode_weight"]) == 2
+    assert "expects KEY=VALUE" in capsys.readouterr().err
