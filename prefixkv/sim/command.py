@@ -423,6 +423,9 @@ def sweep_command(args: argparse.Namespace) -> int:
     png = os.path.join(args.output_dir, "sweep.png")
     if not args.no_plot:
         _try_plot(lambda: report.plot_sweep(results, png), png)
+        if len(routers) > 1:
+            by_router = os.path.join(args.output_dir, "routers.png")
+            _try_plot(lambda: report.plot_routers(results, by_router), by_router)
     return 0
 
 

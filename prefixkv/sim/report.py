@@ -126,3 +126,33 @@ def plot_sweep(results: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_routers(results: dict, path: str) -> None:
+    """A sweep over routers: per cell (pool size, load), the hit rate and the TTFT p90 of each router side by side
+    (grouped bars), the offline bound of the cell's pool drawn over the hit rates."""
+    plt = _pyplot()
+    runs = results["runs"]
+    routers = results["grid"]["routers"]
+    cells = sorted({(r["fraction"], r["time_scale"]) for r in runs}, key=lambda c: (c[0], -c[1]))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(cells) + 3), 7), sharex=True)
+    width = 0.8 / len(routers)
+    for k, router in enumerate(routers):
+        mine = {(r["fraction"], r["time_scale"]): r for r in runs if r["router"] == router}
+        xs = [i + (k - (len(routers) - 1) / 2) * width for i in range(len(cells))]
+        top.bar(xs, [mine[c]["token_hit_rate"] for c in cells], width, label=router)
+        bottom.bar(xs, [mine[c]["ttft_s"]["p90"] for c in cells], width, label=router)
+    for i, (fraction, _) in enumerate(cells):
+        bound = results["bounds"]["offline"].get(str(fraction))
+        if bound:
+            top.hlines(bound["offline_hit_rate"], i - 0.45, i + 0.45, colors="k", linestyles="--")
+    top.set_ylabel("prompt-token hit rate (-- offline bound)")
+    top.legend(fontsize=7, ncol=3, loc="lower left")
+    bottom.set_ylabel("TTFT p90 (simulated s)")
+    bottom.set_yscale("log")
+    bottom.set_xticks(range(len(cells)))
+    bottom.set_xticklabels([f"pool {f:g}\nload {1 / s:g}x" for f, s in cells], fontsize=8)
+    fig.suptitle(results["title"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -118,7 +118,8 @@ def test_replicas_behind_routers_from_the_command_line(trace_file, tmp_path, cap
     assert s["hit_tokens"] == HAND_COUNT  # one request at a time: the precise router finds every prefix
     assert s["pool_pages"] == 2 * 64
     sweep = ["simulate", "sweep", "--trace", trace_file, *TRACE_OPTIONS, "--fractions", "5", "--replicas", "2"]
-    assert main(sweep + ["--routers", "round-robin,pooled", "--output-dir", str(tmp_path / "sweep"), "--no-plot"]) == 0
+    assert main(sweep + ["--routers", "round-robin,pooled", "--output-dir", str(tmp_path / "sweep")]) == 0
+    assert (tmp_path / "sweep" / "routers.png").exists()
     runs = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["runs"]
     assert [(r["router"], r["replicas"]) for r in runs] == [("round-robin", 2), ("pooled", 2)]
     assert runs[1]["hit_tokens"] == HAND_COUNT and "pooled" in capsys.readouterr().out
