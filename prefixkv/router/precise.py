@@ -17,7 +17,8 @@ replica.
 Events only announce what a replica has computed. A prompt routed a moment ago is still queued or prefilling, and
 a second request with its prefix must follow it, or two replicas compute (and cache) the same prefix. So the
 router also counts the blocks of the prompts it routed as held where it sent them, until that replica's events
-store them (or a bounded number of newer routings pushes them out: a request that never got computed).
+store them, the request finishes without storing them (rejected, aborted), or a bounded number of newer routings
+pushes them out (a request whose end the router never heard of).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class PreciseRouting(RoutingPolicy):
             matched[rid] = n
         return matched
 
+    @property
+    def num_in_flight_blocks(self) -> int:
+        """Blocks of routed prompts the router still expects an event for."""
+        return len(self._in_flight)
+
     def _held_or_coming(self, replica_id: str, block_hash: int) -> bool:
         return self.index.holds(replica_id, block_hash) or replica_id in self._in_flight_holders.get(block_hash, ())
 
@@ -100,6 +106,14 @@ class PreciseRouting(RoutingPolicy):
         while len(self._in_flight) > self.max_in_flight_blocks:
             (rid, h), _ = self._in_flight.popitem(last=False)
             self._drop_in_flight_holder(rid, h)
+
+    def on_finished(self, request: RouteRequest, replica_id: str) -> None:
+        """Blocks of a finished request that no event stored never will be (rejected, aborted): stop expecting them."""
+        if not self._in_flight:
+            return
+        for h in request.block_hashes(self.block_size, self.hash_algo):
+            if self._in_flight.pop((replica_id, h), 0) is None:
+                self._drop_in_flight_holder(replica_id, h)
 
     def on_kv_events(self, replica_id: str, events: Sequence[object]) -> None:
         self.index.apply(replica_id, events)

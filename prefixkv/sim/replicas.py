@@ -135,6 +135,8 @@ class _Loop:
         self.router, self.ids, self.sims, self.listens = router, ids, sims, listens
         self.routed = [0] * len(sims)
         self._idle_steps = [0] * len(sims)
+        self._in_flight: dict[str, RouteRequest] = {}  # request id -> what was routed, until it finishes
+        self._reported = [0] * len(sims)  # per replica, how many of its finished requests the router heard of
 
     def run(self, arrivals: Iterable[Arrival]) -> None:
         pending: Iterator[Arrival] = iter(arrivals)
@@ -160,6 +162,8 @@ class _Loop:
             sim.result.sim_seconds = max(sim.result.sim_seconds, arrival.due)
         sim.arrive(dataclasses.replace(arrival, make_prompt=lambda: tokens))
         self.routed[i] += 1
+        self._in_flight[arrival.request_id] = request
+        self._report_finished(i)  # a request that can never fit is finished (rejected) on arrival
 
     def _step(self, i: int) -> None:
         sim = self.sims[i]
@@ -173,6 +177,14 @@ class _Loop:
             )
         if self.listens:
             self.router.kv_events(self.ids[i], sim.kv.drain_events())
+        self._report_finished(i)
+
+    def _report_finished(self, i: int) -> None:
+        """Tell the router about the requests replica i finished (or rejected) since the last report."""
+        metrics = self.sims[i].result.metrics
+        for m in metrics[self._reported[i] :]:
+            self.router.finished(self._in_flight.pop(m.request_id), self.ids[i])
+        self._reported[i] = len(metrics)
 
 
 def summarize_replicas(fleet: ReplicaSetResult) -> dict:

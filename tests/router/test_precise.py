@@ -60,6 +60,8 @@ def test_a_prompt_routed_but_not_yet_computed_draws_its_followers():
     assert policy.matched_blocks(follower, ["r0", "r1"]) == {"r0": 0, "r1": 12}
     router.kv_events("r1", [BlockRemoved(first.block_hashes(BS)[5:])])
     assert policy.matched_blocks(follower, ["r0", "r1"])["r1"] == 5  # an event confirmed it: no longer in flight
+    router.finished(follower, "r1")  # its last 2 blocks were never stored: no longer expected
+    assert policy.num_in_flight_blocks == 0 and policy.matched_blocks(follower, ["r1"]) == {"r1": 5}
     bounded = PreciseRouting(block_size=BS, max_in_flight_blocks=4)
     bounded.on_routed(first, "r1")
     assert bounded.matched_blocks(first, ["r1"]) == {"r1": 0}  # only the 4 newest entries are kept

@@ -58,6 +58,7 @@ def test_cache_aware_routers_keep_tenants_apart_and_the_index_mirrors_each_cache
             index = fleet.router.policy.index  # type: ignore[attr-defined]
             for i, kv in enumerate(fleet.kvs):
                 assert index.blocks(f"replica-{i}") == kv.cached_block_hashes()
+            assert fleet.router.policy.num_in_flight_blocks == 0  # type: ignore[attr-defined]
     assert rates["round-robin"] < 0.3 < rates["approximate"]
     assert rates["precise"] >= rates["approximate"]
     assert rates["pooled"] >= rates["precise"] - 0.05
