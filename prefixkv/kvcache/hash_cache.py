@@ -278,6 +278,9 @@ class HashPrefixCache(KVCacheManager):
             return not self.cached
         return not any(salt_filter(b.cache_salt) for b in self.cached.values())
 
+    def num_cached_pages(self) -> int:
+        return len(self.cached)
+
     def cached_block_hashes(self) -> set[int]:
         return {external_block_hash(key) for key in self.cached}
 

@@ -324,6 +324,9 @@ class RadixPrefixCache(KVCacheManager):
             self._page_hash = [0] * self.num_pages
         super().enable_events()
 
+    def num_cached_pages(self) -> int:
+        return (self.tree.evictable_tokens + self.tree.protected_tokens) // self.page_size
+
     def cached_block_hashes(self) -> set[int]:
         if self._events is None:
             return set()
