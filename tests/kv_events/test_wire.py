@@ -202,3 +202,37 @@ def test_replay_protocol_with_a_raw_socket():
     finally:
         dealer.close(linger=0)
         publisher.close()
+
+
+def test_options_are_checked_and_generate_flags():
+    import argparse
+
+    from prefixkv.config import EngineConfig
+    from prefixkv.engine_args import add_engine_args, engine_kwargs
+
+    for bad, field in (
+        ({"kv_events_format": "json"}, "kv_events_format"),
+        ({"kv_events_endpoint": "localhost:5557"}, "kv_events_endpoint"),
+        ({"kv_events_replay_endpoint": "tcp://*:5558"}, "kv_events_replay_endpoint"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(
+        ["--kv-events-endpoint", "tcp://*:5557", "--kv-events-topic", "kv", "--kv-events-format", "array"]
+    )
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert (config.kv_events_endpoint, config.kv_events_topic, config.kv_events_format) == (
+        "tcp://*:5557",
+        "kv",
+        "array",
+    )
+    assert config.kv_events_replay_endpoint is None
+
+
+def test_an_unusable_address_fails_at_startup(tmp_path):
+    with pytest.raises(ValueError, match="cannot bind"):
+        ZmqEventPublisher(f"ipc://{tmp_path}/missing-dir/events")
+    publisher = ZmqEventPublisher(f"ipc://{tmp_path}/events")  # ipc works too
+    publisher.close()
