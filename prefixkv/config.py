@@ -49,7 +49,9 @@ class EngineConfig:
     page_size: int | None = _option(
         None, "tokens per KV page (default 16 for hash/off, 1 for radix)", aliases=("--block-size",)
     )
-    prefix_caching_hash_algo: str = _option("sha256", "hash of the hash cache's block keys", HASH_ALGOS)
+    prefix_caching_hash_algo: str = _option(
+        "sha256", "hash of the hash cache's block keys (and of both caches' KV event block hashes)", HASH_ALGOS
+    )
     eviction: str = _option(
         "lru",
         "which cached KV goes first when the pool is full: least recently used, LFU with aging (hot shared "
