@@ -3,7 +3,8 @@
 Every message is three ZeroMQ frames: [topic (UTF-8), sequence number (8 bytes, big-endian), payload]. The
 payload is one EventBatch(ts, events, data_parallel_rank):
 
-format "vllm" (vLLM's current kv_events.py, the default): the batch is an array
+format "vllm" (the default; vLLM's releases since events became maps, vllm-project/vllm#42892, e.g. v0.26 as
+  kthena#1535 captured it: [ts, [{"type": "BlockStored", ...}], 0]): the batch is an array
     [ts: float, events: array, data_parallel_rank: int]
   and each event a map tagged with its class name under "type", fields in declaration order, fields with a
   default left out while they hold it:
@@ -18,6 +19,9 @@ format "array" (older vLLM releases, what Ray Serve's KV event manager and Dynam
     ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
     ["BlockRemoved", block_hashes, medium]
     ["AllBlocksCleared"]
+  The first releases declared fewer fields (no medium; BlockRemoved only its hashes; no data_parallel_rank):
+  their array-like msgspec decoders ignore the trailing fields, so they read this layout too.
+Not written: a batch encoded as a map ({"ts", "events", "data_parallel_rank"}), which a later vLLM main declares.
 """
 
 from __future__ import annotations

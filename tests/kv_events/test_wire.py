@@ -6,11 +6,13 @@ through the replay socket."""
 import random
 
 import msgpack
+import msgspec
 import pytest
 import zmq
 
 from prefixkv.kv_events.publisher import END_OF_REPLAY, ZmqEventPublisher
 from prefixkv.kv_events.subscriber import KVEventSubscriber
+from prefixkv.kv_events.wire import BatchEncoder
 from prefixkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, apply_events
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
@@ -57,6 +59,16 @@ def decode_array(payload: bytes) -> tuple[float, list, int]:
             assert raw == ["AllBlocksCleared"]
             events.append(AllBlocksCleared())
     return ts, events, rank
+
+
+def older_fields(event):
+    """What the array layout carries of an event: the older releases' fields only."""
+    if isinstance(event, BlockStored):
+        e = event
+        return BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium)
+    if isinstance(event, BlockRemoved):
+        return BlockRemoved(event.block_hashes, event.medium)
+    return event
 
 
 def workload(kv, seed=0):
@@ -116,13 +128,8 @@ def test_frames_decode_with_an_independent_decoder(fmt, decode):
             assert topic == b"kv@replica-0" and len(seq_frame) == 8 and int.from_bytes(seq_frame, "big") == seq
             ts, decoded, rank = decode(payload)
             assert (ts, rank) == (123.5, 0)
-            if fmt == "array":  # the older layout has no room for these
-                events = [
-                    BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium)
-                    if isinstance(e, BlockStored)
-                    else e
-                    for e in events
-                ]
+            if fmt == "array":
+                events = [older_fields(e) for e in events]
             assert decoded == events
             seen += 1
     finally:
@@ -177,6 +184,37 @@ def test_missed_batches_are_detected_and_replayed(kind):
     finally:
         sub.close()
         publisher.close()
+
+
+def test_array_layout_decodes_with_the_oldest_struct_definitions():
+    """The first vLLM releases with KV events declared fewer fields (BlockStored up to lora_id, BlockRemoved only
+    its hashes, a batch of [ts, events]); msgspec decoders of those array-like structs ignore the trailing
+    fields the array layout adds, so they read prefixkv's payloads."""
+
+    class Event(msgspec.Struct, array_like=True, tag=True):
+        pass
+
+    class Stored(Event, tag="BlockStored"):
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+
+    class Removed(Event, tag="BlockRemoved"):
+        block_hashes: list[int]
+
+    class Cleared(Event, tag="AllBlocksCleared"):
+        pass
+
+    class Batch(msgspec.Struct, array_like=True):
+        ts: float
+        events: list[Stored | Removed | Cleared]
+
+    events = [BlockStored([1, 2], 7, [5] * 8, 4), BlockRemoved([2]), AllBlocksCleared()]
+    batch = msgspec.msgpack.decode(BatchEncoder("array").encode(2.0, events), type=Batch)
+    assert batch.ts == 2.0
+    assert batch.events == [Stored([1, 2], 7, [5] * 8, 4, None), Removed([2]), Cleared()]
 
 
 def test_replay_protocol_with_a_raw_socket():

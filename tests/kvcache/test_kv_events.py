@@ -124,9 +124,10 @@ def test_event_fields_and_resets():
         hashes_a = prompt_block_hashes(list(range(10)), PAGE, cache_salt="a")
         hashes_b = prompt_block_hashes(list(range(9)), PAGE)
         assert hashes_a != hashes_b[: len(hashes_a)]  # the salt changes every hash of the chain
+        full = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
         assert events == [
-            BlockStored(hashes_a, None, list(range(8)), PAGE, extra_keys=[("salt:a",), None]),
-            BlockStored(hashes_b, None, list(range(8)), PAGE),
+            BlockStored(hashes_a, None, list(range(8)), PAGE, extra_keys=[("salt:a",), None], **full),
+            BlockStored(hashes_b, None, list(range(8)), PAGE, extra_keys=[None, None], **full),
         ], kv.name
         kv.reset_prefix_cache(lambda s: s == "a")
         removed = kv.drain_events()
