@@ -21,5 +21,5 @@ def create_kv_cache_manager(
     if kind == "hash":
         return HashPrefixCache(num_pages, page_size, hash_algo=hash_algo, eviction=eviction)
     if kind == "radix":
-        return RadixPrefixCache(num_pages, page_size, eviction=eviction)
+        return RadixPrefixCache(num_pages, page_size, eviction=eviction, hash_algo=hash_algo)
     raise ValueError(f"prefix_cache must be one of 'hash', 'radix', 'off', got {kind!r}")

@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prefixkv.kvcache.events import block_removed, block_stored
 from prefixkv.kvcache.eviction import EvictionHeap, make_eviction_policy
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
-from prefixkv.kvcache.hashing import HASH_FUNCTIONS, ROOT_KEY, block_extra_keys, hash_block
+from prefixkv.kvcache.hashing import HASH_FUNCTIONS, extend_block_keys, external_block_hash
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.request import Request
 
@@ -76,15 +77,18 @@ class HashPrefixCache(KVCacheManager):
     def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """Keys of the request's first num_blocks full blocks (at least; memoised until free())."""
         hashes = self._keys_of(request).hashes
-        bs = self.page_size
-        tokens = request.token_ids
-        parent = hashes[-1] if hashes else ROOT_KEY
-        plain = request.lora_id is None and request.cache_salt is None and not request.mm_hashes
-        for i in range(len(hashes), num_blocks):
-            extra = () if plain else block_extra_keys(i, bs, request.lora_id, request.cache_salt, request.mm_hashes)
-            parent = hash_block(self._hash_fn, parent, tokens[i * bs : (i + 1) * bs], extra)
-            hashes.append(parent)
-        return hashes
+        if len(hashes) >= num_blocks:
+            return hashes
+        return extend_block_keys(
+            hashes,
+            request.token_ids,
+            self.page_size,
+            num_blocks,
+            self._hash_fn,
+            request.lora_id,
+            request.cache_salt,
+            request.mm_hashes,
+        )
 
     # -- queries -------------------------------------------------------------------------------------------
     def lookup(self, request: Request) -> int:
@@ -154,9 +158,16 @@ class HashPrefixCache(KVCacheManager):
         if num_full <= start:
             return
         keys = self.block_hashes(request, num_full)
+        stored: list[int] | None = [] if self._events is not None else None
         for i in range(start, num_full):
             key = keys[i]
-            if key not in self.cached:  # else another request computed the same block first; ours stays private
+            if key in self.cached:  # another request computed the same block first; ours stays private
+                if stored:
+                    self._emit_stored(request, keys, stored)
+                    stored = []
+            else:
+                if stored is not None:
+                    stored.append(i)
                 block = held.blocks[i]
                 block.block_hash = key
                 block.cache_salt = request.cache_salt
@@ -167,7 +178,14 @@ class HashPrefixCache(KVCacheManager):
                     block.parent_hash = parent = keys[i - 1] if i else None
                     if parent is not None:
                         self._num_children[parent] = self._num_children.get(parent, 0) + 1
+        if stored:
+            self._emit_stored(request, keys, stored)
         held.num_committed = num_full
+
+    def _emit_stored(self, request: Request, keys: list[bytes], indices: list[int]) -> None:
+        """One BlockStored for consecutive blocks `indices` of the request that just became findable."""
+        assert self._events is not None
+        self._events.append(block_stored(request, keys, indices[0], indices[-1] + 1, self.page_size))
 
     def free(self, request: Request) -> None:
         self._keys.pop(request.request_id, None)
@@ -223,6 +241,8 @@ class HashPrefixCache(KVCacheManager):
         if key is not None:
             if self.cached.get(key) is block:
                 del self.cached[key]
+                if self._events is not None:
+                    self._events.append(block_removed([external_block_hash(key)]))
                 self.num_evictions += 1
                 self.stats.evicted_pages += 1
                 if self._tails is not None and block.parent_hash is not None:
@@ -243,7 +263,9 @@ class HashPrefixCache(KVCacheManager):
 
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         """Drop every cached block no request holds (only those whose cache_salt passes salt_filter, when
-        given); True when nothing of that is left cached."""
+        given); True when nothing of that is left cached. Events: one BlockRemoved per dropped block, or one
+        AllBlocksCleared for a full reset that left nothing cached."""
+        mark = len(self._events) if self._events is not None else 0
         for b in list(self.free_queue):
             if salt_filter is None or (b.block_hash is not None and salt_filter(b.cache_salt)):
                 self._evict(b)
@@ -251,8 +273,16 @@ class HashPrefixCache(KVCacheManager):
                     self.free_queue.remove(b)
                     self.free_queue.appendleft(b)
         if salt_filter is None:
+            if not self.cached and self.caching:
+                self._collapse_full_reset(mark)
             return not self.cached
         return not any(salt_filter(b.cache_salt) for b in self.cached.values())
+
+    def num_cached_pages(self) -> int:
+        return len(self.cached)
+
+    def cached_block_hashes(self) -> set[int]:
+        return {external_block_hash(key) for key in self.cached}
 
     # -- introspection -------------------------------------------------------------------------------------
     def summary(self) -> dict:

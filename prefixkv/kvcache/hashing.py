@@ -69,6 +69,27 @@ def hash_block(
     return hash_fn(parent_key + struct.pack("<I", len(token_ids)) + tokens + extra)
 
 
+def extend_block_keys(
+    keys: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    hash_fn: Callable[[bytes], bytes],
+    lora_id: str | None = None,
+    cache_salt: str | None = None,
+    mm_hashes: Sequence = (),
+) -> list[bytes]:
+    """Append the keys of blocks len(keys) .. num_blocks - 1 to `keys` (a prefix of this prompt's chain, kept by
+    the caller so growing prompts hash each block once) and return it."""
+    parent = keys[-1] if keys else ROOT_KEY
+    plain = lora_id is None and cache_salt is None and not mm_hashes
+    for i in range(len(keys), num_blocks):
+        extra = () if plain else block_extra_keys(i, block_size, lora_id, cache_salt, mm_hashes)
+        parent = hash_block(hash_fn, parent, token_ids[i * block_size : (i + 1) * block_size], extra)
+        keys.append(parent)
+    return keys
+
+
 def hash_prompt_blocks(
     token_ids: Sequence[int],
     block_size: int,
@@ -78,11 +99,27 @@ def hash_prompt_blocks(
     mm_hashes: Sequence = (),
 ) -> list[bytes]:
     """Keys of every full block of token_ids (what the cache would store for this prompt)."""
-    fn = HASH_FUNCTIONS[algo]
-    keys: list[bytes] = []
-    parent = ROOT_KEY
-    for i in range(len(token_ids) // block_size):
-        extra = block_extra_keys(i, block_size, lora_id, cache_salt, mm_hashes)
-        parent = hash_block(fn, parent, token_ids[i * block_size : (i + 1) * block_size], extra)
-        keys.append(parent)
-    return keys
+    num_blocks = len(token_ids) // block_size
+    return extend_block_keys(
+        [], token_ids, block_size, num_blocks, HASH_FUNCTIONS[algo], lora_id, cache_salt, mm_hashes
+    )
+
+
+def external_block_hash(key: bytes) -> int:
+    """A block key as KV events carry it: its first 8 bytes, big-endian, unsigned (routers index u64s; two
+    different keys share one with odds of 2^-64 per pair)."""
+    return int.from_bytes(key[:8], "big")
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int],
+    page_size: int,
+    algo: str = "sha256",
+    lora_id: str | None = None,
+    cache_salt: str | None = None,
+    mm_hashes: Sequence = (),
+) -> list[int]:
+    """The hashes KV events name for every full page of this prompt, with either prefix cache: what a router
+    computes for an incoming prompt to look it up in its block index."""
+    keys = hash_prompt_blocks(token_ids, page_size, algo, lora_id, cache_salt, mm_hashes)
+    return [external_block_hash(k) for k in keys]

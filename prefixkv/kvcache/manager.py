@@ -8,6 +8,10 @@ Protocol per request (all called by the scheduler, never by the model runner):
   commit(req)                 -> req.num_computed_tokens advanced: make newly computed KV findable
   free(req)                   -> finished, aborted or preempted: release pages (they stay cached until evicted)
 
+KV events (events.py), off by default: after enable_events() every page that becomes findable, every eviction
+and every reset is recorded, and drain_events() hands the records over (the engine publishes them once a step).
+Off, a store or an eviction costs one `if`.
+
 The manager never writes a request: the scheduler owns its progress (it sets num_computed_tokens after a
 successful allocate and advances it after each step) and records the admissions in `stats`. What a manager
 remembers per request (pages, memoised keys and matches) lives inside the manager, typed, until free().
@@ -19,6 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from prefixkv.kvcache.events import AllBlocksCleared, KVCacheEvent
 from prefixkv.request import Request
 
 
@@ -63,6 +68,39 @@ class KVCacheManager(ABC):
         self.num_pages = num_pages
         self.page_size = page_size
         self.stats = PrefixCacheStats()  # written by the scheduler at admission; the manager only reports it
+        self._events: list[KVCacheEvent] | None = None  # None: events off
+
+    # -- KV events -------------------------------------------------------------------------------------------
+    def enable_events(self) -> None:
+        """Start recording KV events. Call it before the first request: a subscriber learns only what was stored
+        after this."""
+        if self._events is None:
+            self._events = []
+
+    @property
+    def events_enabled(self) -> bool:
+        return self._events is not None
+
+    def drain_events(self) -> list[KVCacheEvent]:
+        """The events since the last drain, oldest first (empty when events are off)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def cached_block_hashes(self) -> set[int]:
+        """Hashes (as events name them) of every page a lookup can find now: what a subscriber that applied every
+        event since enable_events() must hold."""
+        return set()
+
+    def _collapse_full_reset(self, mark: int) -> None:
+        """A reset that left nothing cached: replace the removals it recorded (from index `mark` on) with one
+        AllBlocksCleared, as vLLM reports a reset. A reset that left pages cached (running requests hold them)
+        keeps its BlockRemoved events, so subscribers keep those pages."""
+        if self._events is not None:
+            del self._events[mark:]
+            self._events.append(AllBlocksCleared())
 
     # -- queries -------------------------------------------------------------------------------------------
     @abstractmethod
@@ -80,6 +118,10 @@ class KVCacheManager(ABC):
 
     def num_used_pages(self) -> int:
         return self.num_pages - self.num_free_pages()
+
+    def num_cached_pages(self) -> int:
+        """Pages a lookup can find now (in use or evictable)."""
+        return 0
 
     def usage(self) -> float:
         return self.num_used_pages() / self.num_pages

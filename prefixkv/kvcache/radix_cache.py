@@ -11,6 +11,10 @@ soon as it is prefilled. If another request inserted the same tokens first, the 
 back to the free list and the page table points at the tree's pages (same tokens after the same prefix means
 the same KV).
 
+KV events (events.py): a page's hash is the hash cache's key for the same page of the same prompt (hashing.py's
+chain, computed from the request at commit), kept per page id while the page is in the tree. A page belongs to one
+node at a time and keeps its id when a node is split, grows or is trimmed, so its hash is stable across all three.
+
 Keys: (lora_id, cache_salt) select separate roots; prompt positions covered by a multimodal input are keyed by
 (input hash, offset) instead of the placeholder token, so two images never match each other.
 """
@@ -18,9 +22,11 @@ Keys: (lora_id, cache_salt) select separate roots; prompt positions covered by a
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from prefixkv.kvcache.events import block_removed, block_stored
+from prefixkv.kvcache.hashing import HASH_FUNCTIONS, extend_block_keys, external_block_hash
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.kvcache.radix_tree import RadixNode, RadixTree
 from prefixkv.request import Request
@@ -59,6 +65,7 @@ class _Keys:
     request: Request
     mm_prompt_keys: list[Hashable] | None = None
     memo: _LookupMemo | None = None
+    block_keys: list[bytes] = field(default_factory=list)  # hashing.py's chain, with events on only
 
 
 @dataclass(slots=True)
@@ -71,8 +78,12 @@ class _RequestState:
 class RadixPrefixCache(KVCacheManager):
     name = "radix"
 
-    def __init__(self, num_pages: int, page_size: int = 1, eviction: str = "lru") -> None:
+    def __init__(self, num_pages: int, page_size: int = 1, eviction: str = "lru", hash_algo: str = "sha256") -> None:
         super().__init__(num_pages, page_size)
+        if hash_algo not in HASH_FUNCTIONS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_FUNCTIONS)}, got {hash_algo!r}")
+        self._hash_fn = HASH_FUNCTIONS[hash_algo]  # for KV events only: lookups compare tokens
+        self._page_hash: list[int] = []  # by page id, for pages in the tree; filled with events on
         self.tree = RadixTree(page_size, eviction)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._requests: dict[str, _RequestState] = {}  # by request id, from allocate to free
@@ -187,6 +198,8 @@ class RadixPrefixCache(KVCacheManager):
     def _release(self, evicted: list[int]) -> None:
         """Evicted tree pages go to the free list, and into the eviction count."""
         self.stats.evicted_pages += len(evicted)
+        if self._events is not None and evicted:
+            self._events.append(block_removed([self._page_hash[p] for p in evicted]))
         self._free.extend(evicted)
 
     def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
@@ -235,12 +248,43 @@ class RadixPrefixCache(KVCacheManager):
         node, tree_pages = self.tree.insert(
             state.node, self._keys(request), state.committed, full, state.pages[first : full // ps]
         )
+        stored: list[int] | None = [] if self._events is not None else None
         for j, tree_page in enumerate(tree_pages):
             mine = state.pages[first + j]
             if mine != tree_page:  # someone cached these tokens first: share theirs, return ours
                 self._free.append(mine)
                 state.pages[first + j] = tree_page
+            elif stored is not None:
+                stored.append(first + j)
         state.node, state.committed = node, full
+        if stored:
+            self._emit_stored(request, stored)
+
+    def _emit_stored(self, request: Request, indices: list[int]) -> None:
+        """Record the hashes of the request's pages `indices` (just inserted into the tree) and one BlockStored
+        per run of consecutive ones."""
+        assert self._events is not None
+        ps = self.page_size
+        keys = self._known(request).block_keys
+        extend_block_keys(
+            keys,
+            request.token_ids,
+            ps,
+            indices[-1] + 1,
+            self._hash_fn,
+            request.lora_id,
+            request.cache_salt,
+            request.mm_hashes,
+        )
+        pages = self._requests[request.request_id].pages
+        for i in indices:
+            self._page_hash[pages[i]] = external_block_hash(keys[i])
+        run_start = indices[0]
+        for k, i in enumerate(indices):
+            if k + 1 == len(indices) or indices[k + 1] != i + 1:
+                self._events.append(block_stored(request, keys, run_start, i + 1, ps))
+                if k + 1 < len(indices):
+                    run_start = indices[k + 1]
 
     def free(self, request: Request) -> None:
         self._lookups.pop(request.request_id, None)
@@ -259,14 +303,34 @@ class RadixPrefixCache(KVCacheManager):
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         """Evict every unlocked node (with salt_filter: in the namespaces whose cache_salt it accepts). Unlike
         vLLM (which refuses and keeps everything while blocks are in use) what running requests hold stays
-        and the rest goes; False tells the caller something stayed."""
+        and the rest goes; False tells the caller something stayed. Events: BlockRemoved for what went, or one
+        AllBlocksCleared when nothing stayed cached."""
         if salt_filter is None:
+            mark = len(self._events) if self._events is not None else 0
             self._release(self.tree.evict(self.tree.evictable_tokens // self.page_size))
+            if not self.tree.protected_tokens and not self.tree.evictable_tokens:
+                self._collapse_full_reset(mark)
             return not self._requests
         chosen = [ns for ns in self.tree.roots if isinstance(ns, tuple) and salt_filter(ns[1])]
         for namespace in chosen:
             self._release(self.tree.evict_namespace(namespace))
         return not any(ns in self.tree.roots for ns in chosen)
+
+    def enable_events(self) -> None:
+        """Page hashes are recorded at insertion only: a tree that already holds pages can't be described."""
+        if self._events is None:
+            if self.tree.num_nodes:
+                raise ValueError("enable KV events before the first request: the radix tree already holds pages")
+            self._page_hash = [0] * self.num_pages
+        super().enable_events()
+
+    def num_cached_pages(self) -> int:
+        return (self.tree.evictable_tokens + self.tree.protected_tokens) // self.page_size
+
+    def cached_block_hashes(self) -> set[int]:
+        if self._events is None:
+            return set()
+        return {self._page_hash[p] for node in self.tree.nodes() for p in node.pages}
 
     # -- views ---------------------------------------------------------------------------------------------
     def summary(self, top_k: int = 5) -> dict:
