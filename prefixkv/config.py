@@ -15,6 +15,7 @@ SCHEDULE_POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "bounded-lpm", "k-
 HASH_ALGOS = ("sha256", "xxhash")
 EVICTIONS = ("lru", "lfu", "cost")  # the policies of prefixkv/kvcache/eviction.py
 DTYPES = ("float32", "bfloat16", "float16")
+KV_EVENTS_FORMATS = ("vllm", "array")  # prefixkv/kv_events/wire.py's layouts
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
 # vLLM's name -> ours, where the meaning is the same (enable_prefix_caching is resolved by hand: it is a bool)
@@ -48,7 +49,9 @@ class EngineConfig:
     page_size: int | None = _option(
         None, "tokens per KV page (default 16 for hash/off, 1 for radix)", aliases=("--block-size",)
     )
-    prefix_caching_hash_algo: str = _option("sha256", "hash of the hash cache's block keys", HASH_ALGOS)
+    prefix_caching_hash_algo: str = _option(
+        "sha256", "hash of the hash cache's block keys (and of both caches' KV event block hashes)", HASH_ALGOS
+    )
     eviction: str = _option(
         "lru",
         "which cached KV goes first when the pool is full: least recently used, LFU with aging (hot shared "
@@ -64,6 +67,22 @@ class EngineConfig:
     )
     lpm_k: int = _option(
         4, "k-lpm: admit in groups of k: the oldest waiting request, then the k-1 with the longest cached prefix"
+    )
+    kv_events_endpoint: str | None = _option(
+        None,
+        "ZeroMQ address to publish KV cache events on (what the prefix cache stores and evicts, for cache-aware "
+        "routers), e.g. tcp://*:5557 (bound; a tcp address without a wildcard is connected to); default: off",
+    )
+    kv_events_replay_endpoint: str | None = _option(
+        None,
+        "ZeroMQ ROUTER address (bound) that resends recent event batches from a sequence number, e.g. tcp://*:5558",
+    )
+    kv_events_topic: str = _option("", "topic frame of every KV event message")
+    kv_events_format: str = _option(
+        "vllm",
+        "KV event payload layout: vLLM's current one (events as tagged maps) or the older array-like one (what "
+        "Ray Serve's KV event manager and Dynamo decode)",
+        KV_EVENTS_FORMATS,
     )
     num_threads: int | None = _option(None, "torch CPU threads (default: all cores)")
     seed: int | None = _option(
@@ -90,6 +109,14 @@ class EngineConfig:
             raise ValueError(
                 f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, got {self.prefix_caching_hash_algo!r}"
             )
+        if self.kv_events_format not in KV_EVENTS_FORMATS:
+            raise ValueError(f"kv_events_format must be one of {KV_EVENTS_FORMATS}, got {self.kv_events_format!r}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{name} must be a ZeroMQ address (tcp://, ipc:// or inproc://), got {endpoint!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (there is nothing to replay)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "lpm_k"):

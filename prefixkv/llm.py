@@ -133,6 +133,10 @@ class LLM:
     def render_cache_tree(self, max_depth: int = 3, max_children: int = 5) -> str:
         return self.llm_engine.render_cache_tree(max_depth, max_children)
 
+    def close(self) -> None:
+        """Release the KV event sockets (with kv_events_endpoint set); generating afterwards publishes nothing."""
+        self.llm_engine.close()
+
     # -- internals -----------------------------------------------------------------------------------------
     @staticmethod
     def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:

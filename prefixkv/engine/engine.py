@@ -22,6 +22,7 @@ from prefixkv.engine.detokenizer import IncrementalDetokenizer
 from prefixkv.engine.metrics import EngineStats
 from prefixkv.engine.policy_factory import create_policy
 from prefixkv.engine.scheduler import Scheduler
+from prefixkv.kv_events.publisher import ZmqEventPublisher
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from prefixkv.request import MultiModalHash, Request, RequestStatus
@@ -111,6 +112,15 @@ class Engine:
         self.kv = create_kv_cache_manager(
             config.prefix_cache, runner.num_pages, runner.page_size, config.prefix_caching_hash_algo, config.eviction
         )
+        self.kv_events: ZmqEventPublisher | None = None
+        if config.kv_events_endpoint is not None:
+            self.kv.enable_events()
+            self.kv_events = ZmqEventPublisher(
+                config.kv_events_endpoint,
+                config.kv_events_replay_endpoint,
+                topic=config.kv_events_topic,
+                fmt=config.kv_events_format,
+            )
         self.policy = create_policy(config)
         self.scheduler = Scheduler(config, self.kv, self.policy)
         self._parents: dict[str, _Parent] = {}
@@ -266,6 +276,26 @@ class Engine:
         return bool(self._parents or self._aborted_outputs)  # aborted outputs are reported by the next step()
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        if self.kv_events is not None:
+            self._publish_kv_events()
+        return outputs
+
+    def _publish_kv_events(self) -> None:
+        """One batch of what the cache stored and evicted since the last one (none when nothing changed)."""
+        assert self.kv_events is not None
+        events = self.kv.drain_events()
+        if events:
+            self.kv_events.publish(events)
+
+    def close(self) -> None:
+        """Stop publishing KV events (the engine itself holds nothing else to release)."""
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.close()
+            self.kv_events = None
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
@@ -412,11 +442,15 @@ class Engine:
             model_seconds_total=self._model_seconds,
             prefix_cache_readmission_queries=kv.stats.readmission_queries,
             prefix_cache_readmission_hits=kv.stats.readmission_hits,
+            num_cached_pages=kv.num_cached_pages(),
         )
 
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         """Drop cached KV no request holds; salt_filter limits it to the namespaces (tenants) it accepts."""
-        return self.kv.reset_prefix_cache(salt_filter)
+        done = self.kv.reset_prefix_cache(salt_filter)
+        if self.kv_events is not None:
+            self._publish_kv_events()
+        return done
 
     def cache_summary(self) -> dict:
         return self.kv.summary()

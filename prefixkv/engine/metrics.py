@@ -24,3 +24,4 @@ class EngineStats:
     # prefix_cache_queries/hits count first admissions only; a request re-admitted after preemption is counted here
     prefix_cache_readmission_queries: int = 0
     prefix_cache_readmission_hits: int = 0
+    num_cached_pages: int = 0  # pages a lookup can find (held by requests or not): what a router's index mirrors

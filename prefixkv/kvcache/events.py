@@ -15,9 +15,10 @@ What prefixkv fills in:
 - lora_id: always None (vLLM deprecated this int id; prefixkv's adapter ids are names, sent as lora_name).
 - medium: "GPU" (the one pool; kept for subscribers that filter on it).
 - lora_name: the request's adapter id (None without one).
-- extra_keys: per block, the extra keys its hash took (adapter, multimodal inputs, salt on page 0) as a tuple, or
-  None for a block with none; the whole field is None when no block has any.
-- group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window: None (one KV group, full attention).
+- extra_keys: per block, the extra keys its hash took (hashing.block_extra_keys: "lora:<id>", "mm:<hash>",
+  "salt:<salt>" on page 0) as a tuple, or None for a block with none (vLLM sends [None, ...] likewise).
+- group_idx: 0 and kv_cache_spec_kind: "full_attention" (one KV cache group of full attention, as vLLM reports a
+  plain decoder); kv_cache_spec_sliding_window: None. BlockRemoved carries group_idx 0 too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from prefixkv.kvcache.hashing import block_extra_keys, external_block_hash
 from prefixkv.request import Request
 
 MEDIUM_GPU = "GPU"
+FULL_ATTENTION = "full_attention"
 
 
 @dataclass(slots=True)
@@ -63,7 +65,7 @@ class AllBlocksCleared:
 
 def block_stored(request: Request, keys: list[bytes], first: int, end: int, page_size: int) -> BlockStored:
     """BlockStored for blocks first .. end - 1 of the request, whose chain keys are `keys` (both caches)."""
-    extra: list[tuple | None] | None = None
+    extra: list[tuple | None] = [None] * (end - first)
     if request.lora_id is not None or request.cache_salt is not None or request.mm_hashes:
         extra = [
             block_extra_keys(i, page_size, request.lora_id, request.cache_salt, request.mm_hashes) or None
@@ -76,10 +78,17 @@ def block_stored(request: Request, keys: list[bytes], first: int, end: int, page
         block_size=page_size,
         lora_name=request.lora_id,
         extra_keys=extra,
+        group_idx=0,
+        kv_cache_spec_kind=FULL_ATTENTION,
     )
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def block_removed(block_hashes: list[int]) -> BlockRemoved:
+    """BlockRemoved as both caches send it (group 0, the one pool)."""
+    return BlockRemoved(block_hashes, MEDIUM_GPU, 0)
 
 
 def apply_events(blocks: set[int], events: list[KVCacheEvent]) -> set[int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prefixkv.kvcache.events import BlockRemoved, block_stored
+from prefixkv.kvcache.events import block_removed, block_stored
 from prefixkv.kvcache.eviction import EvictionHeap, make_eviction_policy
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
 from prefixkv.kvcache.hashing import HASH_FUNCTIONS, extend_block_keys, external_block_hash
@@ -242,7 +242,7 @@ class HashPrefixCache(KVCacheManager):
             if self.cached.get(key) is block:
                 del self.cached[key]
                 if self._events is not None:
-                    self._events.append(BlockRemoved([external_block_hash(key)]))
+                    self._events.append(block_removed([external_block_hash(key)]))
                 self.num_evictions += 1
                 self.stats.evicted_pages += 1
                 if self._tails is not None and block.parent_hash is not None:
@@ -277,6 +277,9 @@ class HashPrefixCache(KVCacheManager):
                 self._collapse_full_reset(mark)
             return not self.cached
         return not any(salt_filter(b.cache_salt) for b in self.cached.values())
+
+    def num_cached_pages(self) -> int:
+        return len(self.cached)
 
     def cached_block_hashes(self) -> set[int]:
         return {external_block_hash(key) for key in self.cached}

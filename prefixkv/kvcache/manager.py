@@ -119,6 +119,10 @@ class KVCacheManager(ABC):
     def num_used_pages(self) -> int:
         return self.num_pages - self.num_free_pages()
 
+    def num_cached_pages(self) -> int:
+        """Pages a lookup can find now (in use or evictable)."""
+        return 0
+
     def usage(self) -> float:
         return self.num_used_pages() / self.num_pages
 

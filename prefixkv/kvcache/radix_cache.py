@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from prefixkv.kvcache.events import BlockRemoved, block_stored
+from prefixkv.kvcache.events import block_removed, block_stored
 from prefixkv.kvcache.hashing import HASH_FUNCTIONS, extend_block_keys, external_block_hash
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.kvcache.radix_tree import RadixNode, RadixTree
@@ -199,7 +199,7 @@ class RadixPrefixCache(KVCacheManager):
         """Evicted tree pages go to the free list, and into the eviction count."""
         self.stats.evicted_pages += len(evicted)
         if self._events is not None and evicted:
-            self._events.append(BlockRemoved([self._page_hash[p] for p in evicted]))
+            self._events.append(block_removed([self._page_hash[p] for p in evicted]))
         self._free.extend(evicted)
 
     def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
@@ -323,6 +323,9 @@ class RadixPrefixCache(KVCacheManager):
                 raise ValueError("enable KV events before the first request: the radix tree already holds pages")
             self._page_hash = [0] * self.num_pages
         super().enable_events()
+
+    def num_cached_pages(self) -> int:
+        return (self.tree.evictable_tokens + self.tree.protected_tokens) // self.page_size
 
     def cached_block_hashes(self) -> set[int]:
         if self._events is None:

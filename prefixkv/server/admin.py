@@ -1,4 +1,4 @@
-"""Health, model list, Prometheus metrics and the prefix-cache admin endpoints.
+"""Health, model list, Prometheus metrics, router load gauges and the prefix-cache admin endpoints.
 
 Who sees what, once keys are configured: any key may list models, scrape /metrics (server-wide counters, as
 vLLM exposes them, no prompt text and nothing per tenant) and read /cache/summary, which an admin key gets
@@ -67,6 +67,28 @@ async def metrics(raw: Request) -> Response:
     state = server_state(raw)
     stats = await state.engine.call(lambda engine: engine.get_stats())
     return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/load")
+async def load(raw: Request) -> dict:
+    """The gauges a router scores replicas on, as small JSON (cheaper to poll and parse than /metrics): queue
+    lengths, KV pool use and how much the prefix cache holds, plus where its KV events are published."""
+
+    def read(engine: Any) -> dict:
+        stats = engine.get_stats()
+        publisher = getattr(engine, "kv_events", None)
+        return {
+            "num_requests_waiting": stats.num_waiting,
+            "num_requests_running": stats.num_running,
+            "kv_cache_usage": stats.kv_usage,
+            "num_pages_used": stats.num_pages_used,
+            "num_pages_total": stats.num_pages_total,
+            "num_cached_pages": stats.num_cached_pages,
+            "page_size": engine.config.page_size,
+            "kv_events_endpoint": publisher.endpoint if publisher is not None else None,
+        }
+
+    return await server_state(raw).engine.call(read)
 
 
 @admin_only.post("/reset_prefix_cache")

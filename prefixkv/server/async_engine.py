@@ -212,6 +212,9 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._commands.put(_STOP)
         self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)
+        if close is not None and not self._thread.is_alive():
+            close()  # the KV event publisher's sockets
 
     @property
     def is_alive(self) -> bool:

@@ -79,6 +79,11 @@ class _EngineStatsCollector:
             "prefixkv:kv_cache_usage_perc", "Fraction of KV pages held by requests (0-1).", self._get("kv_usage")
         )
         yield gauge(
+            "prefixkv:prefix_cache_cached_pages",
+            "KV pages the prefix cache can serve a hit from (held by requests or evictable).",
+            self._get("num_cached_pages"),
+        )
+        yield gauge(
             "prefixkv:prefix_cache_hit_rate",
             "Prefix-cache hits / queries, in tokens, over first admissions since start.",
             self._get("prefix_cache_hit_rate"),

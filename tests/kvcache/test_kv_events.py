@@ -8,6 +8,7 @@ from prefixkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored,
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.hashing import prompt_block_hashes
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
+from prefixkv.request import MultiModalHash
 from tests.kvcache.helpers import admit, compute, make_request
 
 PAGE = 4
@@ -124,9 +125,10 @@ def test_event_fields_and_resets():
         hashes_a = prompt_block_hashes(list(range(10)), PAGE, cache_salt="a")
         hashes_b = prompt_block_hashes(list(range(9)), PAGE)
         assert hashes_a != hashes_b[: len(hashes_a)]  # the salt changes every hash of the chain
+        full = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
         assert events == [
-            BlockStored(hashes_a, None, list(range(8)), PAGE, extra_keys=[("salt:a",), None]),
-            BlockStored(hashes_b, None, list(range(8)), PAGE),
+            BlockStored(hashes_a, None, list(range(8)), PAGE, extra_keys=[("salt:a",), None], **full),
+            BlockStored(hashes_b, None, list(range(8)), PAGE, extra_keys=[None, None], **full),
         ], kv.name
         kv.reset_prefix_cache(lambda s: s == "a")
         removed = kv.drain_events()
@@ -135,3 +137,22 @@ def test_event_fields_and_resets():
         assert kv.reset_prefix_cache()
         assert kv.drain_events() == [AllBlocksCleared()]
         assert kv.cached_block_hashes() == set()
+
+
+def test_adapter_and_multimodal_pages_hash_alike():
+    """Pages keyed by an adapter and an image (the radix tree keys image positions by the image's hash) get the
+    hash chain's names in both caches, with their extra keys listed per block."""
+    mm = (MultiModalHash(3, 6, "img1"),)
+    tokens = list(range(20))
+    stored = []
+    for kv in make_caches(64):
+        req = make_request(tokens, mm_hashes=mm, lora_id="l")
+        assert admit(kv, req)
+        compute(kv, req)
+        kv.free(req)
+        stored.append(kv.drain_events())
+    assert all(events == stored[0] for events in stored)
+    (event,) = stored[0]
+    assert event.block_hashes == prompt_block_hashes(tokens, PAGE, lora_id="l", mm_hashes=mm)
+    assert event.lora_name == "l"
+    assert event.extra_keys == [("lora:l", "mm:img1")] * 3 + [("lora:l",)] * 2
