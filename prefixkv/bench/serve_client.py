@@ -87,42 +87,21 @@ async def stream_chat(client: httpx.AsyncClient, s: Settings, messages: list[dic
         body["ignore_eos"] = True
     start = time.perf_counter()
     result = RequestResult(ok=False, turn=turn)
-    chunks, parts = 0, []
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body, timeout=s.timeout) as r:
-            if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
-                return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    result.error = str(event["error"])
-                    return result
-                for choice in event.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        if not parts:
-                            result.ttft = time.perf_counter() - start
-                        parts.append(content)
-                        chunks += 1
-                usage = event.get("usage")
-                if usage:
-                    result.prompt_tokens = usage.get("prompt_tokens") or 0
-                    result.output_tokens = usage.get("completion_tokens") or 0
-                    details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = details.get("cached_tokens") or 0
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-        return result
-    result.e2e = time.perf_counter() - start
-    result.output_tokens = result.output_tokens or chunks  # servers without usage: one token per chunk
-    result.text = "".join(parts)
-    result.ok = True
+    parts: list[str] = []
+
+    def on_event(event: dict) -> None:
+        for choice in event.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                if not parts:
+                    result.ttft = time.perf_counter() - start
+                parts.append(content)
+
+    if await _stream(client, "/v1/chat/completions", body, s.timeout, result, on_event):
+        result.e2e = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or len(parts)  # servers without usage: one token per chunk
+        result.text = "".join(parts)
+        result.ok = True
     return result
 
 
@@ -143,11 +122,31 @@ async def stream_completion(
     start = time.perf_counter() if start is None else start
     result = RequestResult(ok=False)
     events = 0
+
+    def on_event(event: dict) -> None:
+        nonlocal events
+        if event.get("choices"):  # one event per generated token (its text may still be empty)
+            if not events:
+                result.ttft = time.perf_counter() - start
+            events += 1
+
+    if await _stream(client, "/v1/completions", body, s.timeout, result, on_event):
+        result.e2e = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or events
+        result.ok = True
+    return result
+
+
+async def _stream(
+    client: httpx.AsyncClient, path: str, body: dict, timeout: float, result: RequestResult, on_event
+) -> bool:
+    """POST a streamed request and hand each server-sent event to on_event; usage goes into `result`. False, with
+    result.error set, on an HTTP error, an error event, or a broken stream."""
     try:
-        async with client.stream("POST", "/v1/completions", json=body, timeout=s.timeout) as r:
+        async with client.stream("POST", path, json=body, timeout=timeout) as r:
             if r.status_code != 200:
                 result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
-                return result
+                return False
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -157,11 +156,8 @@ async def stream_completion(
                 event = json.loads(data)
                 if "error" in event:
                     result.error = str(event["error"])
-                    return result
-                if event.get("choices"):  # one event per generated token (its text may still be empty)
-                    if not events:
-                        result.ttft = time.perf_counter() - start
-                    events += 1
+                    return False
+                on_event(event)
                 usage = event.get("usage")
                 if usage:
                     result.prompt_tokens = usage.get("prompt_tokens") or 0
@@ -170,11 +166,8 @@ async def stream_completion(
                     result.cached_tokens = details.get("cached_tokens") or 0
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
-        return result
-    result.e2e = time.perf_counter() - start
-    result.output_tokens = result.output_tokens or events
-    result.ok = True
-    return result
+        return False
+    return True
 
 
 async def _trace_workload(client, s: Settings, args, requests: list[ScaledRequest]) -> list[RequestResult]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from prefixkv.router.block_index import leading_matches
 from prefixkv.router.policy import RoutingPolicy, least_loaded, load_key
 from prefixkv.router.replica import ReplicaState
 from prefixkv.router.request import RouteRequest
@@ -53,15 +54,7 @@ class RoutedPrefixTrees:
 
     def matched_blocks(self, hashes: Sequence[int], replica_ids: Sequence[str]) -> dict[str, int]:
         """Per replica, how many leading blocks of `hashes` its tree holds."""
-        matched = dict.fromkeys(replica_ids, 0)
-        alive = set(replica_ids)
-        for i, h in enumerate(hashes):
-            alive &= self._holders.get(h, set())
-            if not alive:
-                break
-            for r in alive:
-                matched[r] = i + 1
-        return matched
+        return leading_matches(self._holders, hashes, replica_ids)
 
     def remove(self, replica_id: str) -> None:
         for h in self._lru.pop(replica_id, {}):

@@ -9,9 +9,24 @@ counts (medium None or "GPU"): a block offloaded elsewhere is not a hit the repl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 _DEVICE_MEDIUMS = (None, "GPU")
+
+
+def leading_matches(
+    holders: Mapping[int, set[str]], hashes: Sequence[int], replica_ids: Sequence[str]
+) -> dict[str, int]:
+    """Per replica, how many leading blocks of `hashes` the replica holds, given block hash -> holders."""
+    matched = dict.fromkeys(replica_ids, 0)
+    alive = set(replica_ids)
+    for i, h in enumerate(hashes):
+        alive &= holders.get(h, set())
+        if not alive:
+            break
+        for r in alive:
+            matched[r] = i + 1
+    return matched
 
 
 class BlockIndex:
@@ -70,12 +85,4 @@ class BlockIndex:
 
     def matched_blocks(self, hashes: Sequence[int], replica_ids: Sequence[str]) -> dict[str, int]:
         """Per replica, how many leading blocks of `hashes` it holds (a lookup stops at the first miss)."""
-        matched = dict.fromkeys(replica_ids, 0)
-        alive = set(replica_ids)
-        for i, h in enumerate(hashes):
-            alive &= self._holders.get(h, set())
-            if not alive:
-                break
-            for r in alive:
-                matched[r] = i + 1
-        return matched
+        return leading_matches(self._holders, hashes, replica_ids)
