@@ -112,24 +112,28 @@ class PreciseRouting(RoutingPolicy):
         if not self._in_flight:
             return
         for h in request.block_hashes(self.block_size, self.hash_algo):
-            if self._in_flight.pop((replica_id, h), 0) is None:
-                self._drop_in_flight_holder(replica_id, h)
+            self._confirm(replica_id, h)
 
     def on_kv_events(self, replica_id: str, events: Sequence[object]) -> None:
         self.index.apply(replica_id, events)
         if not self._in_flight:
             return
         for event in events:
-            if type(event).__name__ == "BlockStored":
-                for h in event.block_hashes:  # type: ignore[attr-defined]
-                    if self._in_flight.pop((replica_id, h), 0) is None:
-                        self._drop_in_flight_holder(replica_id, h)
+            if type(event).__name__ == "BlockStored":  # by name, as BlockIndex.apply dispatches
+                for h in getattr(event, "block_hashes"):  # noqa: B009 - any decoder's event class
+                    self._confirm(replica_id, h)
 
     def on_replica_removed(self, replica_id: str) -> None:
         self.index.remove_replica(replica_id)
         for rid, h in [key for key in self._in_flight if key[0] == replica_id]:
             del self._in_flight[rid, h]
             self._drop_in_flight_holder(rid, h)
+
+    def _confirm(self, replica_id: str, h: int) -> None:
+        """The block is stored at the replica (the index has it now) or never will be: stop expecting it."""
+        if (replica_id, h) in self._in_flight:
+            del self._in_flight[replica_id, h]
+            self._drop_in_flight_holder(replica_id, h)
 
     def _add_in_flight(self, replica_id: str, h: int) -> None:
         key = (replica_id, h)
