@@ -1,0 +1,104 @@
+"""The one OpenAI-compatible front door: every HTTP request is forwarded whole to a replica Ray's request router
+picked; the replica's app answers it (so the API is exactly the single-process server's).
+
+Faults: a replica that dies before answering (its actor killed, its node lost) costs the client nothing for a
+non-streaming request or a stream that has not started: the ingress retries on another replica (Ray's router has
+dropped the dead one). A stream already under way cannot be replayed, so it ends with an OpenAI error event and
+`[DONE]`. When no replica answers after the retries, the client gets a 503 in OpenAI's error format.
+
+No `from __future__ import annotations` here: FastAPI must see the handler's real annotation types once Serve
+has rebound the class methods.
+"""
+
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle
+
+from prefixkv.router.request import RouteRequest
+from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3  # one try and two retries on other replicas
+_REPLICA_LOST = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+app = FastAPI(title="prefixkv (Ray Serve)")
+
+
+def _error(status: int, message: str) -> dict:
+    return {"error": {"message": message, "type": "service_unavailable", "param": None, "code": status}}
+
+
+def route_request(body: bytes, headers: dict[str, str]) -> RouteRequest:
+    """What the router learns from the request before any replica sees it: its session key (prompt_cache_key or
+    the x-session-id header). Prompt tokens are left empty here (see the package README section on routing)."""
+    session = headers.get("x-session-id")
+    try:
+        parsed = json.loads(body) if body else None
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("prompt_cache_key"), str):
+        session = parsed["prompt_cache_key"]
+    return RouteRequest(token_ids=[], session_key=session)
+
+
+def _wants_stream(body: bytes) -> bool:
+    try:
+        parsed = json.loads(body) if body else None
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("stream") is True
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, replicas: DeploymentHandle) -> None:
+        self._replicas = replicas
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
+    async def forward(self, path: str, raw: Request) -> Any:
+        body = await raw.body()
+        target = raw.url.path + (f"?{raw.url.query}" if raw.url.query else "")
+        request = ForwardedRequest(
+            raw.method, target, list(raw.headers.items()), body, route_request(body, dict(raw.headers))
+        )
+        if _wants_stream(body):
+            return await self._stream(request)
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                answer: ForwardedResponse = await self._replicas.handle.remote(request)
+            except _REPLICA_LOST as exc:
+                logger.warning("replica lost (attempt %d of %d): %s", attempt + 1, MAX_ATTEMPTS, exc)
+                continue
+            return Response(answer.body, status_code=answer.status, headers=dict(answer.headers))
+        return JSONResponse(_error(503, "no engine replica could answer the request"), status_code=503)
+
+    async def _stream(self, request: ForwardedRequest) -> Response:
+        for attempt in range(MAX_ATTEMPTS):
+            chunks = self._replicas.options(stream=True).handle_stream.remote(request)
+            try:
+                head: ForwardedResponse = await chunks.__anext__()
+            except _REPLICA_LOST as exc:
+                logger.warning("replica lost before streaming (attempt %d of %d): %s", attempt + 1, MAX_ATTEMPTS, exc)
+                continue
+            return StreamingResponse(_rest(chunks), status_code=head.status, headers=dict(head.headers))
+        return JSONResponse(_error(503, "no engine replica could answer the request"), status_code=503)
+
+
+async def _rest(chunks: Any) -> AsyncIterator[bytes]:
+    """The body chunks after the head; a replica lost mid-stream ends it with an error event and [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except _REPLICA_LOST:
+        yield f"data: {json.dumps(_error(503, 'the engine replica was lost mid-stream'))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
