@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
@@ -69,13 +70,12 @@ def test_replica_killed_under_load(base_url):
         except Exception as exc:  # noqa: BLE001 - recorded, asserted on below
             results.append(exc)
 
+    victim, _ = _complete(client)
     threads = [threading.Thread(target=send) for _ in range(6)]
     for t in threads:
         t.start()
-    from ray.util.state import list_actors
-
-    victims = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "EngineReplica" in (a.class_name or "")]
-    ray.kill(ray.get_actor(victims[0].name, namespace="serve"), no_restart=False)
+    time.sleep(1.0)  # let the requests reach both replicas and start decoding
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::prefixkv#EngineReplica#{victim}", namespace="serve"))
     for t in threads:
         t.join(timeout=180)
     assert not any(t.is_alive() for t in threads)
