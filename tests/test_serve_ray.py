@@ -44,9 +44,7 @@ def base_url():
 
 
 def _complete(client, max_tokens: int = 4):
-    raw = client.completions.with_raw_response.create(
-        model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0
-    )
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0)
     return raw.headers[REPLICA_HEADER], raw.parse().choices[0].text
 
 
@@ -85,3 +83,18 @@ def test_replica_killed_under_load(base_url):
     for _ in range(3):
         _, text = _complete(client)
         assert text
+
+
+def test_route_request_tokens_and_session_key():
+    """The ingress routes on the prompt the replica will see (a chat after its template) and the session key."""
+    from prefixkv.serve_ray.ingress import route_request, routing_tokenizer
+
+    tokenizer = routing_tokenizer(None)
+    body = b'{"prompt": "Hello there", "prompt_cache_key": "conv-1"}'
+    route = route_request(body, {}, tokenizer)
+    assert list(route.token_ids) == tokenizer.encode("Hello there") and route.session_key == "conv-1"
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = route_request(b'{"messages": [{"role": "user", "content": "Hi"}]}', {"x-session-id": "s"}, tokenizer)
+    assert list(chat.token_ids) == tokenizer.encode(tokenizer.apply_chat_template(messages))
+    assert chat.session_key == "s"
+    assert route_request(b"not json", {}, tokenizer).token_ids == []  # the replica answers it with a 400

@@ -8,7 +8,7 @@ the EngineConfig must be readable on every node (or left as the packaged default
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -17,6 +17,8 @@ from prefixkv.config import EngineConfig
 from prefixkv.serve_ray.ingress import Ingress
 from prefixkv.serve_ray.replica import EngineReplica
 from prefixkv.serve_ray.request_router import PrefixkvRequestRouter
+
+CACHE_AWARE = ("approximate", "precise")  # policies that read the prompt's tokens (precise: and KV events)
 
 
 def build_application(
@@ -34,20 +36,28 @@ def build_application(
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     from prefixkv.router import create_policy
 
-    create_policy(policy, **(policy_options or {}))  # a bad name or option fails here, not inside Ray
+    options = dict(policy_options or {})
+    cache_aware = policy in CACHE_AWARE
+    if cache_aware:  # hash prompts exactly as the replicas' caches do
+        options.setdefault("block_size", config.page_size)
+        options.setdefault("hash_algo", config.prefix_caching_hash_algo)
+    create_policy(policy, **options)  # a bad name or option fails here, not inside Ray
     threads = config.num_threads or 1
-    engine = serve.deployment(EngineReplica).options(
+    deployment: Any = serve.deployment(EngineReplica)  # Ray's stubs type the bare decorator call as a decorator
+    router_config: dict[str, Any] = {
+        "request_router_class": PrefixkvRequestRouter,
+        "request_router_kwargs": {"policy": policy, **options},
+        "request_routing_stats_period_s": 1.0,
+    }
+    engine = deployment.options(
         name="EngineReplica",
         num_replicas=replicas,
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": threads},
-        request_router_config=RequestRouterConfig(
-            request_router_class=PrefixkvRequestRouter,
-            request_router_kwargs={"policy": policy, **(policy_options or {})},
-            request_routing_stats_period_s=1.0,
-        ),
+        request_router_config=RequestRouterConfig(**router_config),
     )
-    return Ingress.bind(engine.bind(replace(config, num_threads=threads), app_options or {}))
+    replica = engine.bind(replace(config, num_threads=threads), app_options or {}, policy == "precise")
+    return cast(Any, Ingress).bind(replica, config.model, cache_aware)
 
 
 def run(

@@ -10,7 +10,6 @@ No `from __future__ import annotations` here: FastAPI must see the handler's rea
 has rebound the class methods.
 """
 
-
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -37,17 +36,54 @@ def _error(status: int, message: str) -> dict:
     return {"error": {"message": message, "type": "service_unavailable", "param": None, "code": status}}
 
 
-def route_request(body: bytes, headers: dict[str, str]) -> RouteRequest:
+def route_request(body: bytes, headers: dict[str, str], tokenizer: Any = None) -> RouteRequest:
     """What the router learns from the request before any replica sees it: its session key (prompt_cache_key or
-    the x-session-id header). Prompt tokens are left empty here (see the package README section on routing)."""
+    the x-session-id header) and, with a tokenizer (cache-aware policies), the prompt's token ids: a completion's
+    (first) prompt, or a chat rendered through the chat template, as the replica will render it. The request is
+    not validated here: a body the replica will refuse just routes without tokens."""
     session = headers.get("x-session-id")
     try:
         parsed = json.loads(body) if body else None
     except ValueError:
         parsed = None
-    if isinstance(parsed, dict) and isinstance(parsed.get("prompt_cache_key"), str):
+    if not isinstance(parsed, dict):
+        return RouteRequest(token_ids=[], session_key=session)
+    if isinstance(parsed.get("prompt_cache_key"), str):
         session = parsed["prompt_cache_key"]
-    return RouteRequest(token_ids=[], session_key=session)
+    tokens: list[int] = []
+    if tokenizer is not None:
+        try:
+            tokens = _prompt_tokens(parsed, tokenizer)
+        except Exception:  # noqa: BLE001 - malformed input: the replica answers it with a proper 400
+            tokens = []
+    return RouteRequest(token_ids=tokens, session_key=session)
+
+
+def _prompt_tokens(body: dict, tokenizer: Any) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # several prompts: route on the first
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return tokenizer.encode(tokenizer.apply_chat_template(messages))
+    return []
+
+
+def routing_tokenizer(model: str | None) -> Any:
+    """The model's tokenizer alone (no weights): what the ingress needs to hash prompts as the replicas do."""
+    import os
+
+    from prefixkv.model.loader import default_model_path
+    from prefixkv.model.tokenizer import Tokenizer
+
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if os.path.isfile(path):
+        return Tokenizer.from_gguf(path, "router")
+    return Tokenizer.from_hf_dir(path, "router")
 
 
 def _wants_stream(body: bytes) -> bool:
@@ -61,15 +97,17 @@ def _wants_stream(body: bytes) -> bool:
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, replicas: DeploymentHandle) -> None:
+    def __init__(self, replicas: DeploymentHandle, model: str | None = None, tokenize: bool = False) -> None:
+        """tokenize: give the router each prompt's token ids (for the cache-aware policies)."""
         self._replicas = replicas
+        self._tokenizer = routing_tokenizer(model) if tokenize else None
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
     async def forward(self, path: str, raw: Request) -> Any:
         body = await raw.body()
         target = raw.url.path + (f"?{raw.url.query}" if raw.url.query else "")
         request = ForwardedRequest(
-            raw.method, target, list(raw.headers.items()), body, route_request(body, dict(raw.headers))
+            raw.method, target, list(raw.headers.items()), body, route_request(body, dict(raw.headers), self._tokenizer)
         )
         if _wants_stream(body):
             return await self._stream(request)
@@ -84,7 +122,7 @@ class Ingress:
 
     async def _stream(self, request: ForwardedRequest) -> Response:
         for attempt in range(MAX_ATTEMPTS):
-            chunks = self._replicas.options(stream=True).handle_stream.remote(request)
+            chunks: Any = self._replicas.options(stream=True).handle_stream.remote(request)
             try:
                 head: ForwardedResponse = await chunks.__anext__()
             except _REPLICA_LOST as exc:

@@ -4,14 +4,19 @@ Why the whole app rather than new handlers: authentication, validation, OpenAI e
 ones `prefixkv serve` has, in one place. The app is called through httpx's ASGI transport (no socket); its
 lifespan (the engine thread) is entered on the first request, because Ray builds the replica synchronously.
 `record_routing_stats` is Ray Serve's hook for per-replica routing data: it returns the app's /load gauges, which
-Ray's controller polls and hands to every request router (RunningReplica.routing_stats).
+Ray's controller polls and hands to every request router (RunningReplica.routing_stats). For the precise policy
+the replica also publishes its KV events over ZMQ (the engine's own publisher, on free ports) and its stats carry
+the addresses, so each request router subscribes itself: events reach every router, exactly once each, with
+replay on a gap, rather than going through Ray's stats (which keep only the latest value).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -26,10 +31,19 @@ _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "host"}
 class EngineReplica:
     """The deployment class (deployment.py wraps it with serve.deployment)."""
 
-    def __init__(self, config: EngineConfig, app_options: dict[str, Any]) -> None:
+    def __init__(self, config: EngineConfig, app_options: dict[str, Any], publish_kv_events: bool = False) -> None:
         from prefixkv.llm import build_engine
         from prefixkv.server.app import build_app
 
+        self._kv_events: dict[str, str] = {}
+        if publish_kv_events:
+            pub, replay = _free_port(), _free_port()
+            config = replace(config, kv_events_endpoint=f"tcp://*:{pub}", kv_events_replay_endpoint=f"tcp://*:{replay}")
+            host = _node_ip()
+            self._kv_events = {
+                "kv_events_endpoint": f"tcp://{host}:{pub}",
+                "kv_events_replay_endpoint": f"tcp://{host}:{replay}",
+            }
         self._app = build_app(build_engine(config), **app_options)
         self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self._app), base_url="http://replica")
         self._lifespan = contextlib.AsyncExitStack()
@@ -71,7 +85,8 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         await self._start()
         response = await self._client.get("/load")
-        return response.json() if response.status_code == 200 else {}
+        stats = response.json() if response.status_code == 200 else {}
+        return {**stats, **self._kv_events}  # addresses a router on another node can connect to
 
     async def check_health(self) -> None:
         """Ray's health probe: the engine thread must answer."""
@@ -88,3 +103,18 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # built outside a Serve replica (a unit test): no Ray id to report
         return "local"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray
+        return "127.0.0.1"

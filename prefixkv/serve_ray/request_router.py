@@ -4,18 +4,23 @@ Ray Serve asks `choose_replicas` for ranked groups of replicas and then sends th
 replica of the first group that accepts it; this adapter answers with one group of one replica, the one
 prefixkv's Router chose, so the policy (round-robin, least-loaded, approximate, precise...) decides alone and Ray
 keeps its backpressure (max_ongoing_requests) and retries. Load gauges come from each replica's routing stats
-(replica.py's record_routing_stats, polled by Ray's controller); a replica Ray reports dead leaves the Router, so
+(replica.py's record_routing_stats, polled by Ray's controller); KV events (precise policy) come straight from
+each replica's ZMQ publisher, drained before every decision; a replica Ray reports dead leaves the Router, so
 its pins and index entries go with it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from prefixkv.router import ReplicaState, RouteRequest, Router, create_policy
+from prefixkv.kv_events.subscriber import KVEventSubscriber
+from prefixkv.router import ReplicaState, Router, RouteRequest, create_policy
 from prefixkv.serve_ray.messages import ForwardedRequest
+
+logger = logging.getLogger("ray.serve")  # Serve's logger: lines land in the Serve logs of the process routing
 
 
 def replica_state(replica: RunningReplica) -> ReplicaState:
@@ -36,6 +41,30 @@ class PrefixkvRequestRouter(RequestRouter):
 
     def initialize_state(self, policy: str = "round-robin", **options: Any) -> None:
         self.router = Router(create_policy(policy, **options))
+        self._subscribers: dict[str, KVEventSubscriber] = {}  # replica id -> its KV event stream
+
+    def _apply_kv_events(self, replicas: list[RunningReplica]) -> None:
+        """Feed the policy every KV event the replicas published since the last request (non-blocking). A replica's
+        stream is subscribed to once its stats name it; a gap no replay could fill drops that replica's index
+        entries (they are rebuilt from its later events) rather than trust a view that has diverged."""
+        for replica in replicas:
+            rid = replica.replica_id.unique_id
+            endpoint = (replica.routing_stats or {}).get("kv_events_endpoint")
+            if rid not in self._subscribers and endpoint:
+                replay = (replica.routing_stats or {}).get("kv_events_replay_endpoint")
+                self._subscribers[rid] = KVEventSubscriber(endpoint, replay)
+                logger.info("subscribed to replica %s's KV events at %s", rid, endpoint)
+            subscriber = self._subscribers.get(rid)
+            if subscriber is None:
+                continue
+            lost = subscriber.lost
+            while batches := subscriber.receive(timeout=0):
+                for _, _, events in batches:
+                    self.router.kv_events(rid, events)
+                    logger.debug("replica %s: %d KV events applied", rid, len(events))
+            if subscriber.lost != lost:
+                logger.warning("replica %s: KV events lost beyond replay; its index entries are dropped", rid)
+                self.router.policy.on_replica_removed(rid)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -43,12 +72,16 @@ class PrefixkvRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        self._apply_kv_events(candidate_replicas)
         chosen = self.router.route(_route_request(pending_request), [replica_state(r) for r in candidate_replicas])
         return [[by_id[chosen]]]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.router.remove_replica(replica_id.unique_id)
+        subscriber = self._subscribers.pop(replica_id.unique_id, None)
+        if subscriber is not None:
+            subscriber.close()
 
 
 def _route_request(pending_request: PendingRequest | None) -> RouteRequest:
