@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentHandle
 from prefixkv.router.request import RouteRequest
 from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve")  # Serve's logger: lines land in the ingress replica's Serve log
 
 MAX_ATTEMPTS = 3  # one try and two retries on other replicas
 _REPLICA_LOST = (ActorDiedError, ActorUnavailableError, RayActorError)
@@ -94,7 +94,9 @@ def _wants_stream(body: bytes) -> bool:
     return isinstance(parsed, dict) and parsed.get("stream") is True
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+# The ingress only forwards: it holds many requests at once (Ray's default of 5 would queue clients in front of
+# idle replicas); the replicas' own max_ongoing_requests is the backpressure that matters.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
     def __init__(self, replicas: DeploymentHandle, model: str | None = None, tokenize: bool = False) -> None:
