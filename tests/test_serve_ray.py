@@ -54,6 +54,11 @@ def test_round_robin_uses_both_replicas(base_url):
     answers = [_complete(client) for _ in range(4)]
     assert len({replica for replica, _ in answers}) == 2
     assert len({text for _, text in answers}) == 1  # greedy: the same answer whichever replica served it
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == answers[0][1]
+    with pytest.raises(openai.BadRequestError) as bad:  # the replica's own validation, passed through unchanged
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=-1)
+    assert bad.value.body["param"] == "max_tokens"
 
 
 def test_replica_killed_under_load(base_url):

@@ -130,15 +130,15 @@ class Ingress:
             except _REPLICA_LOST as exc:
                 logger.warning("replica lost before streaming (attempt %d of %d): %s", attempt + 1, MAX_ATTEMPTS, exc)
                 continue
-            return StreamingResponse(_rest(chunks), status_code=head.status, headers=dict(head.headers))
+            return StreamingResponse(self._rest(chunks), status_code=head.status, headers=dict(head.headers))
         return JSONResponse(_error(503, "no engine replica could answer the request"), status_code=503)
 
-
-async def _rest(chunks: Any) -> AsyncIterator[bytes]:
-    """The body chunks after the head; a replica lost mid-stream ends it with an error event and [DONE]."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except _REPLICA_LOST:
-        yield f"data: {json.dumps(_error(503, 'the engine replica was lost mid-stream'))}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+    @staticmethod
+    async def _rest(chunks: Any) -> AsyncIterator[bytes]:
+        """The body chunks after the head; a replica lost mid-stream ends it with an error event and [DONE]."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except _REPLICA_LOST:
+            yield f"data: {json.dumps(_error(503, 'the engine replica was lost mid-stream'))}\n\n".encode()
+            yield b"data: [DONE]\n\n"
