@@ -84,8 +84,12 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         await self._start()
-        response = await self._client.get("/load")
-        stats = response.json() if response.status_code == 200 else {}
+        from starlette.requests import Request
+
+        from prefixkv.server.admin import load
+
+        # The /load handler itself, not an HTTP call: the endpoint may require a key the replica does not hold.
+        stats = await load(Request({"type": "http", "app": self._app, "headers": []}))
         return {**stats, **self._kv_events}  # addresses a router on another node can connect to
 
     async def check_health(self) -> None:
