@@ -7,6 +7,7 @@ import logging
 import sys
 
 from prefixkv.engine_args import add_engine_args, engine_config
+from prefixkv.router import POLICIES
 from prefixkv.server.auth import DEFAULT_TENANT, TENANT_ISOLATION, KeyFileError, read_key_file
 from prefixkv.server.limits import add_limit_arguments, limits_from_args
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
@@ -54,6 +55,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="parse special-token text in chat message content as control tokens (lets a client "
         "forge turns; off by default)",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engine replicas; above 1 they run as a Ray Serve deployment behind one ingress on --host/--port "
+        "(needs the `ray` extra; a local Ray unless --ray-address)",
+    )
+    p.add_argument(
+        "--router",
+        default="round-robin",
+        choices=sorted(POLICIES),
+        help="how the ingress picks a replica (with --replicas above 1)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="an existing Ray cluster to run the replicas on (e.g. 'auto' on a cluster node); default: start one",
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_limit_arguments(p)
 
@@ -70,11 +89,11 @@ def serve(args: argparse.Namespace) -> int:
         except KeyFileError as exc:
             print(f"prefixkv serve: error: {exc}", file=sys.stderr)
             return 2
+    if args.replicas < 1:
+        print(f"prefixkv serve: error: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+        return 2
     limits = limits_from_args(args)
-    raise_open_files_limit(limits)
-    engine = build_engine(engine_config(args))
-    app = build_app(
-        engine,
+    app_options = dict(
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         api_key_file=args.api_key_file,
@@ -84,6 +103,21 @@ def serve(args: argparse.Namespace) -> int:
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         limits=limits,
     )
+    if args.replicas > 1:
+        from prefixkv.serve_ray import run
+
+        run(
+            engine_config(args),
+            args.replicas,
+            host=args.host,
+            port=args.port,
+            ray_address=args.ray_address,
+            policy=args.router,
+            app_options=app_options,
+        )
+        return 0
+    raise_open_files_limit(limits)
+    app = build_app(build_engine(engine_config(args)), **app_options)
     make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0
 

@@ -1,0 +1,144 @@
+"""The one OpenAI-compatible front door: every HTTP request is forwarded whole to a replica Ray's request router
+picked; the replica's app answers it (so the API is exactly the single-process server's).
+
+Faults: a replica that dies before answering (its actor killed, its node lost) costs the client nothing for a
+non-streaming request or a stream that has not started: the ingress retries on another replica (Ray's router has
+dropped the dead one). A stream already under way cannot be replayed, so it ends with an OpenAI error event and
+`[DONE]`. When no replica answers after the retries, the client gets a 503 in OpenAI's error format.
+
+No `from __future__ import annotations` here: FastAPI must see the handler's real annotation types once Serve
+has rebound the class methods.
+"""
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle
+
+from prefixkv.router.request import RouteRequest
+from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
+
+logger = logging.getLogger("ray.serve")  # Serve's logger: lines land in the ingress replica's Serve log
+
+MAX_ATTEMPTS = 3  # one try and two retries on other replicas
+_REPLICA_LOST = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+app = FastAPI(title="prefixkv (Ray Serve)")
+
+
+def _error(status: int, message: str) -> dict:
+    return {"error": {"message": message, "type": "service_unavailable", "param": None, "code": status}}
+
+
+def route_request(body: bytes, headers: dict[str, str], tokenizer: Any = None) -> RouteRequest:
+    """What the router learns from the request before any replica sees it: its session key (prompt_cache_key or
+    the x-session-id header) and, with a tokenizer (cache-aware policies), the prompt's token ids: a completion's
+    (first) prompt, or a chat rendered through the chat template, as the replica will render it. The request is
+    not validated here: a body the replica will refuse just routes without tokens."""
+    session = headers.get("x-session-id")
+    try:
+        parsed = json.loads(body) if body else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        return RouteRequest(token_ids=[], session_key=session)
+    if isinstance(parsed.get("prompt_cache_key"), str):
+        session = parsed["prompt_cache_key"]
+    tokens: list[int] = []
+    if tokenizer is not None:
+        try:
+            tokens = _prompt_tokens(parsed, tokenizer)
+        except Exception:  # noqa: BLE001 - malformed input: the replica answers it with a proper 400
+            tokens = []
+    return RouteRequest(token_ids=tokens, session_key=session)
+
+
+def _prompt_tokens(body: dict, tokenizer: Any) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # several prompts: route on the first
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return tokenizer.encode(tokenizer.apply_chat_template(messages))
+    return []
+
+
+def routing_tokenizer(model: str | None) -> Any:
+    """The model's tokenizer alone (no weights): what the ingress needs to hash prompts as the replicas do."""
+    import os
+
+    from prefixkv.model.loader import default_model_path
+    from prefixkv.model.tokenizer import Tokenizer
+
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if os.path.isfile(path):
+        return Tokenizer.from_gguf(path, "router")
+    return Tokenizer.from_hf_dir(path, "router")
+
+
+def _wants_stream(body: bytes) -> bool:
+    try:
+        parsed = json.loads(body) if body else None
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("stream") is True
+
+
+# The ingress only forwards: it holds many requests at once (Ray's default of 5 would queue clients in front of
+# idle replicas); the replicas' own max_ongoing_requests is the backpressure that matters.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, replicas: DeploymentHandle, model: str | None = None, tokenize: bool = False) -> None:
+        """tokenize: give the router each prompt's token ids (for the cache-aware policies)."""
+        self._replicas = replicas
+        self._tokenizer = routing_tokenizer(model) if tokenize else None
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
+    async def forward(self, path: str, raw: Request) -> Any:
+        body = await raw.body()
+        target = raw.url.path + (f"?{raw.url.query}" if raw.url.query else "")
+        request = ForwardedRequest(
+            raw.method, target, list(raw.headers.items()), body, route_request(body, dict(raw.headers), self._tokenizer)
+        )
+        if _wants_stream(body):
+            return await self._stream(request)
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                answer: ForwardedResponse = await self._replicas.handle.remote(request)
+            except _REPLICA_LOST as exc:
+                logger.warning("replica lost (attempt %d of %d): %s", attempt + 1, MAX_ATTEMPTS, exc)
+                continue
+            return Response(answer.body, status_code=answer.status, headers=dict(answer.headers))
+        return JSONResponse(_error(503, "no engine replica could answer the request"), status_code=503)
+
+    async def _stream(self, request: ForwardedRequest) -> Response:
+        for attempt in range(MAX_ATTEMPTS):
+            chunks: Any = self._replicas.options(stream=True).handle_stream.remote(request)
+            try:
+                head: ForwardedResponse = await chunks.__anext__()
+            except _REPLICA_LOST as exc:
+                logger.warning("replica lost before streaming (attempt %d of %d): %s", attempt + 1, MAX_ATTEMPTS, exc)
+                continue
+            return StreamingResponse(self._rest(chunks), status_code=head.status, headers=dict(head.headers))
+        return JSONResponse(_error(503, "no engine replica could answer the request"), status_code=503)
+
+    @staticmethod
+    async def _rest(chunks: Any) -> AsyncIterator[bytes]:
+        """The body chunks after the head; a replica lost mid-stream ends it with an error event and [DONE]."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except _REPLICA_LOST:
+            yield f"data: {json.dumps(_error(503, 'the engine replica was lost mid-stream'))}\n\n".encode()
+            yield b"data: [DONE]\n\n"

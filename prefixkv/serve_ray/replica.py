@@ -1,0 +1,124 @@
+"""One engine replica: the single-process server app, driven in process by the ingress's forwarded requests.
+
+Why the whole app rather than new handlers: authentication, validation, OpenAI error bodies and limits stay the
+ones `prefixkv serve` has, in one place. The app is called through httpx's ASGI transport (no socket); its
+lifespan (the engine thread) is entered on the first request, because Ray builds the replica synchronously.
+`record_routing_stats` is Ray Serve's hook for per-replica routing data: it returns the app's /load gauges, which
+Ray's controller polls and hands to every request router (RunningReplica.routing_stats). For the precise policy
+the replica also publishes its KV events over ZMQ (the engine's own publisher, on free ports) and its stats carry
+the addresses, so each request router subscribes itself: events reach every router, exactly once each, with
+replay on a gap, rather than going through Ray's stats (which keep only the latest value).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import httpx
+
+from prefixkv.config import EngineConfig
+from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
+
+REPLICA_HEADER = "x-prefixkv-replica"  # which replica answered: for logs, debugging and tests
+_HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "host"}
+
+
+class EngineReplica:
+    """The deployment class (deployment.py wraps it with serve.deployment)."""
+
+    def __init__(self, config: EngineConfig, app_options: dict[str, Any], publish_kv_events: bool = False) -> None:
+        from prefixkv.llm import build_engine
+        from prefixkv.server.app import build_app
+
+        self._kv_events: dict[str, str] = {}
+        if publish_kv_events:
+            pub, replay = _free_port(), _free_port()
+            config = replace(config, kv_events_endpoint=f"tcp://*:{pub}", kv_events_replay_endpoint=f"tcp://*:{replay}")
+            host = _node_ip()
+            self._kv_events = {
+                "kv_events_endpoint": f"tcp://{host}:{pub}",
+                "kv_events_replay_endpoint": f"tcp://{host}:{replay}",
+            }
+        self._app = build_app(build_engine(config), **app_options)
+        self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self._app), base_url="http://replica")
+        self._lifespan = contextlib.AsyncExitStack()
+        self._started = asyncio.Lock()
+        self._running = False
+        self.replica_id = _replica_id()
+
+    async def _start(self) -> None:
+        async with self._started:
+            if not self._running:
+                await self._lifespan.enter_async_context(self._app.router.lifespan_context(self._app))
+                self._running = True
+
+    def _headers(self, response: httpx.Response) -> list[tuple[str, str]]:
+        headers = [(k, v) for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP]
+        return [*headers, (REPLICA_HEADER, self.replica_id)]
+
+    def _request(self, request: ForwardedRequest) -> httpx.Request:
+        headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_BY_HOP]
+        return self._client.build_request(request.method, request.path, headers=headers, content=request.body)
+
+    async def handle(self, request: ForwardedRequest) -> ForwardedResponse:
+        """A whole (non-streaming) response."""
+        await self._start()
+        response = await self._client.send(self._request(request))
+        return ForwardedResponse(response.status_code, self._headers(response), response.content)
+
+    async def handle_stream(self, request: ForwardedRequest) -> AsyncIterator[bytes | ForwardedResponse]:
+        """A streaming response: first its status and headers (empty body), then its body chunks as they come."""
+        await self._start()
+        response = await self._client.send(self._request(request), stream=True)
+        try:
+            yield ForwardedResponse(response.status_code, self._headers(response), b"")
+            async for chunk in response.aiter_raw():
+                yield chunk
+        finally:
+            await response.aclose()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        await self._start()
+        from starlette.requests import Request
+
+        from prefixkv.server.admin import load
+
+        # The /load handler itself, not an HTTP call: the endpoint may require a key the replica does not hold.
+        stats = await load(Request({"type": "http", "app": self._app, "headers": []}))
+        return {**stats, **self._kv_events}  # addresses a router on another node can connect to
+
+    async def check_health(self) -> None:
+        """Ray's health probe: the engine thread must answer."""
+        await self._start()
+        response = await self._client.get("/health")
+        if response.status_code != 200:
+            raise RuntimeError(f"replica unhealthy: /health answered {response.status_code}")
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # built outside a Serve replica (a unit test): no Ray id to report
+        return "local"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray
+        return "127.0.0.1"
