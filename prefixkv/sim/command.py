@@ -309,9 +309,7 @@ def run_command(args: argparse.Namespace) -> int:
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     print(_run_table(summary))
-    path = os.path.join(args.output_dir, "simulate.json")
-    report.write_json(results, path)
-    print(f"results written to {path}")
+    _write_results(results, args.output_dir, "simulate.json")
     png = os.path.join(args.output_dir, "simulate.png")
     title = f"{os.path.basename(args.trace)}: {described}\n{config.prefix_cache} cache, pages of {page}, pool {pool} "
     title += f"tokens, {config.schedule_policy}, cost model {cost.name}"
@@ -341,6 +339,12 @@ def _run_table(s: dict) -> str:
 
 def _ps(d: dict) -> str:
     return " / ".join("nan" if v is None or v != v else f"{v:.3f}" for v in (d["p50"], d["p90"], d["p99"]))
+
+
+def _write_results(results: dict, output_dir: str, name: str) -> None:
+    path = os.path.join(output_dir, name)
+    report.write_json(results, path)
+    print(f"results written to {path}")
 
 
 def _try_plot(draw: Callable[[], None], png: str) -> None:
@@ -417,9 +421,7 @@ def sweep_command(args: argparse.Namespace) -> int:
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     print(_sweep_table(runs))
-    path = os.path.join(args.output_dir, "sweep.json")
-    report.write_json(results, path)
-    print(f"results written to {path}")
+    _write_results(results, args.output_dir, "sweep.json")
     png = os.path.join(args.output_dir, "sweep.png")
     if not args.no_plot:
         _try_plot(lambda: report.plot_sweep(results, png), png)
