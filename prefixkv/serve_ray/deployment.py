@@ -57,7 +57,7 @@ def build_application(
         request_router_config=RequestRouterConfig(**router_config),
     )
     replica = engine.bind(replace(config, num_threads=threads), app_options or {}, policy == "precise")
-    return cast(Any, Ingress).bind(replica, config.model, cache_aware)
+    return cast(Any, Ingress).bind(replica, config.model, cache_aware, app_options or {})
 
 
 def run(

@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle
 
 from prefixkv.router.request import RouteRequest
 from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
+from prefixkv.server.auth import OPEN, KeyRing, derive_cache_salt, isolation_mode
 
 logger = logging.getLogger("ray.serve")  # Serve's logger: lines land in the ingress replica's Serve log
 
@@ -36,11 +37,33 @@ def _error(status: int, message: str) -> dict:
     return {"error": {"message": message, "type": "service_unavailable", "param": None, "code": status}}
 
 
-def route_request(body: bytes, headers: dict[str, str], tokenizer: Any = None) -> RouteRequest:
+class TenantSalts:
+    """The cache salt each replica will give a request, computed in front of them from the same key file and
+    isolation mode (prefixkv.server.auth), so a router keys two tenants' equal prompts apart as the caches do."""
+
+    def __init__(self, app_options: dict[str, Any]) -> None:
+        self.keys = KeyRing.build(app_options.get("api_key"), app_options.get("api_key_file"))
+        self.mode = isolation_mode(app_options.get("tenant_isolation"), app_options.get("api_key_file"))
+
+    def salt(self, headers: dict[str, str], body: dict) -> str | None:
+        client_salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        user = body.get("user") if isinstance(body.get("user"), str) else None
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        bearer = token.strip() if scheme.lower() == "bearer" and token.strip() else None
+        principal = OPEN if self.keys is None else self.keys.identify(bearer)
+        if principal is None:  # the replica answers 401; where it routes does not matter
+            return client_salt
+        return derive_cache_salt(self.mode, principal, bearer, user, client_salt)
+
+
+def route_request(
+    body: bytes, headers: dict[str, str], tokenizer: Any = None, salts: TenantSalts | None = None
+) -> RouteRequest:
     """What the router learns from the request before any replica sees it: its session key (prompt_cache_key or
     the x-session-id header) and, with a tokenizer (cache-aware policies), the prompt's token ids: a completion's
-    (first) prompt, or a chat rendered through the chat template, as the replica will render it. The request is
-    not validated here: a body the replica will refuse just routes without tokens."""
+    (first) prompt, or a chat rendered through the chat template, as the replica will render it, with the
+    tenant's cache salt. The request is not validated here: a body the replica will refuse just routes without
+    tokens."""
     session = headers.get("x-session-id")
     try:
         parsed = json.loads(body) if body else None
@@ -56,7 +79,8 @@ def route_request(body: bytes, headers: dict[str, str], tokenizer: Any = None) -
             tokens = _prompt_tokens(parsed, tokenizer)
         except Exception:  # noqa: BLE001 - malformed input: the replica answers it with a proper 400
             tokens = []
-    return RouteRequest(token_ids=tokens, session_key=session)
+    salt = salts.salt(headers, parsed) if salts is not None else None
+    return RouteRequest(token_ids=tokens, cache_salt=salt, session_key=session)
 
 
 def _prompt_tokens(body: dict, tokenizer: Any) -> list[int]:
@@ -99,18 +123,25 @@ def _wants_stream(body: bytes) -> bool:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, replicas: DeploymentHandle, model: str | None = None, tokenize: bool = False) -> None:
-        """tokenize: give the router each prompt's token ids (for the cache-aware policies)."""
+    def __init__(
+        self,
+        replicas: DeploymentHandle,
+        model: str | None = None,
+        tokenize: bool = False,
+        app_options: dict[str, Any] | None = None,
+    ) -> None:
+        """tokenize: give the router each prompt's token ids and cache salt (for the cache-aware policies);
+        app_options: the replicas' app options (their keys and tenant isolation decide the salts)."""
         self._replicas = replicas
         self._tokenizer = routing_tokenizer(model) if tokenize else None
+        self._salts = TenantSalts(app_options or {}) if tokenize else None
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
     async def forward(self, path: str, raw: Request) -> Any:
         body = await raw.body()
         target = raw.url.path + (f"?{raw.url.query}" if raw.url.query else "")
-        request = ForwardedRequest(
-            raw.method, target, list(raw.headers.items()), body, route_request(body, dict(raw.headers), self._tokenizer)
-        )
+        route = route_request(body, dict(raw.headers), self._tokenizer, self._salts)
+        request = ForwardedRequest(raw.method, target, list(raw.headers.items()), body, route)
         if _wants_stream(body):
             return await self._stream(request)
         for attempt in range(MAX_ATTEMPTS):

@@ -23,13 +23,16 @@ from prefixkv.serve_ray.messages import ForwardedRequest
 logger = logging.getLogger("ray.serve")  # Serve's logger: lines land in the Serve logs of the process routing
 
 
-def replica_state(replica: RunningReplica) -> ReplicaState:
-    """What the policy scores one replica on, from its last routing stats (zeros until the first poll)."""
+def replica_state(replica: RunningReplica, ongoing: int = 0) -> ReplicaState:
+    """What the policy scores one replica on, from its last routing stats (zeros until the first poll). Stats are
+    polled once a second, so a burst would see every replica idle: `ongoing`, the requests this router has sent
+    there that have not completed, is a floor on its load."""
     stats: dict[str, Any] = replica.routing_stats or {}
+    waiting = int(stats.get("num_requests_waiting", 0))
     return ReplicaState(
         replica_id=replica.replica_id.unique_id,
-        waiting=int(stats.get("num_requests_waiting", 0)),
-        running=int(stats.get("num_requests_running", 0)),
+        waiting=waiting,
+        running=max(int(stats.get("num_requests_running", 0)), ongoing - waiting),
         kv_usage=float(stats.get("kv_cache_usage", 0.0)),
         cached_blocks=int(stats.get("num_cached_pages", 0)),
     )
@@ -42,6 +45,17 @@ class PrefixkvRequestRouter(RequestRouter):
     def initialize_state(self, policy: str = "round-robin", **options: Any) -> None:
         self.router = Router(create_policy(policy, **options))
         self._subscribers: dict[str, KVEventSubscriber] = {}  # replica id -> its KV event stream
+        self._ongoing: dict[str, int] = {}  # replica id -> requests sent there and not yet completed
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        self._ongoing[replica_id.unique_id] = self._ongoing.get(replica_id.unique_id, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        rid = replica_id.unique_id
+        if self._ongoing.get(rid, 0) > 0:
+            self._ongoing[rid] -= 1
 
     def _apply_kv_events(self, replicas: list[RunningReplica]) -> None:
         """Feed the policy every KV event the replicas published since the last request (non-blocking). A replica's
@@ -73,12 +87,14 @@ class PrefixkvRequestRouter(RequestRouter):
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self._apply_kv_events(candidate_replicas)
-        chosen = self.router.route(_route_request(pending_request), [replica_state(r) for r in candidate_replicas])
+        states = [replica_state(r, self._ongoing.get(r.replica_id.unique_id, 0)) for r in candidate_replicas]
+        chosen = self.router.route(_route_request(pending_request), states)
         return [[by_id[chosen]]]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.router.remove_replica(replica_id.unique_id)
+        self._ongoing.pop(replica_id.unique_id, None)
         subscriber = self._subscribers.pop(replica_id.unique_id, None)
         if subscriber is not None:
             subscriber.close()

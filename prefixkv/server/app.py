@@ -14,7 +14,7 @@ from fastapi import Depends, FastAPI
 
 from prefixkv.server import admin, chat, completions
 from prefixkv.server.async_engine import AsyncEngine
-from prefixkv.server.auth import TENANT_ISOLATION, KeyRing, authenticate, require_admin
+from prefixkv.server.auth import KeyRing, authenticate, isolation_mode, require_admin
 from prefixkv.server.errors import install_error_handlers
 from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
@@ -38,10 +38,7 @@ def build_app(
 ) -> FastAPI:
     """tenant_isolation None means `api-key` when a key file gives tenants, else `none` (as before key files)."""
     keys = KeyRing.build(api_key, api_key_file)
-    if tenant_isolation is None:
-        tenant_isolation = "api-key" if api_key_file is not None else "none"
-    if tenant_isolation not in TENANT_ISOLATION:
-        raise ValueError(f"tenant_isolation must be one of {TENANT_ISOLATION}, got {tenant_isolation!r}")
+    tenant_isolation = isolation_mode(tenant_isolation, api_key_file)
     for option, value in (("max_n", max_n), ("max_prompts_per_request", max_prompts_per_request)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{option} must be an integer >= 1, got {value!r}")

@@ -166,6 +166,15 @@ def _tag(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:TAG_LEN]
 
 
+def isolation_mode(tenant_isolation: str | None, api_key_file: str | None) -> str:
+    """The isolation in force: as given, else `api-key` when a key file gives tenants and `none` without one."""
+    if tenant_isolation is None:
+        tenant_isolation = "api-key" if api_key_file is not None else "none"
+    if tenant_isolation not in TENANT_ISOLATION:
+        raise ValueError(f"tenant_isolation must be one of {TENANT_ISOLATION}, got {tenant_isolation!r}")
+    return tenant_isolation
+
+
 def tenant_owner(mode: str, principal: Principal, token: str | None, user: str | None) -> str | None:
     """The string naming whose cache a request uses (None: not isolated)."""
     if mode == "none":
@@ -202,8 +211,15 @@ def salt_filter(owner: str) -> Callable[[str | None], bool]:
 
 def cache_salt_for(mode: str, request: Request, user: str | None, cache_salt: str | None) -> str | None:
     """The salt the engine gets: the client's own cache_salt, bound to the tenant when isolation is on."""
-    principal = principal_of(request)
-    owner = tenant_owner(mode, principal, bearer_token(request), user)
+    return derive_cache_salt(mode, principal_of(request), bearer_token(request), user, cache_salt)
+
+
+def derive_cache_salt(
+    mode: str, principal: Principal, token: str | None, user: str | None, cache_salt: str | None
+) -> str | None:
+    """cache_salt_for without the HTTP request: what a router in front of the replicas computes to key a prompt
+    exactly as the replica that serves it will."""
+    owner = tenant_owner(mode, principal, token, user)
     if owner is None:
         return cache_salt
     material = [owner]
