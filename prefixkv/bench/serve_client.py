@@ -1,7 +1,10 @@
 """`prefixkv bench serve`: drive any OpenAI-compatible server with streaming chat requests and measure it.
 
-Three workloads where prefix caching matters:
+Four workloads where prefix caching matters:
   system-prompt  every request shares one long system prompt and asks its own short question
+  multi-tenant   --tenants system prompts, one per tenant, each request a random tenant's (with
+                 --tenant-api-keys, each tenant sends its own key: the server's tenant salts apply); sized so
+                 the prompts overflow one replica's pool, it shows what cache-aware routing buys
   multi-turn     conversations that resend their growing history each turn (TTFT per turn shows whether
                  the history is recomputed)
   --trace FILE   a production trace (Mooncake, Qwen-Bailian) rescaled by prefixkv.sim.traces and replayed at its
@@ -74,7 +77,9 @@ def filler_text(num_words: int, seed: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(num_words))
 
 
-async def stream_chat(client: httpx.AsyncClient, s: Settings, messages: list[dict], turn: int = 0) -> RequestResult:
+async def stream_chat(
+    client: httpx.AsyncClient, s: Settings, messages: list[dict], turn: int = 0, headers: dict | None = None
+) -> RequestResult:
     body = {
         "model": s.model,
         "messages": messages,
@@ -97,7 +102,7 @@ async def stream_chat(client: httpx.AsyncClient, s: Settings, messages: list[dic
                     result.ttft = time.perf_counter() - start
                 parts.append(content)
 
-    if await _stream(client, "/v1/chat/completions", body, s.timeout, result, on_event):
+    if await _stream(client, "/v1/chat/completions", body, s.timeout, result, on_event, headers):
         result.e2e = time.perf_counter() - start
         result.output_tokens = result.output_tokens or len(parts)  # servers without usage: one token per chunk
         result.text = "".join(parts)
@@ -138,12 +143,18 @@ async def stream_completion(
 
 
 async def _stream(
-    client: httpx.AsyncClient, path: str, body: dict, timeout: float, result: RequestResult, on_event
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict,
+    timeout: float,
+    result: RequestResult,
+    on_event,
+    headers: dict | None = None,
 ) -> bool:
     """POST a streamed request and hand each server-sent event to on_event; usage goes into `result`. False, with
     result.error set, on an HTTP error, an error event, or a broken stream."""
     try:
-        async with client.stream("POST", path, json=body, timeout=timeout) as r:
+        async with client.stream("POST", path, json=body, timeout=timeout, headers=headers) as r:
             if r.status_code != 200:
                 result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
                 return False
@@ -214,6 +225,28 @@ async def _system_prompt_workload(client, s: Settings, args) -> list[RequestResu
     return await asyncio.gather(*(one(i) for i in range(args.num_requests)))
 
 
+async def _multi_tenant_workload(client, s: Settings, args) -> list[RequestResult]:
+    """Each request a seeded-random tenant's system prompt and its own question, closed loop at --concurrency."""
+    systems = [
+        f"Tenant {t}. " + filler_text(args.system_prompt_tokens, seed=args.seed + 7919 * (t + 1))
+        for t in range(args.tenants)
+    ]
+    keys = args.tenant_api_keys.split(",") if args.tenant_api_keys else []
+    rng = random.Random(args.seed)
+    tenants = [rng.randrange(args.tenants) for _ in range(args.num_requests)]
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def one(i: int) -> RequestResult:
+        tenant = tenants[i]
+        headers = {"Authorization": f"Bearer {keys[tenant % len(keys)]}"} if keys else None
+        async with sem:
+            question = f"Question {i}: {filler_text(12, seed=args.seed + 1 + i)}. Answer briefly."
+            messages = [{"role": "system", "content": systems[tenant]}, {"role": "user", "content": question}]
+            return await stream_chat(client, s, messages, headers=headers)
+
+    return await asyncio.gather(*(one(i) for i in range(args.num_requests)))
+
+
 async def _multi_turn_workload(client, s: Settings, args) -> list[RequestResult]:
     num_conversations = max(1, -(-args.num_requests // args.turns))
     sem = asyncio.Semaphore(args.concurrency)
@@ -234,6 +267,13 @@ async def _multi_turn_workload(client, s: Settings, args) -> list[RequestResult]
 
     per_conv = await asyncio.gather(*(conversation(c) for c in range(num_conversations)))
     return [r for conv in per_conv for r in conv]
+
+
+WORKLOADS = {
+    "system-prompt": _system_prompt_workload,
+    "multi-tenant": _multi_tenant_workload,
+    "multi-turn": _multi_turn_workload,
+}
 
 
 def _dist(values: list[float], scale: float = 1000.0) -> dict:
@@ -301,7 +341,7 @@ async def run_async(args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=args.timeout) as client:
         model = args.model or await _resolve_model(client)
         s = Settings(base, model, args.api_key, args.output_tokens, args.ignore_eos, args.timeout)
-        workload = _system_prompt_workload if args.workload == "system-prompt" else _multi_turn_workload
+        workload = WORKLOADS[args.workload]
         start = time.perf_counter()
         results = await workload(client, s, args)
         duration = time.perf_counter() - start
@@ -314,6 +354,7 @@ async def run_async(args: argparse.Namespace) -> dict:
             "concurrency",
             "num_requests",
             "system_prompt_tokens",
+            "tenants",
             "output_tokens",
             "turns",
             "turn_tokens",
@@ -419,7 +460,7 @@ def plot(results: dict, path: str) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000 (a /v1 suffix is fine)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--workload", choices=("system-prompt", "multi-turn"), default="system-prompt")
+    p.add_argument("--workload", choices=tuple(WORKLOADS), default="system-prompt")
     p.add_argument(
         "--concurrency",
         type=int,
@@ -429,6 +470,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--system-prompt-tokens", type=int, default=2048, help="approximate (words)")
     p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--tenants", type=int, default=4, help="multi-tenant: system prompts, one per tenant")
+    p.add_argument(
+        "--tenant-api-keys", default=None, help="multi-tenant: comma-separated keys, tenant i sends key i mod count"
+    )
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--turn-tokens", type=int, default=64, help="approximate user tokens per turn (words)")
     p.add_argument("--api-key", default=None)

@@ -1,4 +1,4 @@
-"""The HTTP benchmark client against a real server on the default model: both workloads, tiny sizes."""
+"""The HTTP benchmark client against a real server on the default model: every workload, tiny sizes."""
 
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ def test_bench_serve_workloads(tmp_path, new_engine):
         assert res["per_turn"][3]["prompt_tokens"] > res["per_turn"][1]["prompt_tokens"]
         plot(res, str(tmp_path / "multi_turn.png"))
         assert (tmp_path / "multi_turn.png").stat().st_size > 0
+
+        res = run(_args(base, "--workload", "multi-tenant", "--tenants", "2", "--num-requests", "4"))
+        assert res["num_ok"] == 4 and res["config"]["tenants"] == 2
+        keyed = run(_args(base, "--workload", "multi-tenant", "--num-requests", "1", "--tenant-api-keys", "nope"))
+        assert keyed["num_errors"] == 1 and "401" in keyed["errors"][0]  # the tenant's own key was sent
 
         bad = run(_args(base, "--num-requests", "1", "--model", "nope"))
         assert bad["num_errors"] == 1 and "404" in bad["errors"][0]

@@ -1,0 +1,207 @@
+"""`prefixkv bench routing`: `prefixkv serve --replicas N` on the model, one router against another, in one run.
+
+Each round starts a fresh `prefixkv serve --replicas N --router R` (its own local Ray, N engine replicas of one
+thread each, every replica's pool --kv-cache-tokens) per router, in alternating order, and drives it with `bench
+serve`'s multi-tenant workload: --tenants system prompts whose sum overflows one replica's pool but fits in all N
+together. Round-robin sends every tenant to every replica, so each pool thrashes through all the prompts; a
+cache-aware router can keep each tenant on one replica. Reported per router: the hit rate the server reported
+(usage.prompt_tokens_details), TTFT p50 / p90 and output tok/s, as medians over the rounds, and the ratios to
+the first router. The machine's noise moves TTFT from run to run: compare the routers within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+from prefixkv.bench.serve_client import run_async
+
+READY_TIMEOUT_S = 600.0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("routing", help="serve --replicas N on the model: round-robin vs precise routing")
+    p.add_argument("--routers", default="round-robin,precise", help="comma-separated; the first is the baseline")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="each round runs every router once, in alternating order")
+    p.add_argument("--tenants", type=int, default=4)
+    p.add_argument("--system-prompt-tokens", type=int, default=1024, help="approximate, per tenant (words)")
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument(
+        "--kv-cache-tokens", type=int, default=3072, help="each replica's pool (default: two tenants' prompts fit)"
+    )
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default=None, help="server logs (default: --output-dir)")
+    p.set_defaults(func=run)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _server(router: str, args: argparse.Namespace, log_path: str):
+    """A `prefixkv serve --replicas N` process (its own session: stopping it stops its Ray); yields its URL."""
+    port = _free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "prefixkv",
+        "serve",
+        "--replicas",
+        str(args.replicas),
+        "--router",
+        router,
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--num-threads",
+        "1",
+        "--kv-cache-tokens",
+        str(args.kv_cache_tokens),
+        "--max-num-seqs",
+        str(args.concurrency),
+    ]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"prefixkv bench routing: the {router} server exited; see {log_path}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"prefixkv bench routing: the {router} server was not ready; see {log_path}")
+            time.sleep(2)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _client_args(url: str, args: argparse.Namespace) -> argparse.Namespace:
+    return argparse.Namespace(
+        base_url=url,
+        model=None,
+        api_key=None,
+        trace=None,
+        workload="multi-tenant",
+        tenants=args.tenants,
+        tenant_api_keys=None,
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        system_prompt_tokens=args.system_prompt_tokens,
+        output_tokens=args.output_tokens,
+        turns=1,
+        turn_tokens=0,
+        ignore_eos=True,
+        timeout=1200.0,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    log_dir = args.log_dir or args.output_dir
+    os.makedirs(log_dir, exist_ok=True)
+    runs: dict[str, list[dict]] = {r: [] for r in routers}
+    for round_index in range(args.rounds):
+        order = routers if round_index % 2 == 0 else routers[::-1]
+        for router in order:
+            log_path = os.path.join(log_dir, f"routing_{router}_round{round_index}.log")
+            with _server(router, args, log_path) as url:
+                summary = asyncio.run(run_async(_client_args(url, args)))
+            if summary["num_errors"]:
+                raise SystemExit(f"prefixkv bench routing: {router}: {summary['errors']}; see {log_path}")
+            row = {
+                "round": round_index,
+                "hit_rate": summary["cached_fraction"],
+                "ttft_p50_ms": summary["ttft_ms"]["p50"],
+                "ttft_p90_ms": summary["ttft_ms"]["p90"],
+                "output_tok_s": summary["output_throughput_tok_s"],
+                "duration_s": summary["duration_s"],
+            }
+            runs[router].append(row)
+            print(
+                f"round {round_index} {router}: hit rate {row['hit_rate']:.1%}, TTFT p50 {row['ttft_p50_ms']:.0f} ms "
+                f"p90 {row['ttft_p90_ms']:.0f} ms, {row['output_tok_s']:.1f} output tok/s"
+            )
+    medians = {
+        r: {
+            k: statistics.median(x[k] for x in rows) for k in ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "output_tok_s")
+        }
+        for r, rows in runs.items()
+    }
+    base = medians[routers[0]]
+    print(f"\nmedians of {args.rounds} rounds; ratios against {routers[0]} (> 1: better)")
+    print(f"{'router':<14}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'out tok/s':>11}{'p90 ratio':>11}")
+    for r, m in medians.items():
+        print(
+            f"{r:<14}{m['hit_rate']:>10.1%}{m['ttft_p50_ms']:>13.0f}{m['ttft_p90_ms']:>13.0f}"
+            f"{m['output_tok_s']:>11.1f}{base['ttft_p90_ms'] / m['ttft_p90_ms']:>11.2f}"
+        )
+    config = {k: getattr(args, k) for k in ("replicas", "rounds", "tenants", "system_prompt_tokens", "num_requests")}
+    config.update(
+        concurrency=args.concurrency,
+        output_tokens=args.output_tokens,
+        kv_cache_tokens_per_replica=args.kv_cache_tokens,
+        dtype=args.dtype,
+        threads_per_replica=1,
+        command=" ".join(sys.argv),
+    )
+    return {"config": config, "routers": routers, "runs": runs, "medians": medians}
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    routers = results["routers"]
+    med = results["medians"]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(11, 3.6))
+    a.bar(routers, [med[r]["hit_rate"] for r in routers])
+    a.set_ylabel("prompt tokens served from cache")
+    a.set_ylim(0, 1)
+    x = range(len(routers))
+    b.bar([i - 0.2 for i in x], [med[r]["ttft_p50_ms"] / 1000 for r in routers], width=0.4, label="p50")
+    b.bar([i + 0.2 for i in x], [med[r]["ttft_p90_ms"] / 1000 for r in routers], width=0.4, label="p90")
+    b.set_xticks(list(x), routers)
+    b.set_ylabel("TTFT (s)")
+    b.legend()
+    c.bar(routers, [med[r]["output_tok_s"] for r in routers])
+    c.set_ylabel("output tok/s")
+    cfg = results["config"]
+    fig.suptitle(
+        f"serve --replicas {cfg['replicas']}: {cfg['tenants']} tenants x ~{cfg['system_prompt_tokens']}-token system "
+        f"prompts, {cfg['kv_cache_tokens_per_replica']}-token pool per replica (median of {cfg['rounds']} rounds)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
