@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> dict:
         kv_cache_tokens_per_replica=args.kv_cache_tokens,
         dtype=args.dtype,
         threads_per_replica=1,
-        command=" ".join(sys.argv),
+        command="prefixkv " + " ".join(sys.argv[1:]),
     )
     return {"config": config, "routers": routers, "runs": runs, "medians": medians}
 
