@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -220,7 +221,7 @@ from prefixkv.kvcache.offload.tier import TierManifest
 manifest = TierManifest(model_digest="ab" * 16, dtype="bfloat16", chunk_tokens=1024, bytes_per_token=512,
                         hash_algo="sha256")
 tier = DiskTier(sys.argv[1], 1 << 30, manifest)
-i = 0
+i = int(sys.argv[2])
 while True:
     tier.put(i.to_bytes(16, "big"), bytes([i % 251]) * manifest.payload_bytes)
     print(i, flush=True)
@@ -229,26 +230,32 @@ while True:
 
 
 def test_kill_9_mid_write_leaves_only_complete_entries(tmp_path):
-    """A writer SIGKILLed while it stores 512 KiB entries in a loop (almost all its time is spent writing): on
-    reopen every indexed entry verifies, no temp file is left, and the lock died with the process."""
+    """Writers SIGKILLed while they store 512 KiB entries in a loop (most of their time is spent writing; the
+    kill comes a few ms after an entry completed, so it mostly lands inside a write): on reopen every indexed
+    entry verifies, no temp file is left, and each lock died with its process."""
     manifest = TierManifest(
         model_digest="ab" * 16, dtype="bfloat16", chunk_tokens=1024, bytes_per_token=512, hash_algo="sha256"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    writer = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, env=env)
-    try:
-        assert writer.stdout is not None
-        for line in writer.stdout:
-            if int(line) >= 30:
-                break
-        os.kill(writer.pid, signal.SIGKILL)
-    finally:
-        writer.kill()
-        writer.wait(timeout=60)
+    for start in (0, 1000, 2000):  # three writers in turn; each one's open cleans up after the one before
+        command = [sys.executable, "-c", KILL_SCRIPT, str(tmp_path), str(start)]
+        writer = subprocess.Popen(command, stdout=subprocess.PIPE, env=env)
+        try:
+            assert writer.stdout is not None
+            for line in writer.stdout:
+                if int(line) >= start + 10:
+                    break
+            time.sleep(0.002 * (start // 1000 + 1))
+            os.kill(writer.pid, signal.SIGKILL)
+        finally:
+            writer.kill()
+            writer.wait(timeout=60)
+        entry_bytes = HEADER_BYTES + manifest.payload_bytes
+        assert all(p.stat().st_size == entry_bytes for p in entry_files(tmp_path))  # partial data: temp files only
     with DiskTier(tmp_path, 1 << 30, manifest) as tier:
         assert not list(tmp_path.rglob("*.tmp"))
-        assert tier.stats.entries >= 31 and tier.stats.corrupt == 0
-        for i in range(tier.stats.entries + 5):
+        assert tier.stats.entries >= 33 and tier.stats.corrupt == 0
+        for i in [start + j for start in (0, 1000, 2000) for j in range(200)]:
             got = tier.get(i.to_bytes(16, "big"))
             assert got is None or got == bytes([i % 251]) * manifest.payload_bytes
         assert tier.stats.hits == tier.stats.entries and tier.stats.corrupt == 0
