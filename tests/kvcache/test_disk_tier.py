@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import hashlib
 import os
 import shutil
@@ -60,18 +61,20 @@ def test_round_trip_contains_and_reopen(tmp_path):
         tier.put(key(1), payload(1))
         tier.put(key(2, 32), bytearray(payload(2)))  # 32-byte keys, any bytes-like payload
         tier.put(key(1), payload(1))  # already held: only touched
+        tier.put(key(3), memoryview(array.array("f", range(PAYLOAD // 4))))  # any C-contiguous buffer
+        assert tier.get(key(3)) == array.array("f", range(PAYLOAD // 4)).tobytes()
         assert tier.contains(key(1)) and tier.contains(key(2, 32))
         assert tier.get(key(1)) == payload(1) and tier.get(key(2, 32)) == payload(2)
-        assert (tier.stats.entries, tier.stats.bytes, tier.stats.hits, tier.stats.misses) == (2, 2 * PAYLOAD, 2, 1)
-        assert tier.stats.bytes_written == 2 * ENTRY and tier.stats.bytes_read == 2 * ENTRY
-        assert tier.describe()["state"] == "ready" and tier.describe()["used_bytes"] == 2 * ENTRY
+        assert (tier.stats.entries, tier.stats.bytes, tier.stats.hits, tier.stats.misses) == (3, 3 * PAYLOAD, 3, 1)
+        assert tier.stats.bytes_written == 3 * ENTRY and tier.stats.bytes_read == 3 * ENTRY
+        assert tier.describe()["state"] == "ready" and tier.describe()["used_bytes"] == 3 * ENTRY
     assert tier.describe()["state"] == "closed" and not tier.contains(key(1)) and tier.get(key(1)) is None
-    tier.put(key(3), payload(3))  # after close: nothing happens
-    assert entry_files(tmp_path) and not entry_file(tmp_path, key(3)).exists()
+    tier.put(key(4), payload(4))  # after close: nothing happens
+    assert entry_files(tmp_path) and not entry_file(tmp_path, key(4)).exists()
 
     with DiskTier(tmp_path, 1 << 20, MANIFEST) as again:
-        assert again.stats.entries == 2 and again.get(key(1)) == payload(1) and again.get(key(2, 32)) == payload(2)
-        assert not again.contains(key(3))
+        assert again.stats.entries == 3 and again.get(key(1)) == payload(1) and again.get(key(2, 32)) == payload(2)
+        assert not again.contains(key(4))
 
 
 def test_bad_payload_length_and_key_raise(tmp_path):
@@ -278,6 +281,18 @@ def test_capacity_keeps_the_most_recently_used(tmp_path):
     with DiskTier(tmp_path, 2 * ENTRY, MANIFEST) as tier:  # a smaller capacity evicts at open
         assert [tier.contains(key(i)) for i in (3, 4, 5)] == [True, False, True] and tier.stats.evicted == 1
     assert len(entry_files(tmp_path)) == 2
+
+
+def test_a_failed_write_is_logged_not_raised(tmp_path, caplog):
+    k = key(1)
+    with DiskTier(tmp_path, 1 << 20, MANIFEST) as tier:
+        (tmp_path / k.hex()[:2]).write_text("a file where the entry's folder should be")
+        tier.put(k, payload(1))
+        tier.put(k, payload(1))
+        assert caplog.text.count("an entry was not stored") == 1  # once per kind of error
+        assert not tier.contains(k) and tier.stats.entries == 0 and not list(tmp_path.rglob("*.tmp"))
+        tier.put(key(2), payload(2))
+        assert tier.get(key(2)) == payload(2)
 
 
 def test_payload_larger_than_capacity_is_not_stored(tmp_path, caplog):

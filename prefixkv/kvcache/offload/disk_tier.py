@@ -121,6 +121,10 @@ class DiskTier:
       disabled (holds nothing, stores nothing, never reads, writes, locks or deletes anything there).
     - Raises TierLockedError (with the holder's pid) if another DiskTier, in any process, has the directory open.
 
+    put stores best effort: a write that fails (a full disk) is logged (once per kind of error) and dropped, never
+    raised; only a caller's mistake (a payload of the wrong length, a key that is not 1 to 32 bytes) raises
+    ValueError.
+
     Thread-safe: one lock guards the index and the counters; the file I/O of get and put runs outside it, so a
     background writer does not stall the engine thread's contains/get. After close(), or when disabled, contains
     is False, get is None (a miss) and put does nothing.
@@ -141,6 +145,8 @@ class DiskTier:
     ) -> None:
         if on_mismatch not in ("refuse", "ignore"):
             raise ValueError(f"on_mismatch must be 'refuse' or 'ignore', not {on_mismatch!r}")
+        if manifest.payload_bytes <= 0:
+            raise ValueError(f"manifest.payload_bytes must be > 0 (chunk_tokens x bytes_per_token), not {manifest}")
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, not {capacity_bytes}")
         self.path = Path(path)
@@ -158,6 +164,7 @@ class DiskTier:
         self._clock = 0  # last mtime stamped (ns): stamps strictly increase, so mtimes order the entries exactly
         self._temp_serial = 0
         self._lock_file: int | None = None
+        self._write_errors: set[int | None] = set()  # errnos of failed writes already logged at warning level
 
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"KV tier directory {self.path} exists and is not a directory")
@@ -230,7 +237,7 @@ class DiskTier:
     def put(self, key: bytes, payload: bytes) -> None:
         if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
             raise ValueError(f"a tier key is 1 to {MAX_KEY_BYTES} bytes, got {key!r:.80}")
-        view = memoryview(payload)
+        view = memoryview(payload).cast("B")  # any C-contiguous buffer, as its bytes
         if view.nbytes != self.manifest.payload_bytes:
             raise ValueError(
                 f"payload is {view.nbytes} B; this tier stores exactly {self.manifest.payload_bytes} B per entry "
@@ -263,6 +270,9 @@ class DiskTier:
                 os.replace(temp, path)
                 self._index[key] = None
                 self._update_sizes()
+        except OSError as e:  # a full or failing disk: storing is best effort, the caller recomputes on a miss
+            _unlink(temp)
+            self._report_write_error(e)
         except BaseException:
             _unlink(temp)
             raise
@@ -430,6 +440,14 @@ class DiskTier:
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
+
+    def _report_write_error(self, error: OSError) -> None:
+        """Warn once per kind of error (a full disk would otherwise log every put), then at debug level."""
+        with self._lock:
+            first = error.errno not in self._write_errors
+            self._write_errors.add(error.errno)
+        level = logging.WARNING if first else logging.DEBUG
+        logger.log(level, "KV tier %s: an entry was not stored: %s", self.path, error)
 
     def _stamp(self, path: Path) -> None:
         """Set path's mtime to a time later than every stamp before it (best effort: recency is only a hint)."""
