@@ -248,6 +248,9 @@ def test_kill_9_mid_write_leaves_only_complete_entries(tmp_path):
             for line in writer.stdout:
                 if int(line) >= start + 10:
                     break
+            if start == 0:  # the lock holds across processes and names the holder
+                with pytest.raises(TierLockedError, match=f"pid {writer.pid}"):
+                    DiskTier(tmp_path, 1 << 30, manifest)
             time.sleep(0.002 * (start // 1000 + 1))
             os.kill(writer.pid, signal.SIGKILL)
         finally:
