@@ -206,7 +206,8 @@ class TieredKVCache(KVCacheManager):
         pool_part = min(state.pool_hit, num_cached_tokens)
         tier_part = num_cached_tokens - pool_part
         if tier_part > state.tier_hit:
-            raise ValueError(f"{num_cached_tokens} cached tokens asked, a lookup finds {state.pool_hit + state.tier_hit}")
+            found = state.pool_hit + state.tier_hit
+            raise ValueError(f"{num_cached_tokens} cached tokens asked, a lookup finds {found}")
         if not self.inner.allocate(request, num_new_tokens + tier_part, pool_part):
             return False
         self.tier_stats.pool_hit_tokens += pool_part
