@@ -335,4 +335,3 @@ class TieredKVCache(KVCacheManager):
             assert all(slot // self.page_size in pages for slot in load.slots), "a load into pages not its own"
         for save in self._saves:
             assert len(save.slots) == self.chunk_tokens, "a save of a partial chunk"
-
