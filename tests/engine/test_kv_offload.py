@@ -1,5 +1,6 @@
 """The KV offload tier on the real model (fp32, greedy): what comes back from the tier gives the same tokens as a
-recompute, across an eviction from the pool and across a restart of the engine.
+recompute, across an eviction from the pool and across a restart of the engine on a disk tier, and a damaged
+entry is recomputed, never served.
 
 Pages of 16 tokens, chunks of 32, a pool too small to hold two of the prompts: the second evicts the first.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixkv.engine.engine import Engine
+from prefixkv.kvcache.hashing import hash_prompt_blocks
 from prefixkv.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -35,7 +36,7 @@ def expected(new_llm):
 
 
 @pytest.mark.parametrize("kind", ["hash", "radix"])
-def test_outputs_are_identical_across_an_eviction_and_a_restart(new_llm, expected, kind):
+def test_outputs_are_identical_when_an_evicted_prompt_comes_back_from_the_tier(new_llm, expected, kind):
     llm = new_llm(prefix_cache=kind, **POOL, **TIER)
     engine = llm.llm_engine
     a, b = prompts(llm.get_tokenizer())
@@ -49,13 +50,25 @@ def test_outputs_are_identical_across_an_eviction_and_a_restart(new_llm, expecte
     assert stats.kv_tier_saved_chunks == 8 and 0 < stats.kv_pool_hit_tokens < 128  # the pool kept a's start
     engine.kv.check_invariants()
 
-    # a restart: a new engine (empty pool manager) on the same tier
-    engine.close()
-    again = Engine(engine.config, engine.runner, engine.tokenizer, engine.model_config, kv_tier=engine.kv_tier)
-    llm.llm_engine = again
-    for prompt, want in zip((b, a), expected[::-1]):
-        tokens, cached = run(llm, prompt)
-        assert tokens == want and cached == 128
-    assert again.get_stats().kv_tier_hit_tokens == 2 * 128
-    again.kv.check_invariants()
-    again.close()
+
+
+def test_a_restarted_engine_finds_its_prefixes_on_disk_and_never_serves_a_damaged_entry(new_llm, expected, tmp_path):
+    disk = dict(kv_offload_dir=str(tmp_path), kv_offload_size=16 << 20, kv_offload_chunk_tokens=32)
+    first = new_llm(prefix_cache="hash", **POOL, **disk)
+    a, _ = prompts(first.get_tokenizer())
+    assert run(first, a) == (expected[0], 0)
+    first.close()  # flushes the writer; releases the directory
+
+    restarted = new_llm(prefix_cache="radix", **POOL, **disk)  # chunk keys do not depend on the pool's cache kind
+    assert run(restarted, a) == (expected[0], 128)
+    assert restarted.llm_engine.get_stats().kv_tier_hit_tokens == 128
+    restarted.close()
+
+    entry = tmp_path / hash_prompt_blocks(a, 32)[1].hex()[:2] / hash_prompt_blocks(a, 32)[1].hex()
+    data = bytearray(entry.read_bytes())
+    data[-100] ^= 0xFF  # one flipped bit pattern inside chunk 1's payload
+    entry.write_bytes(bytes(data))
+    damaged = new_llm(prefix_cache="hash", **POOL, **disk)
+    assert run(damaged, a) == (expected[0], 32)  # chunk 0 only; chunk 1 recomputed (and stored again)
+    assert damaged.llm_engine.get_stats().kv_tier_corrupt == 1
+    damaged.close()
