@@ -325,6 +325,11 @@ class Engine:
             assert self.kv_tier is not None
             self.kv_tier.close()
 
+    def flush_kv_tier(self) -> None:
+        """Wait until every chunk saved so far is in the tier (a no-op without one)."""
+        if self._tier_writer is not None:
+            self._tier_writer.flush()
+
     def _load_from_tier(self) -> None:
         """Write the payloads the admissions of this step took from the tier into their pool slots."""
         assert self.tiered is not None
