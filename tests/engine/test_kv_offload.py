@@ -11,6 +11,7 @@ import pytest
 
 from prefixkv.kvcache.hashing import hash_prompt_blocks
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.server.metrics import ServerMetrics
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 POOL = dict(kv_cache_tokens=160, page_size=16, max_num_batched_tokens=512)  # 10 pages; a prompt takes 9
@@ -49,6 +50,11 @@ def test_outputs_are_identical_when_an_evicted_prompt_comes_back_from_the_tier(n
     assert stats.kv_tier == "host" and stats.kv_tier_hit_tokens > 0 and stats.kv_tier_loaded_bytes > 0
     assert stats.kv_tier_saved_chunks == 8 and 0 < stats.kv_pool_hit_tokens < 128  # the pool kept a's start
     engine.kv.check_invariants()
+    text = ServerMetrics(engine.model_name).render(stats).decode()
+    hits = 'prefixkv:kv_offload_hit_tokens_total{model_name="%s",tier="%s"} %d.0'
+    assert hits % (engine.model_name, "host", stats.kv_tier_hit_tokens) in text
+    assert hits % (engine.model_name, "pool", stats.kv_pool_hit_tokens) in text
+    assert f'prefixkv:kv_offload_entries{{model_name="{engine.model_name}",tier="host"}} 8.0' in text
 
 
 def test_a_restarted_engine_finds_its_prefixes_on_disk_and_never_serves_a_damaged_entry(new_llm, expected, tmp_path):
