@@ -17,6 +17,7 @@ BENCH_MODULES = [
     "page_size",
     "schedule_cost",
     "serve_client",
+    "kv_offload",
 ]
 
 
