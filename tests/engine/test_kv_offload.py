@@ -13,14 +13,14 @@ from prefixkv.kvcache.hashing import hash_prompt_blocks
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.metrics import ServerMetrics
 
-GREEDY = SamplingParams(temperature=0, max_tokens=4)
-POOL = dict(kv_cache_tokens=160, page_size=16, max_num_batched_tokens=512)  # 10 pages; a prompt takes 9
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
+POOL = dict(kv_cache_tokens=128, page_size=16, max_num_batched_tokens=512)  # 8 pages; a prompt takes 7
 TIER = dict(kv_offload_host_size=64 << 20, kv_offload_chunk_tokens=32)
 
 
 def prompts(tok) -> tuple[list[int], list[int]]:
-    a = tok.encode("You are a careful assistant for a bicycle shop. Answer briefly and politely. " * 9)[:136]
-    b = tok.encode("The history of the printing press begins in Mainz, around the year 1450. " * 9)[:136]
+    a = tok.encode("You are a careful assistant for a bicycle shop. Answer briefly and politely. " * 9)[:100]
+    b = tok.encode("The history of the printing press begins in Mainz, around the year 1450. " * 9)[:100]
     return a, b
 
 
@@ -45,16 +45,16 @@ def test_outputs_are_identical_when_an_evicted_prompt_comes_back_from_the_tier(n
     assert run(llm, b) == (expected[1], 0)  # evicts a from the pool
     engine.flush_kv_tier()  # the writer thread may still hold a's last chunks
     tokens, cached = run(llm, a)
-    assert tokens == expected[0] and cached == 128  # every full chunk below a's last token
+    assert tokens == expected[0] and cached == 96  # every full chunk below a's last token
     stats = engine.get_stats()
     assert stats.kv_tier == "host" and stats.kv_tier_hit_tokens > 0 and stats.kv_tier_loaded_bytes > 0
-    assert stats.kv_tier_saved_chunks == 8 and 0 < stats.kv_pool_hit_tokens < 128  # the pool kept a's start
+    assert stats.kv_tier_saved_chunks == 6 and 0 < stats.kv_pool_hit_tokens < 96  # the pool kept a's start
     engine.kv.check_invariants()
     text = ServerMetrics(engine.model_name).render(stats).decode()
     hits = 'prefixkv:kv_offload_hit_tokens_total{model_name="%s",tier="%s"} %d.0'
     assert hits % (engine.model_name, "host", stats.kv_tier_hit_tokens) in text
     assert hits % (engine.model_name, "pool", stats.kv_pool_hit_tokens) in text
-    assert f'prefixkv:kv_offload_entries{{model_name="{engine.model_name}",tier="host"}} 8.0' in text
+    assert f'prefixkv:kv_offload_entries{{model_name="{engine.model_name}",tier="host"}} 6.0' in text
 
 
 def test_a_restarted_engine_finds_its_prefixes_on_disk_and_never_serves_a_damaged_entry(new_llm, expected, tmp_path):
@@ -65,8 +65,8 @@ def test_a_restarted_engine_finds_its_prefixes_on_disk_and_never_serves_a_damage
     first.close()  # flushes the writer; releases the directory
 
     restarted = new_llm(prefix_cache="radix", **POOL, **disk)  # chunk keys do not depend on the pool's cache kind
-    assert run(restarted, a) == (expected[0], 128)
-    assert restarted.llm_engine.get_stats().kv_tier_hit_tokens == 128
+    assert run(restarted, a) == (expected[0], 96)
+    assert restarted.llm_engine.get_stats().kv_tier_hit_tokens == 96
     restarted.close()
 
     entry = tmp_path / hash_prompt_blocks(a, 32)[1].hex()[:2] / hash_prompt_blocks(a, 32)[1].hex()
