@@ -77,3 +77,10 @@ def test_a_restarted_engine_finds_its_prefixes_on_disk_and_never_serves_a_damage
     assert run(damaged, a) == (expected[0], 32)  # chunk 0 only; chunk 1 recomputed (and stored again)
     assert damaged.llm_engine.get_stats().kv_tier_corrupt == 1
     damaged.close()
+
+    other_chunks = {**disk, "kv_offload_chunk_tokens": 64}  # the directory's manifest says 32
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        new_llm(prefix_cache="hash", **POOL, **other_chunks)
+    ignored = new_llm(prefix_cache="hash", **POOL, **other_chunks, kv_offload_on_mismatch="ignore")
+    assert ignored.llm_engine.get_stats().kv_tier_entries == 0  # the directory's entries are never read
+    ignored.close()

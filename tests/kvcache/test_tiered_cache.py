@@ -176,3 +176,47 @@ def test_options_are_checked():
         TieredKVCache(inner, host_tier(), CHUNK, write_policy="write_back")
     with pytest.raises(ValueError, match="one chunk"):
         HostTier(10, MANIFEST)
+
+
+def test_the_writer_drops_saves_rather_than_stall_a_step():
+    import threading
+
+    from prefixkv.kvcache.offload.writer import TierWriter
+
+    release = threading.Event()
+
+    class SlowTier(HostTier):
+        def put(self, key, payload):
+            release.wait(10)  # a hang guard only
+            super().put(key, payload)
+
+    tier = SlowTier(64 * MANIFEST.payload_bytes, MANIFEST)
+    writer = TierWriter(tier, max_pending=2)
+    payload = bytes(MANIFEST.payload_bytes)
+    results = [writer.submit(bytes([i]) * 32, payload) for i in range(6)]  # one in put, two queued, the rest dropped
+    assert results.count(False) == writer.dropped >= 3
+    release.set()
+    writer.close()
+    assert writer.written == tier.stats.entries == 6 - writer.dropped and writer.failed == 0
+    assert not writer.submit(b"k" * 32, payload)  # closed: nothing more is stored
+
+
+def test_config_checks_the_offload_options():
+    from prefixkv.config import EngineConfig
+
+    with pytest.raises(ValueError, match="prefix cache"):
+        EngineConfig(prefix_cache="off", kv_offload_dir="/tmp/x")
+    with pytest.raises(ValueError, match="kv_offload_chunk_tokens"):
+        EngineConfig(page_size=16, kv_offload_host_size=1 << 20, kv_offload_chunk_tokens=40)
+    with pytest.raises(ValueError, match="kv_offload_size"):
+        EngineConfig(kv_offload_dir="/tmp/x", kv_offload_size=0)
+    with pytest.raises(ValueError, match="kv_offload_host_size"):
+        EngineConfig(kv_offload_host_size=-1)
+    with pytest.raises(ValueError, match="set one of them"):
+        EngineConfig(kv_offload_dir="/tmp/x", kv_offload_host_size=1 << 20)
+    with pytest.raises(ValueError, match="kv_offload_write_policy"):
+        EngineConfig(kv_offload_write_policy="write_back")
+    with pytest.raises(ValueError, match="kv_offload_on_mismatch"):
+        EngineConfig(kv_offload_on_mismatch="maybe")
+    assert EngineConfig(page_size=48).kv_offload is False  # chunk size only matters with a tier
+    assert EngineConfig(prefix_cache="radix", kv_offload_dir="/tmp/x").kv_offload
