@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from typing import Any
 
 from prefixkv import engine_args
 from prefixkv.bench import common
@@ -70,15 +71,15 @@ def run_restart(args: argparse.Namespace) -> dict:
             _warm_up(httpx, base, tokens(64))
             for system, (qa, qb, _) in zip(systems, questions):
                 for phase, q in (("cold", qa), ("warm_in_pool", qb)):
-                    ttft, hit = _ttft(httpx, base, system + q)
-                    phases[phase].append(ttft)
+                    seconds, hit = _ttft(httpx, base, system + q)
+                    phases[phase].append(seconds)
                     cached[phase].append(hit)
         with _server(flags, args.startup_timeout) as base:  # a new process: empty pool, same directory
             _warm_up(httpx, base, tokens(64))
             before = _metrics(httpx, base)
             for system, (_, _, qc) in zip(systems, questions):
-                ttft, hit = _ttft(httpx, base, system + qc)
-                phases["warm_after_restart"].append(ttft)
+                seconds, hit = _ttft(httpx, base, system + qc)
+                phases["warm_after_restart"].append(seconds)
                 cached["warm_after_restart"].append(hit)
             after = _metrics(httpx, base)
     finally:
@@ -245,6 +246,7 @@ def run_overflow(args: argparse.Namespace, llm_factory: common.LLMFactory | None
             tier_options.update(kv_offload_host_size=args.kv_offload_host_size or args.kv_offload_size)
         configs = {"pool only": {}, f"pool + {args.tier} tier": tier_options}
         runs = {}
+        llm: Any = None
         for label, options in configs.items():
             llm = factory(prefix_cache=on_mode, kv_cache_tokens=args.pool_tokens, **options)
             try:

@@ -16,5 +16,7 @@ def create_kv_tier(config: EngineConfig, manifest: TierManifest) -> KVTier | Non
     if config.kv_offload_dir is not None:
         from prefixkv.kvcache.offload.disk_tier import DiskTier
 
-        return DiskTier(config.kv_offload_dir, config.kv_offload_size, manifest, config.kv_offload_on_mismatch)
+        if config.kv_offload_on_mismatch == "ignore":  # the config has checked it is one of the two
+            return DiskTier(config.kv_offload_dir, config.kv_offload_size, manifest, "ignore")
+        return DiskTier(config.kv_offload_dir, config.kv_offload_size, manifest, "refuse")
     return None
