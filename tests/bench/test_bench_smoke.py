@@ -244,20 +244,3 @@ def test_reference_figures_agree_with_readme():
     quoted = [float(x) for m in re.finditer(r"reference: ([\d.]+)(?: / ([\d.]+))?", readme) for x in m.groups() if x]
     assert quoted, "README quotes no reference figure"
     assert set(quoted) <= set(common.REFERENCE.values()), quoted
-
-
-def test_overflow(new_llm):
-    """3 system prompts of 32 tokens against a 64-token pool (1.5x): the pool alone keeps at most one of them, the
-    tier serves every one again in the second round."""
-    from prefixkv.bench import kv_offload
-
-    argv = ["overflow", "--pool-tokens", "64", "--working-set", "1.5", "--system-tokens", "32"]
-    argv += ["--question-tokens", "4", "--rounds", "2", "--kv-offload-chunk-tokens", "16", "--tier", "host"]
-    args = parse(kv_offload, argv)
-    res = kv_offload.run_overflow(args, llm_factory=lambda **options: new_llm(max_num_batched_tokens=BUDGET, **options))
-    json.dumps(res)
-    pool, tier = res["runs"]["pool only"], res["runs"]["pool + host tier"]
-    assert res["config"]["num_system_prompts"] == 3 and pool["prompt_tokens"] == tier["prompt_tokens"] == 3 * 36
-    assert pool["tier_hit_tokens"] == 0 and pool["cached_tokens"] <= 32  # one prompt at most is still in the pool
-    assert tier["cached_tokens"] == 3 * 32 and tier["tier_hit_tokens"] >= 2 * 32
-    assert finite_positive(tier["ttft_s"]["median"])

@@ -13,7 +13,7 @@ from prefixkv.kvcache.hashing import hash_prompt_blocks
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.metrics import ServerMetrics
 
-GREEDY = SamplingParams(temperature=0, max_tokens=3)
+GREEDY = SamplingParams(temperature=0, max_tokens=2)
 POOL = dict(kv_cache_tokens=128, page_size=16, max_num_batched_tokens=512)  # 8 pages; a prompt takes 7
 TIER = dict(kv_offload_host_size=64 << 20, kv_offload_chunk_tokens=32)
 
