@@ -154,16 +154,27 @@ def test_staging_is_bounded_and_waiting_lookups_do_not_reread():
     FakeEngine("hash", 8, tier).run(make_request(PROMPT_A))
     eng = FakeEngine("hash", 8, tier, max_staged_bytes=2 * MANIFEST.payload_bytes)
     waiting = make_request(PROMPT_A)
-    assert eng.kv.lookup(waiting) == 64  # two chunks fit the staging bound
-    reads = tier.stats.hits
-    assert eng.kv.lookup(waiting) == 64 and tier.stats.hits == reads  # staged: not read again
+    assert eng.kv.lookup(waiting) == 96  # two chunks read and staged, the third promised unread (staging full)
+    assert tier.stats.hits == 2
     other = make_request(PROMPT_A + [7])
-    assert eng.kv.lookup(other) == 64  # takes the staging space of the request looked up longest ago
+    assert eng.kv.lookup(waiting) == 96 and eng.kv.lookup(other) == 96 and tier.stats.hits == 2  # no re-reads
     eng.kv.check_invariants()
     eng.kv.free(waiting)
     eng.kv.free(other)
     assert eng.kv._staged_bytes == 0
-    assert eng.run(make_request(PROMPT_A)) == 64
+    assert eng.run(make_request(PROMPT_A)) == 96  # the unstaged chunk is read at admission
+
+
+def test_a_chunk_promised_unread_that_fails_at_admission_is_recomputed():
+    tier = _DamagingTier(64 * MANIFEST.payload_bytes, MANIFEST)
+    first = FakeEngine("hash", 8, tier)
+    first.run(make_request(PROMPT_A))
+    tier.bad = first.kv._chunk_keys(first.kv._state(make_request(PROMPT_A)), 3)[2]
+    eng = FakeEngine("radix", 8, tier, max_staged_bytes=MANIFEST.payload_bytes)
+    req = make_request(PROMPT_A)
+    assert eng.kv.lookup(req) == 96  # chunk 0 verified; chunks 1 and 2 promised unread
+    assert eng.run(req) == 64  # admission refused once (chunk 2 failed), then the hit ends before chunk 2
+    assert eng.kv.tier_stats.failed_reads == 1
 
 
 def test_options_are_checked():

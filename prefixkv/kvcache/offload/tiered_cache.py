@@ -10,16 +10,19 @@ touches a tensor.
 Units: a tier entry is one chunk of chunk_tokens tokens (a multiple of the page size), keyed by hashing.py's
 chain over chunks, so the key names the whole prefix with its salt, adapter and multimodal inputs: one tenant's
 lookup can never find another's chunk. A chunk is read and verified (tier.get) during lookup, before any token of
-it is promised; one that fails verification ends the hit there and is recomputed.
+it is promised, into a per-request staging memo (bounded; dropped at admission or free()), so lookups of a waiting
+request (every step, by every policy's ordering) read it once. With staging full, a chunk the tier holds is
+promised unread and verified at admission; if it fails then, the admission is refused with nothing taken (as when
+pages are short) and the next lookup stops before it. Either way a chunk that fails verification ends the hit
+there and is recomputed, never served.
 
 Write policy: write-through. After each step, every newly completed full chunk the tier does not hold yet is
-saved. (Write-back, saving only what the pool evicts, is not implemented: see the module's report.)
+saved. (Write-back, saving only what the pool evicts, is not implemented.)
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -72,6 +75,7 @@ class _TierState:
     request: Request
     keys: list[bytes] = field(default_factory=list)  # chunk chain keys (token ids only grow: they stay valid)
     staged: dict[int, bytes] = field(default_factory=dict)  # chunk index -> verified payload, until admission
+    bad_from: int = 1 << 62  # first chunk that failed verification: no hit reaches it
     pool_hit: int = 0  # the last lookup's split of its answer
     tier_hit: int = 0
     loaded_chunks: range = range(0)  # chunks that came from the tier at admission: never saved back
@@ -120,7 +124,7 @@ class TieredKVCache(KVCacheManager):
         self.max_staged_bytes = max_staged_bytes
         self.tier_stats = TierHitStats()
         self._hash_fn = HASH_FUNCTIONS[hash_algo]
-        self._states: OrderedDict[str, _TierState] = OrderedDict()  # by request id; last looked up last
+        self._states: dict[str, _TierState] = {}  # by request id
         self._staged_bytes = 0
         self._loads: list[LoadOp] = []
         self._saves: list[SaveOp] = []
@@ -132,8 +136,6 @@ class TieredKVCache(KVCacheManager):
             if state is not None:
                 self._unstage(state)
             state = self._states[request.request_id] = _TierState(request)
-        else:
-            self._states.move_to_end(request.request_id)
         return state
 
     def _chunk_keys(self, state: _TierState, num_chunks: int) -> list[bytes]:
@@ -149,34 +151,48 @@ class TieredKVCache(KVCacheManager):
         for c in [c for c in state.staged if below is None or c < below]:
             self._staged_bytes -= len(state.staged.pop(c))
 
-    def _make_room(self, state: _TierState, size: int) -> bool:
-        """Free staging space for `size` more bytes, dropping other waiting requests' staged payloads (least
-        recently looked up first; they are read again if still wanted). False if even that is not enough."""
-        for other in list(self._states.values()):
-            if self._staged_bytes + size <= self.max_staged_bytes:
-                break
-            if other is not state:
-                self._unstage(other)
-        return self._staged_bytes + size <= self.max_staged_bytes
-
-    def _read_chunk(self, state: _TierState, index: int) -> bool:
-        """Stage chunk `index` from the tier, verified. False (nothing staged) when the tier lacks it, cannot
-        give it back intact, or staging is full."""
+    def _probe(self, state: _TierState, index: int) -> bool:
+        """Whether chunk `index` can be promised. While staging has room it is read and verified now (and staged,
+        so later lookups of the waiting request read nothing); with staging full, the tier holding it is enough
+        and admission verifies it (_take_payloads). False when the tier lacks it or it failed verification."""
         key = self._chunk_keys(state, index + 1)[index]
         if not self.tier.contains(key):
             return False
         size = self.tier.manifest.payload_bytes
-        if not self._make_room(state, size):
-            return False
-        started = time.perf_counter()
-        payload = self.tier.get(key)
-        self.tier_stats.read_seconds += time.perf_counter() - started
-        if payload is None or len(payload) != size:
-            self.tier_stats.failed_reads += 1
+        if self._staged_bytes + size > self.max_staged_bytes:
+            return True
+        payload = self._read(key)
+        if payload is None:
+            state.bad_from = index
             return False
         state.staged[index] = payload
         self._staged_bytes += size
         return True
+
+    def _read(self, key: bytes) -> bytes | None:
+        """The verified payload under key (None, counted, when the tier cannot give it back intact)."""
+        started = time.perf_counter()
+        payload = self.tier.get(key)
+        self.tier_stats.read_seconds += time.perf_counter() - started
+        if payload is None or len(payload) != self.tier.manifest.payload_bytes:
+            self.tier_stats.failed_reads += 1
+            return None
+        return payload
+
+    def _take_payloads(self, state: _TierState, chunks: range) -> dict[int, bytes] | None:
+        """The payloads of these chunks: staged ones, the others read and verified now. None when one fails (the
+        hit then ends before it at the next lookup)."""
+        payloads = {}
+        keys = self._chunk_keys(state, chunks.stop)
+        for index in chunks:
+            payload = state.staged.get(index)
+            if payload is None:
+                payload = self._read(keys[index])
+            if payload is None:
+                state.bad_from = index
+                return None
+            payloads[index] = payload
+        return payloads
 
     # -- the protocol ----------------------------------------------------------------------------------------
     def lookup(self, request: Request) -> int:
@@ -189,7 +205,7 @@ class TieredKVCache(KVCacheManager):
         self._unstage(state, below=first)  # chunks the pool now covers whole
         end = first
         max_chunks = (request.num_tokens - 1) // c
-        while end < max_chunks and (end in state.staged or self._read_chunk(state, end)):
+        while end < min(max_chunks, state.bad_from) and (end in state.staged or self._probe(state, end)):
             end += 1
         state.pool_hit, state.tier_hit = pool_hit, max(0, end * c - pool_hit)
         return pool_hit + state.tier_hit
@@ -208,16 +224,20 @@ class TieredKVCache(KVCacheManager):
         if tier_part > state.tier_hit:
             found = state.pool_hit + state.tier_hit
             raise ValueError(f"{num_cached_tokens} cached tokens asked, a lookup finds {found}")
+        chunks = range(pool_part // self.chunk_tokens, -(-num_cached_tokens // self.chunk_tokens))
+        payloads = self._take_payloads(state, chunks) if tier_part else {}
+        if payloads is None:  # a chunk promised unread failed verification: nothing taken, the next lookup stops
+            return False  # before it (the scheduler retries next step, as when pages are short)
         if not self.inner.allocate(request, num_new_tokens + tier_part, pool_part):
             return False
         self.tier_stats.pool_hit_tokens += pool_part
         if tier_part:
-            self._queue_loads(state, request, pool_part, num_cached_tokens)
-        state.loaded_chunks = range(pool_part // self.chunk_tokens, -(-num_cached_tokens // self.chunk_tokens))
+            self._queue_loads(payloads, request, pool_part, num_cached_tokens)
+        state.loaded_chunks = chunks
         self._unstage(state)
         return True
 
-    def _queue_loads(self, state: _TierState, request: Request, start: int, end: int) -> None:
+    def _queue_loads(self, payloads: dict[int, bytes], request: Request, start: int, end: int) -> None:
         c, ps = self.chunk_tokens, self.page_size
         pages = self.inner.page_table(request)
         pos = start
@@ -225,7 +245,7 @@ class TieredKVCache(KVCacheManager):
             index = pos // c
             stop = min((index + 1) * c, end)
             slots = [pages[p // ps] * ps + p % ps for p in range(pos, stop)]
-            self._loads.append(LoadOp(request, slots, state.staged[index], pos - index * c))
+            self._loads.append(LoadOp(request, slots, payloads[index], pos - index * c))
             self.tier_stats.loaded_chunks += 1
             self.tier_stats.loaded_bytes += (stop - pos) * self.tier.manifest.bytes_per_token
             pos = stop
