@@ -17,7 +17,7 @@ EVICTIONS = ("lru", "lfu", "cost")  # the policies of prefixkv/kvcache/eviction.
 DTYPES = ("float32", "bfloat16", "float16")
 KV_EVENTS_FORMATS = ("vllm", "array")  # prefixkv/kv_events/wire.py's layouts
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
-KV_OFFLOAD_WRITE_POLICIES = ("write_through",)  # prefixkv/kvcache/offload/tiered_cache.py
+KV_OFFLOAD_WRITE_POLICIES = ("write_through", "write_back")  # prefixkv/kvcache/offload/tiered_cache.py
 KV_OFFLOAD_ON_MISMATCH = ("refuse", "ignore")
 DEFAULT_KV_OFFLOAD_SIZE = 8 << 30
 
@@ -100,7 +100,10 @@ class EngineConfig:
     )
     kv_offload_chunk_tokens: int = _option(256, "tokens per tier entry (a multiple of page_size)")
     kv_offload_write_policy: str = _option(
-        "write_through", "when chunks go into the tier: as soon as they are computed", KV_OFFLOAD_WRITE_POLICIES
+        "write_through",
+        "when chunks go into the tier: as soon as they are computed (write_through), or when the pool evicts them "
+        "and at shutdown (write_back: fewer writes, but a crash loses what only the pool held)",
+        KV_OFFLOAD_WRITE_POLICIES,
     )
     kv_offload_on_mismatch: str = _option(
         "refuse",

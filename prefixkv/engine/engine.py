@@ -321,6 +321,9 @@ class Engine:
             self.kv_events.close()
             self.kv_events = None
         if self._tier_writer is not None and not self._tier_writer.closed:
+            assert self.tiered is not None
+            self.tiered.save_all_pending()  # write_back: what only the pool holds
+            self._save_to_tier()
             self._tier_writer.close()
             assert self.kv_tier is not None
             self.kv_tier.close()
@@ -371,6 +374,7 @@ class Engine:
                 )
             )
         if self.tiered is not None:
+            self._save_to_tier()  # write_back: chunks whose pages this step's allocations reuse, before they change
             self._load_from_tier()
         started = time.perf_counter()
         samples = self.runner.execute(items)

@@ -36,9 +36,9 @@ def expected(new_llm):
     return run(llm, a)[0], run(llm, b)[0]
 
 
-@pytest.mark.parametrize("kind", ["hash", "radix"])
-def test_outputs_are_identical_when_an_evicted_prompt_comes_back_from_the_tier(new_llm, expected, kind):
-    llm = new_llm(prefix_cache=kind, **POOL, **TIER)
+@pytest.mark.parametrize("kind, write_policy", [("hash", "write_through"), ("radix", "write_back")])
+def test_outputs_are_identical_when_an_evicted_prompt_comes_back_from_the_tier(new_llm, expected, kind, write_policy):
+    llm = new_llm(prefix_cache=kind, **POOL, **TIER, kv_offload_write_policy=write_policy)
     engine = llm.llm_engine
     a, b = prompts(llm.get_tokenizer())
     assert run(llm, a) == (expected[0], 0)
@@ -48,21 +48,25 @@ def test_outputs_are_identical_when_an_evicted_prompt_comes_back_from_the_tier(n
     assert tokens == expected[0] and cached == 96  # every full chunk below a's last token
     stats = engine.get_stats()
     assert stats.kv_tier == "host" and stats.kv_tier_hit_tokens > 0 and stats.kv_tier_loaded_bytes > 0
-    assert stats.kv_tier_saved_chunks == 6 and 0 < stats.kv_pool_hit_tokens < 96  # the pool kept a's start
+    # a's and b's 3 chunks; write_back saved a's when b evicted them, b's when a came back and evicted b
+    assert stats.kv_tier_saved_chunks == 6
+    assert 0 < stats.kv_pool_hit_tokens < 96  # the pool kept a's start
     engine.kv.check_invariants()
     text = ServerMetrics(engine.model_name).render(stats).decode()
     hits = 'prefixkv:kv_offload_hit_tokens_total{model_name="%s",tier="%s"} %d.0'
     assert hits % (engine.model_name, "host", stats.kv_tier_hit_tokens) in text
     assert hits % (engine.model_name, "pool", stats.kv_pool_hit_tokens) in text
-    assert f'prefixkv:kv_offload_entries{{model_name="{engine.model_name}",tier="host"}} 6.0' in text
+    entries = stats.kv_tier_saved_chunks
+    assert f'prefixkv:kv_offload_entries{{model_name="{engine.model_name}",tier="host"}} {entries}.0' in text
 
 
 def test_a_restarted_engine_finds_its_prefixes_on_disk_and_never_serves_a_damaged_entry(new_llm, expected, tmp_path):
     disk = dict(kv_offload_dir=str(tmp_path), kv_offload_size=16 << 20, kv_offload_chunk_tokens=32)
-    first = new_llm(prefix_cache="hash", **POOL, **disk)
+    first = new_llm(prefix_cache="hash", **POOL, **disk, kv_offload_write_policy="write_back")
     a, _ = prompts(first.get_tokenizer())
     assert run(first, a) == (expected[0], 0)
-    first.close()  # flushes the writer; releases the directory
+    assert first.llm_engine.get_stats().kv_tier_entries == 0  # write_back: nothing evicted, nothing written yet
+    first.close()  # saves what only the pool holds, flushes the writer, releases the directory
 
     restarted = new_llm(prefix_cache="radix", **POOL, **disk)  # chunk keys do not depend on the pool's cache kind
     assert run(restarted, a) == (expected[0], 96)

@@ -33,10 +33,12 @@ def kv_of(req, pos: int) -> bytes:
 
 
 class FakeEngine:
-    def __init__(self, kind: str, num_pages: int, tier, max_staged_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self, kind: str, num_pages: int, tier, max_staged_bytes: int = 1 << 20, write_policy: str = "write_through"
+    ) -> None:
         config = EngineConfig(prefix_cache=kind, page_size=PAGE, kv_cache_tokens=num_pages * PAGE)
         inner = create_kv_cache_manager(kind, num_pages, PAGE)
-        self.kv = TieredKVCache(inner, tier, CHUNK, "sha256", max_staged_bytes=max_staged_bytes)
+        self.kv = TieredKVCache(inner, tier, CHUNK, "sha256", write_policy, max_staged_bytes=max_staged_bytes)
         self.tier = tier
         self.scheduler = Scheduler(config, self.kv, create_policy(config))
         self.pool = [b""] * (num_pages * PAGE)
@@ -44,8 +46,13 @@ class FakeEngine:
     def slot(self, req, pos: int) -> int:
         return self.kv.page_table(req)[pos // PAGE] * PAGE + pos % PAGE
 
+    def save(self) -> None:
+        for save in self.kv.drain_saves():
+            self.tier.put(save.key, b"".join(self.pool[s] for s in save.slots))
+
     def step(self) -> None:
         out = self.scheduler.schedule()
+        self.save()  # write_back: what this step's allocations evict, before anything overwrites it
         for load in self.kv.drain_loads():
             for i, slot in enumerate(load.slots):
                 t = load.first_token + i
@@ -60,8 +67,7 @@ class FakeEngine:
             done = start + n == req.num_tokens
             sampled.append(sum(req.token_ids) % 1000 if done else None)
         self.scheduler.update(out, sampled)
-        for save in self.kv.drain_saves():
-            self.tier.put(save.key, b"".join(self.pool[s] for s in save.slots))
+        self.save()
         for req, _ in out.scheduled:
             if req.num_output_tokens >= req.max_tokens:
                 self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
@@ -106,6 +112,20 @@ def test_a_hit_can_start_in_the_pool_and_go_on_in_the_tier(kind):
     again = make_request(PROMPT_A)
     assert eng.run(again) == 96
     assert eng.kv.tier_stats.hit_tokens == 96 - pool_hit and eng.kv.tier_stats.pool_hit_tokens >= pool_hit
+
+
+@pytest.mark.parametrize("kind", ["hash", "radix"])
+def test_write_back_saves_a_chunk_when_its_pages_are_reused_and_the_rest_on_demand(kind):
+    eng = FakeEngine(kind, num_pages=8, tier=host_tier(), write_policy="write_back")
+    eng.run(make_request(PROMPT_A))
+    assert eng.tier.stats.entries == 0  # nothing evicted yet: nothing written
+    eng.run(make_request(PROMPT_B))  # its allocation reuses a's pages: a's chunks are saved before it computes
+    assert eng.tier.stats.entries == 3
+    assert eng.run(make_request(PROMPT_A)) == 96  # the driver checked every loaded slot against a's KV
+    eng.kv.save_all_pending()  # as the engine does at close: b's chunks (and a's, if evicted again) go now
+    eng.save()
+    eng.kv.check_invariants()
+    assert eng.kv._unsaved == {} and FakeEngine(kind, 8, eng.tier).run(make_request(PROMPT_B)) == 96
 
 
 def test_a_new_cache_on_the_same_tier_is_warm_like_after_a_restart():
@@ -184,7 +204,7 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="prefix cache"):
         TieredKVCache(create_kv_cache_manager("off", 8, PAGE), host_tier(), CHUNK)
     with pytest.raises(ValueError, match="kv_offload_write_policy"):
-        TieredKVCache(inner, host_tier(), CHUNK, write_policy="write_back")
+        TieredKVCache(inner, host_tier(), CHUNK, write_policy="write_around")
     with pytest.raises(ValueError, match="one chunk"):
         HostTier(10, MANIFEST)
 
@@ -226,7 +246,7 @@ def test_config_checks_the_offload_options():
     with pytest.raises(ValueError, match="set one of them"):
         EngineConfig(kv_offload_dir="/tmp/x", kv_offload_host_size=1 << 20)
     with pytest.raises(ValueError, match="kv_offload_write_policy"):
-        EngineConfig(kv_offload_write_policy="write_back")
+        EngineConfig(kv_offload_write_policy="write_around")
     with pytest.raises(ValueError, match="kv_offload_on_mismatch"):
         EngineConfig(kv_offload_on_mismatch="maybe")
     assert EngineConfig(page_size=48).kv_offload is False  # chunk size only matters with a tier

@@ -16,8 +16,12 @@ promised unread and verified at admission; if it fails then, the admission is re
 pages are short) and the next lookup stops before it. Either way a chunk that fails verification ends the hit
 there and is recomputed, never served.
 
-Write policy: write-through. After each step, every newly completed full chunk the tier does not hold yet is
-saved. (Write-back, saving only what the pool evicts, is not implemented.)
+Write policies. write_through: after each step, every newly completed full chunk the tier does not hold yet is
+saved. write_back: such a chunk is only remembered (its pages), and saved when one of its pages is handed out
+again by an allocation, i.e. when the pool evicts it; the engine reads those saves right after scheduling, before
+any load or forward pass overwrites the pages (allocation is the only way a page is reused, and a reused page
+keeps its old KV until then). save_all_pending() hands over the rest (the engine does at close(), so a restart
+finds it).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.kvcache.offload.tier import KVTier
 from prefixkv.request import Request
 
-WRITE_POLICIES = ("write_through",)
+WRITE_POLICIES = ("write_through", "write_back")
 DEFAULT_STAGING_BYTES = 256 << 20
 
 
@@ -128,6 +132,9 @@ class TieredKVCache(KVCacheManager):
         self._staged_bytes = 0
         self._loads: list[LoadOp] = []
         self._saves: list[SaveOp] = []
+        # write_back: chunks computed but not in the tier (key -> their pool slots), and which page holds which
+        self._unsaved: dict[bytes, list[int]] = {}
+        self._unsaved_by_page: dict[int, bytes] = {}
 
     # -- per-request state ---------------------------------------------------------------------------------
     def _state(self, request: Request) -> _TierState:
@@ -214,7 +221,11 @@ class TieredKVCache(KVCacheManager):
         """At first admission, take the pool part of the hit from the inner cache and allocate the tier part as
         new tokens, then queue its loads (the inner cache keys those pages at commit, as if computed)."""
         if not num_cached_tokens:
-            return self.inner.allocate(request, num_new_tokens)
+            held = len(self.inner.page_table(request))
+            if not self.inner.allocate(request, num_new_tokens):
+                return False
+            self._pages_reused(self.inner.page_table(request)[held:])
+            return True
         state = self._states.get(request.request_id)
         if state is None or state.request is not request or state.pool_hit + state.tier_hit != num_cached_tokens:
             self.lookup(request)
@@ -230,6 +241,7 @@ class TieredKVCache(KVCacheManager):
             return False  # before it (the scheduler retries next step, as when pages are short)
         if not self.inner.allocate(request, num_new_tokens + tier_part, pool_part):
             return False
+        self._pages_reused(self.inner.page_table(request)[pool_part // self.page_size :])
         self.tier_stats.pool_hit_tokens += pool_part
         if tier_part:
             self._queue_loads(payloads, request, pool_part, num_cached_tokens)
@@ -265,12 +277,42 @@ class TieredKVCache(KVCacheManager):
         queued = {save.key for save in self._saves}
         for index in range(state.checked_chunks, full):
             key = keys[index]
-            if index in state.loaded_chunks or key in queued or self.tier.contains(key):
+            if index in state.loaded_chunks or key in queued or key in self._unsaved or self.tier.contains(key):
                 continue
             slots = [pages[p // ps] * ps + p % ps for p in range(index * c, (index + 1) * c)]
-            self._saves.append(SaveOp(key, slots))
-            self.tier_stats.saved_chunks += 1
+            if self.write_policy == "write_back":
+                self._unsaved[key] = slots
+                for page in pages[index * c // ps : (index + 1) * c // ps]:
+                    self._unsaved_by_page[page] = key
+            else:
+                self._save(key, slots)
         state.checked_chunks = full
+
+    def _save(self, key: bytes, slots: list[int]) -> None:
+        self._saves.append(SaveOp(key, slots))
+        self.tier_stats.saved_chunks += 1
+
+    def _pages_reused(self, pages: list[int]) -> None:
+        """write_back: pages an allocation just handed out will be overwritten: save the chunks they hold now."""
+        if not self._unsaved_by_page:
+            return
+        for page in pages:
+            key = self._unsaved_by_page.get(page)
+            if key is not None:
+                self._save_unsaved(key)
+
+    def _save_unsaved(self, key: bytes) -> None:
+        slots = self._unsaved.pop(key)
+        ps = self.page_size
+        for page in {slot // ps for slot in slots}:
+            if self._unsaved_by_page.get(page) == key:
+                del self._unsaved_by_page[page]
+        self._save(key, slots)
+
+    def save_all_pending(self) -> None:
+        """write_back: queue every chunk not saved yet (at shutdown: what the pool still holds goes to the tier)."""
+        for key in list(self._unsaved):
+            self._save_unsaved(key)
 
     def free(self, request: Request) -> None:
         self.inner.free(request)
@@ -286,7 +328,8 @@ class TieredKVCache(KVCacheManager):
         return loads
 
     def drain_saves(self) -> list[SaveOp]:
-        """Chunks to read out of the pool now, before the next step can overwrite their pages."""
+        """Chunks to read out of the pool now, before a load or a forward pass can overwrite their pages (after
+        scheduling, for write_back's evictions, and after each step)."""
         saves, self._saves = self._saves, []
         return saves
 
@@ -355,3 +398,6 @@ class TieredKVCache(KVCacheManager):
             assert all(slot // self.page_size in pages for slot in load.slots), "a load into pages not its own"
         for save in self._saves:
             assert len(save.slots) == self.chunk_tokens, "a save of a partial chunk"
+        for key, slots in self._unsaved.items():
+            assert all(self._unsaved_by_page.get(slot // self.page_size) == key for slot in slots), "unsaved pages"
+        assert set(self._unsaved_by_page.values()) <= set(self._unsaved), "a page of a chunk no longer unsaved"
