@@ -17,8 +17,14 @@ logger = logging.getLogger(__name__)
 _STOP = object()
 
 
+DEFAULT_PENDING_BYTES = 256 << 20
+
+
 class TierWriter:
-    def __init__(self, tier: KVTier, max_pending: int = 64) -> None:
+    def __init__(self, tier: KVTier, max_pending: int | None = None) -> None:
+        """max_pending: payloads queued at most (default: DEFAULT_PENDING_BYTES worth, a long prompt's chunks)."""
+        if max_pending is None:
+            max_pending = max(1, DEFAULT_PENDING_BYTES // max(1, tier.manifest.payload_bytes))
         self.tier = tier
         self.written = 0  # chunks put into the tier
         self.dropped = 0  # saves refused because the queue was full
