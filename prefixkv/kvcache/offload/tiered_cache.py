@@ -67,8 +67,8 @@ class TierHitStats:
     pool_hit_tokens: int = 0  # because the pool did
     loaded_chunks: int = 0
     loaded_bytes: int = 0  # payload bytes handed to the engine to write into the pool
-    read_seconds: float = 0.0  # reading and verifying payloads from the tier (during lookups)
-    failed_reads: int = 0  # chunks the tier claimed but could not give back verified: the hit ended there
+    read_seconds: float = 0.0  # reading and verifying payloads from the tier (in lookups and admissions)
+    failed_reads: int = 0  # chunks the tier held but could not give back verified: recomputed instead
     saved_chunks: int = 0  # chunks handed to the engine to save
 
 
@@ -83,7 +83,7 @@ class _TierState:
     pool_hit: int = 0  # the last lookup's split of its answer
     tier_hit: int = 0
     loaded_chunks: range = range(0)  # chunks that came from the tier at admission: never saved back
-    checked_chunks: int = 0  # leading full chunks already saved or found in the tier
+    checked_chunks: int = 0  # leading full chunks already saved, remembered to save, or found in the tier
 
 
 class TieredKVCache(KVCacheManager):
