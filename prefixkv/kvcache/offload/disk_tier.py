@@ -322,7 +322,8 @@ class DiskTier:
         advice = "use another KV offload directory, or delete this one to start it afresh"
         if on_mismatch == "refuse":
             raise TierMismatchError(
-                f"KV tier directory {self.path} does not hold KV for this server ({'; '.join(differences)}): {advice}"
+                f"KV tier directory {self.path} does not hold KV for this server ({'; '.join(differences)}; "
+                f"values: this server's != the directory's): {advice}"
             )
         self.disabled_reason = "; ".join(differences)
         logger.warning(
