@@ -344,8 +344,8 @@ class Engine:
             self._tier_write_seconds += time.perf_counter() - started
 
     def _save_to_tier(self) -> None:
-        """Read the chunks completed this step out of the pool now (the next step may reuse their pages) and hand
-        them to the writer thread (after close(), nothing more is stored)."""
+        """Read the chunks the cache asks to save out of the pool now, before a load or a forward pass can
+        overwrite their pages, and hand them to the writer thread (after close(), nothing more is stored)."""
         assert self.tiered is not None
         saves = self.tiered.drain_saves()
         if self._tier_writer is None or self._tier_writer.closed:
