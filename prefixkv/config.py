@@ -17,6 +17,9 @@ EVICTIONS = ("lru", "lfu", "cost")  # the policies of prefixkv/kvcache/eviction.
 DTYPES = ("float32", "bfloat16", "float16")
 KV_EVENTS_FORMATS = ("vllm", "array")  # prefixkv/kv_events/wire.py's layouts
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
+KV_OFFLOAD_WRITE_POLICIES = ("write_through", "write_back")  # prefixkv/kvcache/offload/tiered_cache.py
+KV_OFFLOAD_ON_MISMATCH = ("refuse", "ignore")
+DEFAULT_KV_OFFLOAD_SIZE = 8 << 30
 
 # vLLM's name -> ours, where the meaning is the same (enable_prefix_caching is resolved by hand: it is a bool)
 ALIASES = {"block_size": "page_size", "kv_cache_memory_bytes": "kv_cache_memory"}
@@ -84,6 +87,30 @@ class EngineConfig:
         "Ray Serve's KV event manager and Dynamo decode)",
         KV_EVENTS_FORMATS,
     )
+    kv_offload_dir: str | None = _option(
+        None,
+        "directory of a disk tier behind the prefix cache: KV chunks are stored there and loaded back on a later "
+        "hit instead of recomputed, also by a restarted server on the same model (default: no tier)",
+    )
+    kv_offload_size: int = _option(DEFAULT_KV_OFFLOAD_SIZE, "the disk tier's capacity in bytes (default 8 GiB)")
+    kv_offload_host_size: int | None = _option(
+        None,
+        "capacity in bytes of a host-RAM tier instead of a disk tier (for GPU deployments; nothing outlives the "
+        "process)",
+    )
+    kv_offload_chunk_tokens: int = _option(256, "tokens per tier entry (a multiple of page_size)")
+    kv_offload_write_policy: str = _option(
+        "write_through",
+        "when chunks go into the tier: as soon as they are computed (write_through), or when the pool evicts them "
+        "and at shutdown (write_back: fewer writes, but a crash loses what only the pool held)",
+        KV_OFFLOAD_WRITE_POLICIES,
+    )
+    kv_offload_on_mismatch: str = _option(
+        "refuse",
+        "a tier directory written for another model, dtype, chunk size or hash: refuse to start, or ignore its "
+        "entries (with a warning)",
+        KV_OFFLOAD_ON_MISMATCH,
+    )
     num_threads: int | None = _option(None, "torch CPU threads (default: all cores)")
     seed: int | None = _option(
         0,
@@ -126,10 +153,45 @@ class EngineConfig:
             self.page_size = 1 if self.prefix_cache == "radix" else 16
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        self._check_kv_offload()
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError(
                 f"kv_cache_tokens must hold at least one page ({self.page_size}), got {self.kv_cache_tokens}"
             )
+
+    @property
+    def kv_offload(self) -> bool:
+        """Whether a second KV tier (disk or host RAM) is configured."""
+        return self.kv_offload_dir is not None or self.kv_offload_host_size is not None
+
+    def _check_kv_offload(self) -> None:
+        if self.kv_offload_write_policy not in KV_OFFLOAD_WRITE_POLICIES:
+            raise ValueError(
+                f"kv_offload_write_policy must be one of {KV_OFFLOAD_WRITE_POLICIES}, "
+                f"got {self.kv_offload_write_policy!r}"
+            )
+        if self.kv_offload_on_mismatch not in KV_OFFLOAD_ON_MISMATCH:
+            raise ValueError(
+                f"kv_offload_on_mismatch must be one of {KV_OFFLOAD_ON_MISMATCH}, got {self.kv_offload_on_mismatch!r}"
+            )
+        if self.kv_offload_size <= 0:
+            raise ValueError(f"kv_offload_size must be > 0 bytes, got {self.kv_offload_size}")
+        if self.kv_offload_host_size is not None and self.kv_offload_host_size <= 0:
+            raise ValueError(f"kv_offload_host_size must be > 0 bytes, got {self.kv_offload_host_size}")
+        if self.kv_offload_dir is not None and self.kv_offload_host_size is not None:
+            raise ValueError("kv_offload_dir and kv_offload_host_size name two tiers; set one of them")
+        if self.kv_offload_dir == "":
+            raise ValueError("kv_offload_dir must be a directory path, got ''")
+        if not self.kv_offload:
+            return
+        assert self.page_size is not None
+        if self.kv_offload_chunk_tokens < 1 or self.kv_offload_chunk_tokens % self.page_size:
+            raise ValueError(
+                f"kv_offload_chunk_tokens must be a positive multiple of page_size={self.page_size}, "
+                f"got {self.kv_offload_chunk_tokens}"
+            )
+        if self.prefix_cache == "off":
+            raise ValueError("kv_offload_dir/kv_offload_host_size need a prefix cache (prefix_cache 'hash' or 'radix')")
 
     def kernel_overrides(self) -> dict[str, bool]:
         """kernel_options as {switch: on}; names are checked where the model's options are built."""

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.engine import Engine
+from prefixkv.kvcache.offload.factory import create_kv_tier
+from prefixkv.kvcache.offload.tier import TierManifest
 from prefixkv.model import loader
 from prefixkv.model.loader import LoadedModel
 from prefixkv.model.options import KernelOptions
@@ -59,7 +61,17 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
         time.perf_counter() - loaded_at,
         ", ".join(on) or "plain torch",
     )
-    return Engine(config, runner, loaded.tokenizer, loaded.config, loaded.name)
+    tier = None
+    if config.kv_offload:
+        manifest = TierManifest(
+            model_digest=loader.model_digest(runner.model),
+            dtype=config.dtype,
+            chunk_tokens=config.kv_offload_chunk_tokens,
+            bytes_per_token=ModelRunner.kv_bytes_per_token(loaded.config, config.dtype),
+            hash_algo=config.prefix_caching_hash_algo,
+        )
+        tier = create_kv_tier(config, manifest)
+    return Engine(config, runner, loaded.tokenizer, loaded.config, loaded.name, kv_tier=tier)
 
 
 class LLM:
@@ -134,7 +146,8 @@ class LLM:
         return self.llm_engine.render_cache_tree(max_depth, max_children)
 
     def close(self) -> None:
-        """Release the KV event sockets (with kv_events_endpoint set); generating afterwards publishes nothing."""
+        """Release the KV event sockets (with kv_events_endpoint set; generating afterwards publishes nothing) and
+        the KV offload tier (its queued writes are finished first; generating afterwards stores nothing)."""
         self.llm_engine.close()
 
     # -- internals -----------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ BENCH_MODULES = [
     "schedule_cost",
     "serve_client",
     "routing",
+    "kv_offload",
 ]
 
 

@@ -24,6 +24,10 @@ from prefixkv.engine.policy_factory import create_policy
 from prefixkv.engine.scheduler import Scheduler
 from prefixkv.kv_events.publisher import ZmqEventPublisher
 from prefixkv.kvcache.factory import create_kv_cache_manager
+from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.kvcache.offload.tier import KVTier
+from prefixkv.kvcache.offload.tiered_cache import TieredKVCache
+from prefixkv.kvcache.offload.writer import TierWriter
 from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from prefixkv.request import MultiModalHash, Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
@@ -37,6 +41,11 @@ class ModelExecutor(Protocol):
     page_size: int
 
     def execute(self, items: list[BatchItem]) -> Sequence[Sample | None]: ...
+
+    # used only with a KV offload tier: the pool's KV of some token slots as bytes, and back
+    def read_kv(self, slots: list[int]) -> bytes: ...
+
+    def write_kv(self, slots: list[int], payload: bytes, first_token: int = 0) -> None: ...
 
 
 class EngineTokenizer(Protocol):
@@ -96,9 +105,11 @@ class Engine:
         tokenizer: EngineTokenizer,
         model_config: ModelShape,
         model_name: str = "",
+        kv_tier: KVTier | None = None,
     ) -> None:
         """runner: a model runner over a pool of runner.num_pages pages of config.page_size tokens (the KV
-        manager gets the same pool); tokenizer and model_config: the model's."""
+        manager gets the same pool); tokenizer and model_config: the model's. kv_tier: a second tier behind the
+        prefix cache (built from config.kv_offload_*; the engine owns it from here and closes it in close())."""
         if runner.page_size != config.page_size:
             raise ValueError(f"the runner's page size {runner.page_size} differs from page_size={config.page_size}")
         self.config = config
@@ -109,9 +120,23 @@ class Engine:
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
-        self.kv = create_kv_cache_manager(
+        kv = create_kv_cache_manager(
             config.prefix_cache, runner.num_pages, runner.page_size, config.prefix_caching_hash_algo, config.eviction
         )
+        self.kv_tier = kv_tier
+        self.tiered: TieredKVCache | None = None  # the same object as self.kv when there is a tier
+        self._tier_writer: TierWriter | None = None
+        self._tier_write_seconds = 0.0  # loads copied into the pool (runner.write_kv)
+        if kv_tier is not None:
+            kv = self.tiered = TieredKVCache(
+                kv,
+                kv_tier,
+                config.kv_offload_chunk_tokens,
+                config.prefix_caching_hash_algo,
+                config.kv_offload_write_policy,
+            )
+            self._tier_writer = TierWriter(kv_tier)
+        self.kv: KVCacheManager = kv
         self.kv_events: ZmqEventPublisher | None = None
         if config.kv_events_endpoint is not None:
             self.kv.enable_events()
@@ -289,11 +314,44 @@ class Engine:
             self.kv_events.publish(events)
 
     def close(self) -> None:
-        """Stop publishing KV events (the engine itself holds nothing else to release)."""
+        """Stop publishing KV events; finish the queued tier writes and close the tier (a later engine on the
+        same directory, or the same host tier, finds what this one stored)."""
         if self.kv_events is not None:
             self._publish_kv_events()
             self.kv_events.close()
             self.kv_events = None
+        if self._tier_writer is not None and not self._tier_writer.closed:
+            assert self.tiered is not None
+            self.tiered.save_all_pending()  # write_back: what only the pool holds
+            self._save_to_tier()
+            self._tier_writer.close()
+            assert self.kv_tier is not None
+            self.kv_tier.close()
+
+    def flush_kv_tier(self) -> None:
+        """Wait until every chunk saved so far is in the tier (a no-op without one)."""
+        if self._tier_writer is not None:
+            self._tier_writer.flush()
+
+    def _load_from_tier(self) -> None:
+        """Write the payloads the admissions of this step took from the tier into their pool slots."""
+        assert self.tiered is not None
+        loads = self.tiered.drain_loads()
+        if loads:
+            started = time.perf_counter()
+            for load in loads:
+                self.runner.write_kv(load.slots, load.payload, load.first_token)
+            self._tier_write_seconds += time.perf_counter() - started
+
+    def _save_to_tier(self) -> None:
+        """Read the chunks the cache asks to save out of the pool now, before a load or a forward pass can
+        overwrite their pages, and hand them to the writer thread (after close(), nothing more is stored)."""
+        assert self.tiered is not None
+        saves = self.tiered.drain_saves()
+        if self._tier_writer is None or self._tier_writer.closed:
+            return
+        for save in saves:
+            self._tier_writer.submit(save.key, self.runner.read_kv(save.slots))
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._aborted_outputs = self._aborted_outputs, []
@@ -315,11 +373,16 @@ class Engine:
                     req.num_output_tokens,
                 )
             )
+        if self.tiered is not None:
+            self._save_to_tier()  # write_back: chunks whose pages this step's allocations reuse, before they change
+            self._load_from_tier()
         started = time.perf_counter()
         samples = self.runner.execute(items)
         self._model_seconds += time.perf_counter() - started
         self._computed_tokens += sched.num_batched_tokens
         self.scheduler.update(sched, [None if s is None else s.token_id for s in samples])
+        if self.tiered is not None:
+            self._save_to_tier()
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
         for (req, _), sample in zip(sched.scheduled, samples):
@@ -443,6 +506,26 @@ class Engine:
             prefix_cache_readmission_queries=kv.stats.readmission_queries,
             prefix_cache_readmission_hits=kv.stats.readmission_hits,
             num_cached_pages=kv.num_cached_pages(),
+            **self._tier_stats(),
+        )
+
+    def _tier_stats(self) -> dict:
+        if self.tiered is None or self.kv_tier is None:
+            return {}
+        hits, tier = self.tiered.tier_stats, self.kv_tier.stats
+        writer = self._tier_writer
+        return dict(
+            kv_tier=self.kv_tier.name,
+            kv_pool_hit_tokens=hits.pool_hit_tokens,
+            kv_tier_hit_tokens=hits.hit_tokens,
+            kv_tier_loaded_bytes=hits.loaded_bytes,
+            kv_tier_load_seconds=hits.read_seconds + self._tier_write_seconds,
+            kv_tier_entries=tier.entries,
+            kv_tier_bytes=tier.bytes,
+            kv_tier_capacity_bytes=self.kv_tier.capacity_bytes,
+            kv_tier_corrupt=tier.corrupt,
+            kv_tier_saved_chunks=writer.written if writer is not None else 0,
+            kv_tier_dropped_saves=writer.dropped if writer is not None else 0,
         )
 
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:

@@ -25,3 +25,15 @@ class EngineStats:
     prefix_cache_readmission_queries: int = 0
     prefix_cache_readmission_hits: int = 0
     num_cached_pages: int = 0  # pages a lookup can find (held by requests or not): what a router's index mirrors
+    # the KV offload tier (kv_tier None: none configured, the rest stays 0)
+    kv_tier: str | None = None  # "host" | "disk"
+    kv_pool_hit_tokens: int = 0  # tokens admitted as cached from the pool (re-admissions included)
+    kv_tier_hit_tokens: int = 0  # tokens admitted as cached from the tier, i.e. loaded instead of recomputed
+    kv_tier_loaded_bytes: int = 0
+    kv_tier_load_seconds: float = 0.0  # reading and verifying tier entries plus writing them into the pool
+    kv_tier_entries: int = 0
+    kv_tier_bytes: int = 0
+    kv_tier_capacity_bytes: int = 0
+    kv_tier_corrupt: int = 0  # entries found damaged and dropped (recomputed, never served)
+    kv_tier_saved_chunks: int = 0  # chunks stored into the tier
+    kv_tier_dropped_saves: int = 0  # chunks not stored because the writer's queue was full

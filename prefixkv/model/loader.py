@@ -92,6 +92,19 @@ def load_model(model: str | None = None, dtype: str = "float32", device: str = "
     return LoadedModel(build_model(config, state, torch_dtype, device), config, tokenizer, name)
 
 
+def model_digest(model: nn.Module) -> str:
+    """xxh3-128 (hex) over every parameter's name, dtype, shape and bytes, as the model is now (after the runner's
+    cast): what a KV tier's manifest names, so KV stored for other weights or another dtype is never read."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        digest.update(f"{name}|{param.dtype}|{tuple(param.shape)}|".encode())
+        flat = param.detach().contiguous().cpu().reshape(-1)
+        digest.update(flat.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
 def build_model(config: ModelConfig, state: dict, dtype: torch.dtype, device: str = "cpu") -> LlamaModel:
     """Construct (uninitialised parameters), then fill from the checkpoint."""
     model = LlamaModel(config)

@@ -7,6 +7,8 @@ packed weights) and the step planner (which attention path each row takes).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -69,6 +71,32 @@ class ModelRunner:
         """Bytes of K and V for one token across all layers (the engine sizes the pool from this)."""
         element = torch.empty((), dtype=parse_dtype(dtype)).element_size()
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+
+    # -- KV in and out of the pool (a second tier's loads and saves; the runner knows nothing of tiers) ---------
+    @torch.inference_mode()
+    def read_kv(self, slots: list[int]) -> bytes:
+        """K and V of these pool token slots, laid out [layers, 2, kv_heads, len(slots), head_dim], C-contiguous,
+        in the pool's dtype (bf16 travels as its raw bytes)."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        picked = self.kv_cache.index_select(3, index).contiguous().cpu()
+        return picked.view(-1).view(torch.uint8).numpy().tobytes()
+
+    @torch.inference_mode()
+    def write_kv(self, slots: list[int], payload: bytes, first_token: int = 0) -> None:
+        """Write tokens [first_token, first_token + len(slots)) of a payload in read_kv's layout (of any number
+        of tokens) into these pool token slots."""
+        c = self.config
+        element = self.kv_cache.element_size()
+        tokens = len(payload) // (2 * c.num_layers * c.num_kv_heads * c.head_dim * element)
+        if first_token < 0 or first_token + len(slots) > tokens:
+            raise ValueError(f"tokens [{first_token}, {first_token + len(slots)}) of a {tokens}-token payload")
+        with warnings.catch_warnings():  # read only here: frombuffer warns that bytes are immutable
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(payload, dtype=torch.uint8)
+        kv = raw.view(self.dtype).view(c.num_layers, 2, c.num_kv_heads, tokens, c.head_dim)
+        kv = kv[:, :, :, first_token : first_token + len(slots)].to(self.device)
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(3, index, kv)
 
     @torch.inference_mode()
     def execute(self, items: list[BatchItem]) -> list[Sample | None]:

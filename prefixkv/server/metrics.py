@@ -111,6 +111,50 @@ class _EngineStatsCollector:
         )
         yield counter("prefixkv:prompt_tokens", "Prompt tokens processed.", self._get("prompt_tokens_total"))
         yield counter("prefixkv:generation_tokens", "Tokens generated.", self._get("generation_tokens_total"))
+        tier = getattr(self.stats, "kv_tier", None)
+        if tier is not None:
+            yield from self._kv_offload(tier)
+
+    def _kv_offload(self, tier: str):
+        """The KV offload tier's series (only with a tier configured): hit tokens per tier ("pool", and the
+        tier's own name, "host" or "disk"), and the tier's traffic, fill and damage."""
+        labels, values = ["model_name", "tier"], [self.model_name, tier]
+        hits = CounterMetricFamily(
+            "prefixkv:kv_offload_hit_tokens",
+            "Tokens admitted as cached, by where their KV was: the pool, or the tier (loaded instead of recomputed).",
+            labels=labels,
+        )
+        hits.add_metric([self.model_name, "pool"], self._get("kv_pool_hit_tokens"))
+        hits.add_metric(values, self._get("kv_tier_hit_tokens"))
+        yield hits
+        for kind, name, doc, field in (
+            (CounterMetricFamily, "loaded_bytes", "KV bytes loaded into the pool.", "kv_tier_loaded_bytes"),
+            (
+                CounterMetricFamily,
+                "load_seconds",
+                "Seconds spent reading and verifying tier entries and writing them into the pool.",
+                "kv_tier_load_seconds",
+            ),
+            (CounterMetricFamily, "saved_chunks", "Chunks stored into the tier.", "kv_tier_saved_chunks"),
+            (
+                CounterMetricFamily,
+                "dropped_saves",
+                "Chunks not stored because the tier's writer was behind (recomputed if needed again).",
+                "kv_tier_dropped_saves",
+            ),
+            (
+                CounterMetricFamily,
+                "corrupt",
+                "Tier entries found damaged and dropped (recomputed, never served).",
+                "kv_tier_corrupt",
+            ),
+            (GaugeMetricFamily, "entries", "Chunks held by the tier.", "kv_tier_entries"),
+            (GaugeMetricFamily, "bytes", "KV payload bytes held by the tier.", "kv_tier_bytes"),
+            (GaugeMetricFamily, "capacity_bytes", "The tier's capacity in bytes.", "kv_tier_capacity_bytes"),
+        ):
+            family = kind(f"prefixkv:kv_offload_{name}", doc, labels=labels)
+            family.add_metric(values, self._get(field))
+            yield family
 
 
 class ServerMetrics:

@@ -1,0 +1,403 @@
+"""A prefix cache with a second tier behind it: what the pool has evicted (or a former process computed) is loaded
+back from the tier instead of recomputed.
+
+TieredKVCache wraps either prefix cache and speaks the same KVCacheManager protocol, so the scheduler is
+unchanged: a lookup answers the pool's hit plus the chunks the tier holds after it, and the scheduler counts all
+of it as cached. The copying itself is the engine's: each step it drains the loads (tier payloads to write into
+pool slots before the forward pass) and the saves (pool slots to read into the tier after it). This module never
+touches a tensor.
+
+Units: a tier entry is one chunk of chunk_tokens tokens (a multiple of the page size), keyed by hashing.py's
+chain over chunks, so the key names the whole prefix with its salt, adapter and multimodal inputs: one tenant's
+lookup can never find another's chunk. A chunk is read and verified (tier.get) during lookup, before any token of
+it is promised, into a per-request staging memo (bounded; dropped at admission or free()), so lookups of a waiting
+request (every step, by every policy's ordering) read it once. With staging full, a chunk the tier holds is
+promised unread and verified at admission; if it fails then, the admission is refused with nothing taken (as when
+pages are short) and the next lookup stops before it. Either way a chunk that fails verification ends the hit
+there and is recomputed, never served.
+
+Write policies. write_through: after each step, every newly completed full chunk the tier does not hold yet is
+saved. write_back: such a chunk is only remembered (its pages), and saved when one of its pages is handed out
+again by an allocation, i.e. when the pool evicts it; the engine reads those saves right after scheduling, before
+any load or forward pass overwrites the pages (allocation is the only way a page is reused, and a reused page
+keeps its old KV until then). save_all_pending() hands over the rest (the engine does at close(), so a restart
+finds it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+from prefixkv.kvcache.events import KVCacheEvent
+from prefixkv.kvcache.hashing import HASH_FUNCTIONS, extend_block_keys
+from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.kvcache.offload.tier import KVTier
+from prefixkv.request import Request
+
+WRITE_POLICIES = ("write_through", "write_back")
+DEFAULT_STAGING_BYTES = 256 << 20
+
+
+@dataclass(slots=True)
+class LoadOp:
+    """Write tokens [first_token, first_token + len(slots)) of a chunk payload into these pool token slots."""
+
+    request: Request
+    slots: list[int]
+    payload: bytes
+    first_token: int
+
+
+@dataclass(slots=True)
+class SaveOp:
+    """Read the chunk in these pool token slots (chunk_tokens of them, in position order) into the tier."""
+
+    key: bytes
+    slots: list[int]
+
+
+@dataclass(slots=True)
+class TierHitStats:
+    """What the tier saved the engine, for /metrics and benchmarks."""
+
+    # tokens admitted as cached, re-admissions after preemption included (PrefixCacheStats has first ones only)
+    hit_tokens: int = 0  # because the tier held them
+    pool_hit_tokens: int = 0  # because the pool did
+    loaded_chunks: int = 0
+    loaded_bytes: int = 0  # payload bytes handed to the engine to write into the pool
+    read_seconds: float = 0.0  # reading and verifying payloads from the tier (in lookups and admissions)
+    failed_reads: int = 0  # chunks the tier held but could not give back verified: recomputed instead
+    saved_chunks: int = 0  # chunks handed to the engine to save
+
+
+@dataclass(slots=True)
+class _TierState:
+    """What the tiered cache knows about one request, from its first lookup to free()."""
+
+    request: Request
+    keys: list[bytes] = field(default_factory=list)  # chunk chain keys (token ids only grow: they stay valid)
+    staged: dict[int, bytes] = field(default_factory=dict)  # chunk index -> verified payload, until admission
+    bad_from: int = 1 << 62  # first chunk that failed verification: no hit reaches it
+    pool_hit: int = 0  # the last lookup's split of its answer
+    tier_hit: int = 0
+    loaded_chunks: range = range(0)  # chunks that came from the tier at admission: never saved back
+    checked_chunks: int = 0  # leading full chunks already saved, remembered to save, or found in the tier
+
+
+class TieredKVCache(KVCacheManager):
+    """`inner` (a hash or radix prefix cache) plus `tier`. Everything but lookup, allocate, commit and free is
+    the inner cache's (pages, events, stats, views)."""
+
+    def __init__(
+        self,
+        inner: KVCacheManager,
+        tier: KVTier,
+        chunk_tokens: int = 256,
+        hash_algo: str = "sha256",
+        write_policy: str = "write_through",
+        max_staged_bytes: int = DEFAULT_STAGING_BYTES,
+    ) -> None:
+        if not inner.caching:
+            raise ValueError("a KV offload tier needs a prefix cache (prefix_cache 'hash' or 'radix', not 'off')")
+        if chunk_tokens < 1 or chunk_tokens % inner.page_size:
+            raise ValueError(
+                f"kv_offload_chunk_tokens must be a positive multiple of page_size={inner.page_size}, "
+                f"got {chunk_tokens}"
+            )
+        if hash_algo not in HASH_FUNCTIONS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_FUNCTIONS)}, got {hash_algo!r}")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"kv_offload_write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        if tier.manifest.chunk_tokens != chunk_tokens or tier.manifest.hash_algo != hash_algo:
+            raise ValueError(
+                f"the tier stores {tier.manifest.chunk_tokens}-token chunks keyed by {tier.manifest.hash_algo}, "
+                f"the cache asks for {chunk_tokens}-token chunks keyed by {hash_algo}"
+            )
+        # no super().__init__: the pool, its stats and its events are the inner cache's
+        self.inner = inner
+        self.tier = tier
+        self.name = inner.name
+        self.caching = True
+        self.num_pages, self.page_size = inner.num_pages, inner.page_size
+        self.stats = inner.stats
+        self.chunk_tokens = chunk_tokens
+        self.hash_algo = hash_algo
+        self.write_policy = write_policy
+        self.max_staged_bytes = max_staged_bytes
+        self.tier_stats = TierHitStats()
+        self._hash_fn = HASH_FUNCTIONS[hash_algo]
+        self._states: dict[str, _TierState] = {}  # by request id
+        self._staged_bytes = 0
+        self._loads: list[LoadOp] = []
+        self._saves: list[SaveOp] = []
+        # write_back: chunks computed but not in the tier (key -> their pool slots), and which page holds which
+        self._unsaved: dict[bytes, list[int]] = {}
+        self._unsaved_by_page: dict[int, bytes] = {}
+
+    # -- per-request state ---------------------------------------------------------------------------------
+    def _state(self, request: Request) -> _TierState:
+        state = self._states.get(request.request_id)
+        if state is None or state.request is not request:
+            if state is not None:
+                self._unstage(state)
+            state = self._states[request.request_id] = _TierState(request)
+        return state
+
+    def _chunk_keys(self, state: _TierState, num_chunks: int) -> list[bytes]:
+        if len(state.keys) >= num_chunks:
+            return state.keys
+        r = state.request
+        return extend_block_keys(
+            state.keys, r.token_ids, self.chunk_tokens, num_chunks, self._hash_fn, r.lora_id, r.cache_salt, r.mm_hashes
+        )
+
+    def _unstage(self, state: _TierState, below: int | None = None) -> None:
+        """Drop the request's staged payloads (only those of chunks below `below`, when given)."""
+        for c in [c for c in state.staged if below is None or c < below]:
+            self._staged_bytes -= len(state.staged.pop(c))
+
+    def _probe(self, state: _TierState, index: int) -> bool:
+        """Whether chunk `index` can be promised. While staging has room it is read and verified now (and staged,
+        so later lookups of the waiting request read nothing); with staging full, the tier holding it is enough
+        and admission verifies it (_take_payloads). False when the tier lacks it or it failed verification."""
+        key = self._chunk_keys(state, index + 1)[index]
+        if not self.tier.contains(key):
+            return False
+        size = self.tier.manifest.payload_bytes
+        if self._staged_bytes + size > self.max_staged_bytes:
+            return True
+        payload = self._read(key)
+        if payload is None:
+            state.bad_from = index
+            return False
+        state.staged[index] = payload
+        self._staged_bytes += size
+        return True
+
+    def _read(self, key: bytes) -> bytes | None:
+        """The verified payload under key (None, counted, when the tier cannot give it back intact)."""
+        started = time.perf_counter()
+        payload = self.tier.get(key)
+        self.tier_stats.read_seconds += time.perf_counter() - started
+        if payload is None or len(payload) != self.tier.manifest.payload_bytes:
+            self.tier_stats.failed_reads += 1
+            return None
+        return payload
+
+    def _take_payloads(self, state: _TierState, chunks: range) -> dict[int, bytes] | None:
+        """The payloads of these chunks: staged ones, the others read and verified now. None when one fails (the
+        hit then ends before it at the next lookup)."""
+        payloads = {}
+        keys = self._chunk_keys(state, chunks.stop)
+        for index in chunks:
+            payload = state.staged.get(index)
+            if payload is None:
+                payload = self._read(keys[index])
+            if payload is None:
+                state.bad_from = index
+                return None
+            payloads[index] = payload
+        return payloads
+
+    # -- the protocol ----------------------------------------------------------------------------------------
+    def lookup(self, request: Request) -> int:
+        """The pool's hit, then whole chunks from the tier while it has them verified, up to the last chunk
+        boundary before the last token (a hit never includes it)."""
+        pool_hit = self.inner.lookup(request)
+        state = self._state(request)
+        c = self.chunk_tokens
+        first = pool_hit // c
+        self._unstage(state, below=first)  # chunks the pool now covers whole
+        end = first
+        max_chunks = (request.num_tokens - 1) // c
+        while end < min(max_chunks, state.bad_from) and (end in state.staged or self._probe(state, end)):
+            end += 1
+        state.pool_hit, state.tier_hit = pool_hit, max(0, end * c - pool_hit)
+        return pool_hit + state.tier_hit
+
+    def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
+        """At first admission, take the pool part of the hit from the inner cache and allocate the tier part as
+        new tokens, then queue its loads (the inner cache keys those pages at commit, as if computed)."""
+        if not num_cached_tokens:
+            held = len(self.inner.page_table(request))
+            if not self.inner.allocate(request, num_new_tokens):
+                return False
+            self._pages_reused(self.inner.page_table(request)[held:])
+            return True
+        state = self._states.get(request.request_id)
+        if state is None or state.request is not request or state.pool_hit + state.tier_hit != num_cached_tokens:
+            self.lookup(request)
+            state = self._states[request.request_id]
+        pool_part = min(state.pool_hit, num_cached_tokens)
+        tier_part = num_cached_tokens - pool_part
+        if tier_part > state.tier_hit:
+            found = state.pool_hit + state.tier_hit
+            raise ValueError(f"{num_cached_tokens} cached tokens asked, a lookup finds {found}")
+        chunks = range(pool_part // self.chunk_tokens, -(-num_cached_tokens // self.chunk_tokens))
+        payloads = self._take_payloads(state, chunks) if tier_part else {}
+        if payloads is None:  # a chunk promised unread failed verification: nothing taken, the next lookup stops
+            return False  # before it (the scheduler retries next step, as when pages are short)
+        if not self.inner.allocate(request, num_new_tokens + tier_part, pool_part):
+            return False
+        self._pages_reused(self.inner.page_table(request)[pool_part // self.page_size :])
+        self.tier_stats.pool_hit_tokens += pool_part
+        if tier_part:
+            self._queue_loads(payloads, request, pool_part, num_cached_tokens)
+        state.loaded_chunks = chunks
+        self._unstage(state)
+        return True
+
+    def _queue_loads(self, payloads: dict[int, bytes], request: Request, start: int, end: int) -> None:
+        c, ps = self.chunk_tokens, self.page_size
+        pages = self.inner.page_table(request)
+        pos = start
+        while pos < end:
+            index = pos // c
+            stop = min((index + 1) * c, end)
+            slots = [pages[p // ps] * ps + p % ps for p in range(pos, stop)]
+            self._loads.append(LoadOp(request, slots, payloads[index], pos - index * c))
+            self.tier_stats.loaded_chunks += 1
+            self.tier_stats.loaded_bytes += (stop - pos) * self.tier.manifest.bytes_per_token
+            pos = stop
+        self.tier_stats.hit_tokens += end - start
+
+    def commit(self, request: Request) -> None:
+        """The inner cache keys the new pages; then every newly completed chunk the tier lacks is queued to save."""
+        self.inner.commit(request)
+        state = self._state(request)
+        c = self.chunk_tokens
+        full = request.num_computed_tokens // c
+        if full <= state.checked_chunks:
+            return
+        keys = self._chunk_keys(state, full)
+        pages = self.inner.page_table(request)
+        ps = self.page_size
+        queued = {save.key for save in self._saves}
+        for index in range(state.checked_chunks, full):
+            key = keys[index]
+            if index in state.loaded_chunks or key in queued or key in self._unsaved or self.tier.contains(key):
+                continue
+            slots = [pages[p // ps] * ps + p % ps for p in range(index * c, (index + 1) * c)]
+            if self.write_policy == "write_back":
+                self._unsaved[key] = slots
+                for page in pages[index * c // ps : (index + 1) * c // ps]:
+                    self._unsaved_by_page[page] = key
+            else:
+                self._save(key, slots)
+        state.checked_chunks = full
+
+    def _save(self, key: bytes, slots: list[int]) -> None:
+        self._saves.append(SaveOp(key, slots))
+        self.tier_stats.saved_chunks += 1
+
+    def _pages_reused(self, pages: list[int]) -> None:
+        """write_back: pages an allocation just handed out will be overwritten: save the chunks they hold now."""
+        if not self._unsaved_by_page:
+            return
+        for page in pages:
+            key = self._unsaved_by_page.get(page)
+            if key is not None:
+                self._save_unsaved(key)
+
+    def _save_unsaved(self, key: bytes) -> None:
+        slots = self._unsaved.pop(key)
+        ps = self.page_size
+        for page in {slot // ps for slot in slots}:
+            if self._unsaved_by_page.get(page) == key:
+                del self._unsaved_by_page[page]
+        self._save(key, slots)
+
+    def save_all_pending(self) -> None:
+        """write_back: queue every chunk not saved yet (at shutdown: what the pool still holds goes to the tier)."""
+        for key in list(self._unsaved):
+            self._save_unsaved(key)
+
+    def free(self, request: Request) -> None:
+        self.inner.free(request)
+        state = self._states.pop(request.request_id, None)
+        if state is not None:
+            self._unstage(state)
+        if any(load.request is request for load in self._loads):  # preempted before its step ran
+            self._loads = [load for load in self._loads if load.request is not request]
+
+    def drain_loads(self) -> list[LoadOp]:
+        """Payloads to write into the pool before this step's forward pass (the scheduled requests read them)."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def drain_saves(self) -> list[SaveOp]:
+        """Chunks to read out of the pool now, before a load or a forward pass can overwrite their pages (after
+        scheduling, for write_back's evictions, and after each step)."""
+        saves, self._saves = self._saves, []
+        return saves
+
+    # -- everything else is the inner cache's ------------------------------------------------------------------
+    def page_table(self, request: Request) -> list[int]:
+        return self.inner.page_table(request)
+
+    def num_free_pages(self) -> int:
+        return self.inner.num_free_pages()
+
+    def num_cached_pages(self) -> int:
+        return self.inner.num_cached_pages()
+
+    def pages_needed(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> int:
+        return self.inner.pages_needed(request, num_new_tokens, num_cached_tokens)
+
+    def enable_events(self) -> None:
+        self.inner.enable_events()
+
+    @property
+    def events_enabled(self) -> bool:
+        return self.inner.events_enabled
+
+    def drain_events(self) -> list[KVCacheEvent]:
+        return self.inner.drain_events()
+
+    def cached_block_hashes(self) -> set[int]:
+        return self.inner.cached_block_hashes()
+
+    def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
+        """Resets the pool only: the tier is the durable copy (a disk tier is emptied by deleting its files)."""
+        return self.inner.reset_prefix_cache(salt_filter)
+
+    def prefix_path(self, request: Request) -> list[Hashable]:
+        return self.inner.prefix_path(request)
+
+    def render_tree(
+        self, tokenizer_decode: Callable[[list[int]], str] | None = None, max_depth: int = 3, max_children: int = 5
+    ) -> str:
+        return self.inner.render_tree(tokenizer_decode, max_depth, max_children)
+
+    def summary(self) -> dict:
+        out = self.inner.summary()
+        t, s = self.tier, self.tier_stats
+        out["tier"] = {
+            "name": t.name,
+            "chunk_tokens": self.chunk_tokens,
+            "write_policy": self.write_policy,
+            "capacity_bytes": t.capacity_bytes,
+            "entries": t.stats.entries,
+            "bytes": t.stats.bytes,
+            "corrupt": t.stats.corrupt,
+            "hit_tokens": s.hit_tokens,
+            "loaded_bytes": s.loaded_bytes,
+            "saved_chunks": s.saved_chunks,
+        }
+        return out
+
+    def check_invariants(self) -> None:
+        self.inner.check_invariants()
+        staged = sum(len(p) for state in self._states.values() for p in state.staged.values())
+        assert staged == self._staged_bytes, f"staged bytes {self._staged_bytes} != {staged} held"
+        assert self._staged_bytes <= self.max_staged_bytes, "staging over its bound"
+        for load in self._loads:
+            pages = set(self.inner.page_table(load.request))
+            assert all(slot // self.page_size in pages for slot in load.slots), "a load into pages not its own"
+        for save in self._saves:
+            assert len(save.slots) == self.chunk_tokens, "a save of a partial chunk"
+        for key, slots in self._unsaved.items():
+            assert all(self._unsaved_by_page.get(slot // self.page_size) == key for slot in slots), "unsaved pages"
+        assert set(self._unsaved_by_page.values()) <= set(self._unsaved), "a page of a chunk no longer unsaved"
