@@ -69,6 +69,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
             chunk_tokens=config.kv_offload_chunk_tokens,
             bytes_per_token=ModelRunner.kv_bytes_per_token(loaded.config, config.dtype),
             hash_algo=config.prefix_caching_hash_algo,
+            device=runner.device.type,
         )
         tier = create_kv_tier(config, manifest)
     return Engine(config, runner, loaded.tokenizer, loaded.config, loaded.name, kv_tier=tier)

@@ -25,6 +25,7 @@ class TierManifest:
     chunk_tokens: int  # tokens per entry (a multiple of the pool's page size)
     bytes_per_token: int  # K and V of one token over all layers
     hash_algo: str  # the chain's hash function ("sha256" | "xxhash")
+    device: str = "cpu"  # device type the KV is computed on: other kernels give other bits than a recompute here
     layout: str = "layers,kv,kv_heads,tokens,head_dim"  # payload tensor order, C-contiguous
     layout_version: int = LAYOUT_VERSION
 
