@@ -24,6 +24,7 @@ from prefixkv.engine.policy_factory import create_policy
 from prefixkv.engine.scheduler import Scheduler
 from prefixkv.kv_events.publisher import ZmqEventPublisher
 from prefixkv.kvcache.factory import create_kv_cache_manager
+from prefixkv.kvcache.retention import validate_retention
 from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from prefixkv.request import MultiModalHash, Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
@@ -110,7 +111,12 @@ class Engine:
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
         self.kv = create_kv_cache_manager(
-            config.prefix_cache, runner.num_pages, runner.page_size, config.prefix_caching_hash_algo, config.eviction
+            config.prefix_cache,
+            runner.num_pages,
+            runner.page_size,
+            config.prefix_caching_hash_algo,
+            config.eviction,
+            config.retained_pool_fraction,
         )
         self.kv_events: ZmqEventPublisher | None = None
         if config.kv_events_endpoint is not None:
@@ -145,8 +151,15 @@ class Engine:
         mm_hashes=None,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
+        retention_seconds: float | None = None,
+        retention_priority: int = 0,
+        prefill_only: bool = False,
     ) -> str:
         """Validate and queue a request; raise ValueError (and queue nothing) when it is bad.
+
+        retention_seconds / retention_priority: keep the pages this request computes or hits cached that long
+        (kvcache/retention.py; bounded by retained_pool_fraction). prefill_only (prewarm): compute and cache the
+        prompt's KV, sample nothing; the request finishes ("length", no tokens) once its prompt is computed.
 
         output_kind (vLLM's RequestOutputKind): "cumulative" outputs carry everything generated so far, "delta"
         outputs only what is new since the request's previous output (memory linear in the output length),
@@ -161,6 +174,9 @@ class Engine:
         max_tokens = self._check_lengths(token_ids, params)
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        retention_seconds = validate_retention(retention_seconds, retention_priority)
+        if prefill_only and params.n != 1:
+            raise ValueError("a prefill-only (prewarm) request computes one prompt: n must be 1")
 
         arrival = time.monotonic() if arrival_time is None else arrival_time
         sequences = []
@@ -180,6 +196,9 @@ class Engine:
                 lora_id=lora_id,
                 mm_hashes=mm,
                 max_tokens=max_tokens,
+                retention_seconds=retention_seconds,
+                retention_priority=retention_priority,
+                prefill_only=prefill_only,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -310,7 +329,7 @@ class Engine:
                     req.token_ids[start : start + n],
                     start,
                     kv.page_table(req),
-                    start + n == req.num_tokens,
+                    start + n == req.num_tokens and not req.prefill_only,
                     req.sampling_params,
                     req.num_output_tokens,
                 )
@@ -324,6 +343,10 @@ class Engine:
         touched: dict[str, _Parent] = {}
         for (req, _), sample in zip(sched.scheduled, samples):
             if sample is None:
+                if req.prefill_only and req.num_computed_tokens == req.num_tokens:  # prewarmed: its KV is cached
+                    seq = self._seqs[req.request_id]
+                    self._finish(seq, RequestStatus.FINISHED_LENGTH)
+                    touched[seq.parent_id] = self._parents[seq.parent_id]
                 continue
             seq = self._seqs[req.request_id]
             self._on_token(seq, sample, now)
@@ -444,6 +467,23 @@ class Engine:
             prefix_cache_readmission_hits=kv.stats.readmission_hits,
             num_cached_pages=kv.num_cached_pages(),
         )
+
+    def cached_prompt_tokens(self, prompt: str | list[int] | dict, cache_salt: str | None = None) -> int:
+        """Tokens of `prompt` a request starting with it would find cached now (whole pages; the prompt's last
+        token included, as for a longer request). No side effects."""
+        _, token_ids, cache_salt, lora_id, mm = self._parse_prompt(prompt, cache_salt, None, None)
+        probe = Request(
+            f"cache-probe-{next(self._ids)}",
+            [*token_ids, 0],  # one more token: a lookup never covers a request's own last token
+            SamplingParams(max_tokens=1),
+            cache_salt=cache_salt,
+            lora_id=lora_id,
+            mm_hashes=mm,
+        )
+        try:
+            return min(self.kv.lookup(probe), len(token_ids))
+        finally:
+            self.kv.free(probe)  # forgets the lookup's memo; the probe holds no pages
 
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         """Drop cached KV no request holds; salt_filter limits it to the namespaces (tenants) it accepts."""
