@@ -80,6 +80,7 @@ class HashPrefixCache(KVCacheManager):
         self._num_children: dict[bytes, int] = {}
         self._release_clock = 0  # counts free() calls: the last_access the policy sees
         self._parked: dict[int, Block] = {}  # retained free blocks set aside by eviction, by block id
+        self.retention.on_end = self._unpark  # a parked block whose retention ends is ordinary again
 
     # -- keys ----------------------------------------------------------------------------------------------
     def _keys_of(self, request: Request) -> _Keys:
@@ -202,11 +203,9 @@ class HashPrefixCache(KVCacheManager):
 
     def _retain(self, request: Request, blocks: list[Block], first_depth: int) -> None:
         assert request.retention_seconds is not None
-        ended = self.retention.retain(
+        self.retention.retain(
             [b.block_id for b in blocks], first_depth, request.retention_priority, request.retention_seconds
         )
-        for block_id in ended:
-            self._unpark(block_id)
 
     def _emit_stored(self, request: Request, keys: list[bytes], indices: list[int]) -> None:
         """One BlockStored for consecutive blocks `indices` of the request that just became findable."""
@@ -245,8 +244,7 @@ class HashPrefixCache(KVCacheManager):
             if priority is not None:
                 self.eviction.evicted(priority)
             return block
-        for block_id in retention.expire():
-            self._unpark(block_id)
+        retention.expire()
         while self.free_queue.num_free:
             block, priority = self._pop_free_block()
             if block.block_hash is None or block.block_id not in retention:

@@ -46,6 +46,8 @@ class RetentionTable:
         self._by_strength: list[tuple[int, float, int, int, int]] = []  # (priority, deadline, -depth, version, page)
         self._versions = itertools.count(1)
         self.released_by_cap = 0  # pages whose retention the cap ended early
+        # told of every page whose retention ends by expiry or the cap (not by discard(): the cache asked for that)
+        self.on_end: Callable[[int], None] | None = None
         self.expired = 0  # pages whose retention ran out
 
     def __len__(self) -> int:
@@ -65,7 +67,7 @@ class RetentionTable:
     def retain(self, pages: Sequence[int], first_depth: int, priority: int, seconds: float) -> list[int]:
         """Retain `pages` (indices first_depth, first_depth + 1, ... of their sequence) for `seconds` from now; a
         page already retained keeps the stronger of both. Returns the pages that stopped being retained
-        (expired, or released by the cap): a cache that set them aside must make them ordinary again."""
+        (expired, or released by the cap; on_end hears of each)."""
         if not self.capacity or seconds <= 0 or not pages:
             return []
         now = self.clock()
@@ -89,6 +91,8 @@ class RetentionTable:
                 del self._entries[page]
                 self.released_by_cap += 1
                 ended.append(page)
+                if self.on_end is not None:
+                    self.on_end(page)
         self._compact()
         return ended
 
@@ -104,6 +108,8 @@ class RetentionTable:
                 del self._entries[page]
                 self.expired += 1
                 ended.append(page)
+                if self.on_end is not None:
+                    self.on_end(page)
         return ended
 
     def discard(self, page: int) -> None:
