@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from prefixkv import prewarm
 from prefixkv.config import EngineConfig
 from prefixkv.engine.engine import Engine
 from prefixkv.model import loader
@@ -123,6 +124,37 @@ class LLM:
                 prompt["cache_salt"] = cache_salt
             prompts.append(prompt)
         return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm, None)
+
+    def prewarm(
+        self,
+        prompts_or_messages,
+        *,
+        cache_salt: str | None = None,
+        retention_seconds: float | None = None,
+        retention_priority: int = 0,
+    ) -> list[int]:
+        """Compute and cache prompts' KV without generating; returns the tokens of each now cached (whole
+        pages). Takes a prompt (text, token ids, an engine prompt dict) or one conversation (a list of
+        {"role", "content"}, templated as chat() would), or a list of either. retention_seconds keeps the
+        pages cached that long (within retained_pool_fraction of the pool)."""
+        items = prompts_or_messages
+        single = (
+            isinstance(items, (str, dict))
+            or prewarm.is_conversation(items)
+            or (isinstance(items, list) and bool(items) and all(isinstance(x, int) for x in items))
+        )
+        items = [items] if single else list(items)
+        if not items:
+            raise ValueError("prewarm needs at least one prompt")
+        engine = self.llm_engine
+        prompts = [prewarm.engine_prompt(engine, item) for item in items]
+        return prewarm.prewarm(
+            engine,
+            prompts,
+            cache_salt=cache_salt,
+            retention_seconds=retention_seconds,
+            retention_priority=retention_priority,
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()

@@ -154,12 +154,14 @@ class Engine:
         retention_seconds: float | None = None,
         retention_priority: int = 0,
         prefill_only: bool = False,
+        prompt_cache_key: str | None = None,
     ) -> str:
         """Validate and queue a request; raise ValueError (and queue nothing) when it is bad.
 
         retention_seconds / retention_priority: keep the pages this request computes or hits cached that long
         (kvcache/retention.py; bounded by retained_pool_fraction). prefill_only (prewarm): compute and cache the
         prompt's KV, sample nothing; the request finishes ("length", no tokens) once its prompt is computed.
+        prompt_cache_key: the client's grouping hint (OpenAI's field), recorded on the Request.
 
         output_kind (vLLM's RequestOutputKind): "cumulative" outputs carry everything generated so far, "delta"
         outputs only what is new since the request's previous output (memory linear in the output length),
@@ -175,6 +177,8 @@ class Engine:
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         retention_seconds = validate_retention(retention_seconds, retention_priority)
+        if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
+            raise ValueError(f"prompt_cache_key must be a string, got {prompt_cache_key!r}")
         if prefill_only and params.n != 1:
             raise ValueError("a prefill-only (prewarm) request computes one prompt: n must be 1")
 
@@ -199,6 +203,7 @@ class Engine:
                 retention_seconds=retention_seconds,
                 retention_priority=retention_priority,
                 prefill_only=prefill_only,
+                prompt_cache_key=prompt_cache_key,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer,

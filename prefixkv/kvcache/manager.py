@@ -19,8 +19,8 @@ remembers per request (pages, memoised keys and matches) lives inside the manage
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 

@@ -9,8 +9,9 @@ extend that leaf in place, so a request decoding 1,000 tokens adds one node, not
 Lifetime: a request that uses a prefix holds a lock reference on every node from its deepest node up to the
 namespace root. Unlocked nodes are evictable, leaves only, in the order of the eviction policy (eviction.py;
 least recently used by default) kept in a lazy heap; evicting a parent's last child makes the parent an evictable
-leaf. Pages in the retention table (retention.py) are evicted only when no unretained page can be. Counters of evictable and protected tokens are kept up to date on every lock change, so a free-page count
-never scans the tree.
+leaf. Pages in the retention table (retention.py) are evicted only when no unretained page can be. Counters of
+evictable and protected tokens are kept up to date on every lock change, so a free-page count never scans the
+tree.
 
 The tree knows nothing about requests or the free list: eviction hands freed page ids back to the caller.
 """

@@ -24,6 +24,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+# OpenAI's prompt_cache_retention values -> add_request's retention arguments. "in_memory" is the default
+# behaviour (pages stay while the pool's eviction order keeps them); "24h" retains the request's pages for a day at
+# priority 1, within retained_pool_fraction. With a KV offload (disk) tier, written-through pages also persist
+# there, so such a prefix outlives its eviction from the pool and a restart.
+PROMPT_CACHE_RETENTION: dict[str, dict] = {
+    "in_memory": {},
+    "24h": {"retention_seconds": 86400.0, "retention_priority": 1},
+}
+
 
 @dataclass(slots=True)
 class _Entry:
