@@ -32,7 +32,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _PromptCacheFields(BaseModel):
+class PromptCacheFields(BaseModel):
     """OpenAI's prompt-cache fields, on every request that fills the cache."""
 
     model_config = _STRICT
@@ -51,7 +51,7 @@ class _PromptCacheFields(BaseModel):
         return dict(PROMPT_CACHE_RETENTION[self.prompt_cache_retention or "in_memory"])
 
 
-class _GenerationRequest(_PromptCacheFields):
+class _GenerationRequest(PromptCacheFields):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = _STRICT
