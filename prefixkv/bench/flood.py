@@ -21,6 +21,7 @@ import argparse
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.policy_factory import create_policy
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace) -> dict:
     from prefixkv.bench.common import print_table
 
     workload = flood_workload(args)
-    results = {
+    results: dict[str, Any] = {
         "mode": SIMULATED,
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "retention": simulate_flood(args, workload, retention=True),
