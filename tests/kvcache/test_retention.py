@@ -87,6 +87,9 @@ def test_cap_releases_the_weakest_retention(kind):
     assert len(retained & cached_pages(kv)) == 4
     summary = kv.summary()
     assert summary["retained_pages"] == 4 and summary["retention_released_by_cap"] == 2
+    assert kv.reset_prefix_cache()  # an explicit reset drops retained KV too
+    assert len(kv.retention) == 0 and kv.lookup(make_request(strong + [2])) == 0
+    kv.check_invariants()
 
 
 def test_bad_retention_values_are_value_errors():
@@ -162,4 +165,19 @@ def test_retention_never_starves_and_spares_retained_pages_first(kind, eviction,
     whole = make_request(list(range(7_000_000, 7_000_000 + kv.num_pages * PAGE - 1)))
     assert admit(kv, whole)
     assert len(kv.retention) == 0
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("kind,eviction", CASES)
+def test_reset_drops_retained_pages_set_aside_by_eviction(kind, eviction):
+    clock = FakeClock()
+    kv = make_cache(kind, eviction, 16, clock)
+    system = list(range(1000, 1000 + 2 * PAGE))
+    serve(kv, make_request(system + [1], retention_seconds=10.0))
+    for i in range(8):  # pressure: the retained pages are passed over (hash: parked) by eviction
+        serve(kv, make_request([5000 + 20 * i + k for k in range(4 * PAGE)]))
+    assert kv.lookup(make_request(system + [2])) == len(system)
+    assert kv.reset_prefix_cache()
+    assert len(kv.retention) == 0 and kv.lookup(make_request(system + [3])) == 0
+    assert kv.num_free_pages() == kv.num_pages
     kv.check_invariants()
