@@ -9,15 +9,9 @@ import pytest
 
 from prefixkv.bench import flood
 
-TINY = [
-    "flood",
-    "--num-requests", "400",
-    "--hot-every", "20",
-    "--prefix-len", "256",
-    "--flood-len", "128",
-    "--pool-tokens", "2048",
-    "--retention-s", "10",
-]  # fmt: skip
+TINY = (
+    "flood --num-requests 400 --hot-every 20 --prefix-len 256 --flood-len 128 --pool-tokens 2048 --retention-s 10"
+).split()
 
 
 def parse(argv):
@@ -41,16 +35,8 @@ def test_retained_prefix_survives_the_flood_in_simulation(cache):
 
 def test_flood_on_model_runs(llm_factory):
     args = parse(
-        [
-            "flood",
-            "--num-requests", "6",
-            "--hot-every", "3",
-            "--prefix-len", "48",
-            "--suffix-len", "4",
-            "--flood-len", "24",
-            "--output-len", "1",
-            "--retention-s", "600",
-        ]  # fmt: skip
+        "flood --num-requests 6 --hot-every 3 --prefix-len 48 --suffix-len 4 --flood-len 24 --output-len 1 "
+        "--retention-s 600".split()
     )
     llm = llm_factory(kv_cache_tokens=4096)  # the small-pool engine other modules use: no build of its own
     r = flood.run_on_model(args, flood.flood_workload(args), llm=llm)
