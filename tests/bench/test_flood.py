@@ -11,6 +11,7 @@ from prefixkv.bench import flood
 
 TINY = (
     "flood --num-requests 400 --hot-every 20 --prefix-len 256 --flood-len 128 --pool-tokens 2048 --retention-s 10"
+    " --arrival-every-s 0.05"
 ).split()
 
 
