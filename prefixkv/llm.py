@@ -82,15 +82,18 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        retention_seconds: float | None = None,
+        retention_priority: int = 0,
     ) -> list[RequestOutput]:
-        """Run prompts (strings, token-id dicts, or a list of them) to completion; outputs in input order."""
+        """Run prompts (strings, token-id dicts, or a list of them) to completion; outputs in input order.
+        retention_seconds: keep every prompt's pages cached that long (kvcache/retention.py)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
-        return self._run(prompts, params, use_tqdm, priority)
+        return self._run(prompts, params, use_tqdm, priority, retention_seconds, retention_priority)
 
     def chat(
         self,
@@ -101,6 +104,8 @@ class LLM:
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
         allow_special_tokens_in_content: bool = False,
+        retention_seconds: float | None = None,
+        retention_priority: int = 0,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of conversations, through the chat template.
 
@@ -123,7 +128,8 @@ class LLM:
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
             prompts.append(prompt)
-        return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm, None)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm, None, retention_seconds, retention_priority)
 
     def prewarm(
         self,
@@ -181,12 +187,23 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
 
-    def _run(self, prompts, params, use_tqdm, priority) -> list[RequestOutput]:
+    def _run(
+        self, prompts, params, use_tqdm, priority, retention_seconds=None, retention_priority=0
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                ids.append(engine.add_request(None, prompt, p, priority=0 if priority is None else priority[i]))
+                ids.append(
+                    engine.add_request(
+                        None,
+                        prompt,
+                        p,
+                        priority=0 if priority is None else priority[i],
+                        retention_seconds=retention_seconds,
+                        retention_priority=retention_priority,
+                    )
+                )
         except ValueError:
             for rid in ids:  # all or nothing: a bad prompt leaves no half-queued batch behind
                 engine.abort(rid)

@@ -41,6 +41,7 @@ def test_flood_on_model_runs(llm_factory):
     )
     llm = llm_factory(kv_cache_tokens=4096)  # the small-pool engine other modules use: no build of its own
     r = flood.run_on_model(args, flood.flood_workload(args), llm=llm)
+    llm.reset_prefix_cache()  # other modules share this engine: leave no retained pages behind
     assert r["all_finished"] and r["hot_requests"] == 2
     assert r["hot_full_hit_rate_while_retained"] == 1.0
     assert 0 < r["max_retained_pages"] <= r["retained_capacity_pages"]

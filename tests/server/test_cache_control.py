@@ -33,7 +33,9 @@ def fresh_messages(question: str = "How do I fix a flat tyre?") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def llm(llm_factory):
-    return llm_factory(kv_cache_tokens=4096)
+    llm = llm_factory(kv_cache_tokens=4096)
+    yield llm
+    llm.reset_prefix_cache()  # other modules share this engine: leave no retained pages behind
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +132,13 @@ def test_prewarmed_generation_equals_cold_fp32(llm):
     cold = llm.generate(prompt, params, use_tqdm=False)[0]
     assert cold.num_cached_tokens == 0
     assert llm.reset_prefix_cache()
-    (cached,) = llm.prewarm(prompt, retention_seconds=60.0)
+    (cached,) = llm.prewarm(prompt)
     n = len(cold.prompt_token_ids)
     assert cached == n - n % llm.config.tokens_per_page > 0
-    warm = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert llm.cache_summary()["retained_pages"] == 0
+    warm = llm.generate(prompt, params, use_tqdm=False, retention_seconds=60.0)[0]
     assert warm.num_cached_tokens > 0
+    assert llm.cache_summary()["retained_pages"] >= cached // llm.config.tokens_per_page  # hit and computed pages
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     with pytest.raises(ValueError, match="retention_seconds"):
         llm.prewarm(prompt, retention_seconds=-1)
