@@ -84,7 +84,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--on-model", action="store_true", help="also replay the arrivals on the real engine")
+    p.add_argument("--on-model", action="store_true", help="also replay a shorter flood on the real engine")
+    p.add_argument("--on-model-requests", type=int, default=300, help="with --on-model: requests on the engine")
+    p.add_argument("--on-model-hot-every", type=int, default=10, help="with --on-model: --hot-every on the engine")
     p.add_argument("--dtype", default="bfloat16", help="with --on-model")
     p.add_argument("--num-threads", type=int, default=None, help="with --on-model")
     p.set_defaults(func=run)
@@ -206,7 +208,9 @@ def run(args: argparse.Namespace) -> dict:
         f"tokens, cap {args.retained_pool_fraction}",
     )
     if args.on_model:
-        results["on_model"] = run_on_model(args, workload)
+        on_model = argparse.Namespace(**vars(args))
+        on_model.num_requests, on_model.hot_every = args.on_model_requests, args.on_model_hot_every
+        results["on_model"] = run_on_model(on_model, flood_workload(on_model))
         r = results["on_model"]
         print_table(
             ["on model", "hot hit rate (retained)", "max retained share", "all finished", "wall s"],
