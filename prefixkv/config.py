@@ -61,6 +61,12 @@ class EngineConfig:
         "prefixes stay), or cost-aware GreedyDual (deep and widely shared prefixes stay); leaves/chain tails only",
         EVICTIONS,
     )
+    retained_pool_fraction: float = _option(
+        0.2,
+        "the most of the KV pool that pages kept by per-request retention (retention_seconds, "
+        "prompt_cache_retention) may hold; past it the weakest retention is released, so retention never starves "
+        "admission",
+    )
     schedule_policy: str = _option("fcfs", "order in which waiting requests are admitted", SCHEDULE_POLICIES)
     lpm_fallback_threshold: int | None = _option(
         128, "lpm, bounded-lpm, k-lpm: past this many waiting requests, order FCFS like SGLang (none: never)"
@@ -144,6 +150,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a ZeroMQ address (tcp://, ipc:// or inproc://), got {endpoint!r}")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (there is nothing to replay)")
+        if not isinstance(self.retained_pool_fraction, (int, float)) or not 0 <= self.retained_pool_fraction <= 1:
+            raise ValueError(f"retained_pool_fraction must be in [0, 1], got {self.retained_pool_fraction!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "lpm_k"):

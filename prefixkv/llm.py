@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from prefixkv import prewarm
 from prefixkv.config import EngineConfig
 from prefixkv.engine.engine import Engine
 from prefixkv.kvcache.offload.factory import create_kv_tier
@@ -94,15 +95,18 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        retention_seconds: float | None = None,
+        retention_priority: int = 0,
     ) -> list[RequestOutput]:
-        """Run prompts (strings, token-id dicts, or a list of them) to completion; outputs in input order."""
+        """Run prompts (strings, token-id dicts, or a list of them) to completion; outputs in input order.
+        retention_seconds: keep every prompt's pages cached that long (kvcache/retention.py)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
-        return self._run(prompts, params, use_tqdm, priority)
+        return self._run(prompts, params, use_tqdm, priority, retention_seconds, retention_priority)
 
     def chat(
         self,
@@ -113,6 +117,8 @@ class LLM:
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
         allow_special_tokens_in_content: bool = False,
+        retention_seconds: float | None = None,
+        retention_priority: int = 0,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of conversations, through the chat template.
 
@@ -135,7 +141,39 @@ class LLM:
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
             prompts.append(prompt)
-        return self._run(prompts, self._params_per_prompt(sampling_params, len(prompts)), use_tqdm, None)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm, None, retention_seconds, retention_priority)
+
+    def prewarm(
+        self,
+        prompts_or_messages,
+        *,
+        cache_salt: str | None = None,
+        retention_seconds: float | None = None,
+        retention_priority: int = 0,
+    ) -> list[int]:
+        """Compute and cache prompts' KV without generating; returns the tokens of each now cached (whole
+        pages). Takes a prompt (text, token ids, an engine prompt dict) or one conversation (a list of
+        {"role", "content"}, templated as chat() would), or a list of either. retention_seconds keeps the
+        pages cached that long (within retained_pool_fraction of the pool)."""
+        items = prompts_or_messages
+        single = (
+            isinstance(items, (str, dict))
+            or prewarm.is_conversation(items)
+            or (isinstance(items, list) and bool(items) and all(isinstance(x, int) for x in items))
+        )
+        items = [items] if single else list(items)
+        if not items:
+            raise ValueError("prewarm needs at least one prompt")
+        engine = self.llm_engine
+        prompts = [prewarm.engine_prompt(engine, item) for item in items]
+        return prewarm.prewarm(
+            engine,
+            prompts,
+            cache_salt=cache_salt,
+            retention_seconds=retention_seconds,
+            retention_priority=retention_priority,
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
@@ -163,12 +201,23 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
 
-    def _run(self, prompts, params, use_tqdm, priority) -> list[RequestOutput]:
+    def _run(
+        self, prompts, params, use_tqdm, priority, retention_seconds=None, retention_priority=0
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                ids.append(engine.add_request(None, prompt, p, priority=0 if priority is None else priority[i]))
+                ids.append(
+                    engine.add_request(
+                        None,
+                        prompt,
+                        p,
+                        priority=0 if priority is None else priority[i],
+                        retention_seconds=retention_seconds,
+                        retention_priority=retention_priority,
+                    )
+                )
         except ValueError:
             for rid in ids:  # all or nothing: a bad prompt leaves no half-queued batch behind
                 engine.abort(rid)

@@ -47,6 +47,10 @@ class Request:
     cache_salt: str | None = None
     lora_id: str | None = None  # adapter id: part of the cache key
     mm_hashes: tuple[MultiModalHash, ...] = ()
+    retention_seconds: float | None = None  # keep the pages it computes or hits cached this long (retention.py)
+    retention_priority: int = 0  # among retained pages, the lowest priority is evicted first
+    prefill_only: bool = False  # prewarm: compute and cache the prompt, sample nothing, finish
+    prompt_cache_key: str | None = None  # the client's grouping hint (OpenAI's field), recorded only
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + generated, the sequence whose KV we hold

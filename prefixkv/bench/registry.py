@@ -14,6 +14,7 @@ BENCH_MODULES = [
     "multi_turn",
     "zero_hit",
     "thrash",
+    "flood",
     "page_size",
     "schedule_cost",
     "serve_client",

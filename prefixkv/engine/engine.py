@@ -28,6 +28,7 @@ from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.kvcache.offload.tier import KVTier
 from prefixkv.kvcache.offload.tiered_cache import TieredKVCache
 from prefixkv.kvcache.offload.writer import TierWriter
+from prefixkv.kvcache.retention import validate_retention
 from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from prefixkv.request import MultiModalHash, Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
@@ -121,7 +122,12 @@ class Engine:
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
         kv = create_kv_cache_manager(
-            config.prefix_cache, runner.num_pages, runner.page_size, config.prefix_caching_hash_algo, config.eviction
+            config.prefix_cache,
+            runner.num_pages,
+            runner.page_size,
+            config.prefix_caching_hash_algo,
+            config.eviction,
+            config.retained_pool_fraction,
         )
         self.kv_tier = kv_tier
         self.tiered: TieredKVCache | None = None  # the same object as self.kv when there is a tier
@@ -170,8 +176,17 @@ class Engine:
         mm_hashes=None,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
+        retention_seconds: float | None = None,
+        retention_priority: int = 0,
+        prefill_only: bool = False,
+        prompt_cache_key: str | None = None,
     ) -> str:
         """Validate and queue a request; raise ValueError (and queue nothing) when it is bad.
+
+        retention_seconds / retention_priority: keep the pages this request computes or hits cached that long
+        (kvcache/retention.py; bounded by retained_pool_fraction). prefill_only (prewarm): compute and cache the
+        prompt's KV, sample nothing; the request finishes ("length", no tokens) once its prompt is computed.
+        prompt_cache_key: the client's grouping hint (OpenAI's field), recorded on the Request.
 
         output_kind (vLLM's RequestOutputKind): "cumulative" outputs carry everything generated so far, "delta"
         outputs only what is new since the request's previous output (memory linear in the output length),
@@ -186,6 +201,11 @@ class Engine:
         max_tokens = self._check_lengths(token_ids, params)
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        retention_seconds = validate_retention(retention_seconds, retention_priority)
+        if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
+            raise ValueError(f"prompt_cache_key must be a string, got {prompt_cache_key!r}")
+        if prefill_only and params.n != 1:
+            raise ValueError("a prefill-only (prewarm) request computes one prompt: n must be 1")
 
         arrival = time.monotonic() if arrival_time is None else arrival_time
         sequences = []
@@ -205,6 +225,10 @@ class Engine:
                 lora_id=lora_id,
                 mm_hashes=mm,
                 max_tokens=max_tokens,
+                retention_seconds=retention_seconds,
+                retention_priority=retention_priority,
+                prefill_only=prefill_only,
+                prompt_cache_key=prompt_cache_key,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -368,7 +392,7 @@ class Engine:
                     req.token_ids[start : start + n],
                     start,
                     kv.page_table(req),
-                    start + n == req.num_tokens,
+                    start + n == req.num_tokens and not req.prefill_only,
                     req.sampling_params,
                     req.num_output_tokens,
                 )
@@ -387,6 +411,10 @@ class Engine:
         touched: dict[str, _Parent] = {}
         for (req, _), sample in zip(sched.scheduled, samples):
             if sample is None:
+                if req.prefill_only and req.num_computed_tokens == req.num_tokens:  # prewarmed: its KV is cached
+                    seq = self._seqs[req.request_id]
+                    self._finish(seq, RequestStatus.FINISHED_LENGTH)
+                    touched[seq.parent_id] = self._parents[seq.parent_id]
                 continue
             seq = self._seqs[req.request_id]
             self._on_token(seq, sample, now)
@@ -527,6 +555,23 @@ class Engine:
             kv_tier_saved_chunks=writer.written if writer is not None else 0,
             kv_tier_dropped_saves=writer.dropped if writer is not None else 0,
         )
+
+    def cached_prompt_tokens(self, prompt: str | list[int] | dict, cache_salt: str | None = None) -> int:
+        """Tokens of `prompt` a request starting with it would find cached now (whole pages; the prompt's last
+        token included, as for a longer request). No side effects."""
+        _, token_ids, cache_salt, lora_id, mm = self._parse_prompt(prompt, cache_salt, None, None)
+        probe = Request(
+            f"cache-probe-{next(self._ids)}",
+            [*token_ids, 0],  # one more token: a lookup never covers a request's own last token
+            SamplingParams(max_tokens=1),
+            cache_salt=cache_salt,
+            lora_id=lora_id,
+            mm_hashes=mm,
+        )
+        try:
+            return min(self.kv.lookup(probe), len(token_ids))
+        finally:
+            self.kv.free(probe)  # forgets the lookup's memo; the probe holds no pages
 
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         """Drop cached KV no request holds; salt_filter limits it to the namespaces (tenants) it accepts."""

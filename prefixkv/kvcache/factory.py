@@ -3,6 +3,9 @@ interface) imports none of them."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from prefixkv.kvcache.eviction import make_eviction_policy
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.manager import KVCacheManager
@@ -11,15 +14,21 @@ from prefixkv.kvcache.radix_cache import RadixPrefixCache
 
 
 def create_kv_cache_manager(
-    kind: str, num_pages: int, page_size: int, hash_algo: str = "sha256", eviction: str = "lru"
+    kind: str,
+    num_pages: int,
+    page_size: int,
+    hash_algo: str = "sha256",
+    eviction: str = "lru",
+    retained_pool_fraction: float = 0.2,
+    clock: Callable[[], float] = time.monotonic,
 ) -> KVCacheManager:
     """eviction: one of eviction.EVICTION_POLICIES (ValueError otherwise); with caching off nothing is cached,
-    so it is checked and then has nothing to choose."""
+    so it is checked and then has nothing to choose. retained_pool_fraction and clock: see retention.py."""
     make_eviction_policy(eviction)
     if kind == "off":
         return NoPrefixCache(num_pages, page_size)
     if kind == "hash":
-        return HashPrefixCache(num_pages, page_size, hash_algo=hash_algo, eviction=eviction)
+        return HashPrefixCache(num_pages, page_size, hash_algo, eviction, retained_pool_fraction, clock)
     if kind == "radix":
-        return RadixPrefixCache(num_pages, page_size, eviction=eviction, hash_algo=hash_algo)
+        return RadixPrefixCache(num_pages, page_size, eviction, hash_algo, retained_pool_fraction, clock)
     raise ValueError(f"prefix_cache must be one of 'hash', 'radix', 'off', got {kind!r}")

@@ -9,10 +9,15 @@ Other eviction policies (eviction.py) keep the free queue for its O(1) accountin
 at its head, and choose among cached free blocks with a heap of chain tails: blocks whose key no cached block
 names as its parent. Evicting anything else would strand cached blocks no lookup can reach, so a child count per
 key tells a tail; evicting a tail can make its parent one.
+
+Retention (retention.py): a retained free block that comes up for eviction is set aside ("parked", out of the
+free queue but still counted free and still findable) while anything else is free; it goes back to the front of
+the eviction order when its retention ends, or is evicted, weakest first, once nothing else is left.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,8 +53,16 @@ class HashPrefixCache(KVCacheManager):
     name = "hash"
     caching = True  # NoPrefixCache turns this off and keeps the same block pool
 
-    def __init__(self, num_pages: int, page_size: int = 16, hash_algo: str = "sha256", eviction: str = "lru") -> None:
-        super().__init__(num_pages, page_size)
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int = 16,
+        hash_algo: str = "sha256",
+        eviction: str = "lru",
+        retained_pool_fraction: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(num_pages, page_size, retained_pool_fraction, clock)
         if hash_algo not in HASH_FUNCTIONS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_FUNCTIONS)}, got {hash_algo!r}")
         self.hash_algo = hash_algo
@@ -66,6 +79,8 @@ class HashPrefixCache(KVCacheManager):
         self._tails: EvictionHeap[Block] | None = None if self.eviction.name == "lru" else EvictionHeap()
         self._num_children: dict[bytes, int] = {}
         self._release_clock = 0  # counts free() calls: the last_access the policy sees
+        self._parked: dict[int, Block] = {}  # retained free blocks set aside by eviction, by block id
+        self.retention.on_end = self._unpark  # a parked block whose retention ends is ordinary again
 
     # -- keys ----------------------------------------------------------------------------------------------
     def _keys_of(self, request: Request) -> _Keys:
@@ -115,7 +130,7 @@ class HashPrefixCache(KVCacheManager):
         return held.page_ids if held is not None else []
 
     def num_free_pages(self) -> int:
-        return self.free_queue.num_free
+        return self.free_queue.num_free + len(self._parked)
 
     # -- changes -------------------------------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
@@ -129,18 +144,20 @@ class HashPrefixCache(KVCacheManager):
         num_held = len(held.blocks) if held is not None else 0
         num_new_blocks = self.pages_needed(request, num_new_tokens, num_cached_tokens) - num_held - len(hit_blocks)
         reclaimed = sum(1 for b in hit_blocks if b.ref_cnt == 0)  # free now, but this request will hold them
-        if num_new_blocks > self.free_queue.num_free - reclaimed:
+        if num_new_blocks > self.num_free_pages() - reclaimed:
             return False
 
         if held is None:
             held = self._held[request.request_id] = _Held([], [], len(hit_blocks))
         blocks = held.blocks
         for b in hit_blocks:
-            if b.ref_cnt == 0:
+            if b.ref_cnt == 0 and self._parked.pop(b.block_id, None) is None:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
             b.hits += 1
         blocks.extend(hit_blocks)
+        if hit_blocks and request.retention_seconds:
+            self._retain(request, hit_blocks, 0)
         for _ in range(max(0, num_new_blocks)):
             b = self._take_free_block()
             self._evict(b)
@@ -181,6 +198,14 @@ class HashPrefixCache(KVCacheManager):
         if stored:
             self._emit_stored(request, keys, stored)
         held.num_committed = num_full
+        if request.retention_seconds:
+            self._retain(request, [self.cached[keys[i]] for i in range(start, num_full)], start)
+
+    def _retain(self, request: Request, blocks: list[Block], first_depth: int) -> None:
+        assert request.retention_seconds is not None
+        self.retention.retain(
+            [b.block_id for b in blocks], first_depth, request.retention_priority, request.retention_seconds
+        )
 
     def _emit_stored(self, request: Request, keys: list[bytes], indices: list[int]) -> None:
         """One BlockStored for consecutive blocks `indices` of the request that just became findable."""
@@ -211,20 +236,55 @@ class HashPrefixCache(KVCacheManager):
     def _take_free_block(self) -> Block:
         """The block the next allocation gets. LRU: the free queue's head. Other policies: an uncached block while
         there is one (they sit at the head), else the chain tail the policy ranks lowest, else (every cached free
-        block is continued by a block a running request holds) the least recently freed."""
+        block is continued by a block a running request holds) the least recently freed. Retained blocks are
+        parked instead while anything else is free (then the weakest retained one goes)."""
+        retention = self.retention
+        if not retention:  # nobody retains anything: the plain order
+            block, priority = self._pop_free_block()
+            if priority is not None:
+                self.eviction.evicted(priority)
+            return block
+        retention.expire()
+        while self.free_queue.num_free:
+            block, priority = self._pop_free_block()
+            if block.block_hash is None or block.block_id not in retention:
+                if priority is not None:
+                    self.eviction.evicted(priority)
+                return block
+            self._parked[block.block_id] = block
+        if not self._parked:
+            raise IndexError("no free blocks")
+        weakest = min(self._parked, key=retention.rank)
+        retention.discard(weakest)
+        return self._parked.pop(weakest)
+
+    def _pop_free_block(self) -> tuple[Block, float | None]:
+        """The next block in the policy's order, out of the free queue, with its eviction priority when it came
+        from the heap of chain tails (the caller reports it to the policy if it evicts the block)."""
         tails = self._tails
         if tails is None:
-            return self.free_queue.popleft()
-        head = self.free_queue.first()
+            return self.free_queue.popleft(), None
+        head, priority = self.free_queue.first(), None
         if head is not None and head.block_hash is not None:
             entry = tails.pop(self._is_free_tail)
             if entry is not None:
                 priority, head = entry
-                self.eviction.evicted(priority)
         if head is None:
             raise IndexError("no free blocks")
         self.free_queue.remove(head)
-        return head
+        return head, priority
+
+    def _unpark(self, block_id: int) -> None:
+        """A parked block's retention ended: it is ordinary again, first in line (it was when it was parked)."""
+        block = self._parked.pop(block_id, None)
+        if block is None:
+            return
+        if self._tails is None:
+            self.free_queue.appendleft(block)
+        else:  # uncached blocks stay first; the heap ranks it among the other tails
+            self.free_queue.append(block)
+            if self._is_free_tail(block):
+                self._push_tail(block)
 
     def _is_free_tail(self, block: Block) -> bool:
         return block.ref_cnt == 0 and block.block_hash is not None and block.block_hash not in self._num_children
@@ -239,6 +299,8 @@ class HashPrefixCache(KVCacheManager):
     def _evict(self, block: Block) -> None:
         key = block.block_hash
         if key is not None:
+            if self.retention:
+                self.retention.discard(block.block_id)
             if self.cached.get(key) is block:
                 del self.cached[key]
                 if self._events is not None:
@@ -266,6 +328,10 @@ class HashPrefixCache(KVCacheManager):
         given); True when nothing of that is left cached. Events: one BlockRemoved per dropped block, or one
         AllBlocksCleared for a full reset that left nothing cached."""
         mark = len(self._events) if self._events is not None else 0
+        for block_id in list(self._parked):  # a reset drops retained KV too
+            if salt_filter is None or salt_filter(self._parked[block_id].cache_salt):
+                self.retention.discard(block_id)
+                self._unpark(block_id)
         for b in list(self.free_queue):
             if salt_filter is None or (b.block_hash is not None and salt_filter(b.cache_salt)):
                 self._evict(b)
@@ -293,7 +359,9 @@ class HashPrefixCache(KVCacheManager):
             eviction=self.eviction.name if self.caching else None,
             cached_blocks=len(self.cached),
             cached_tokens=len(self.cached) * self.page_size,
-            evictable_blocks=sum(1 for b in self.free_queue if b.block_hash is not None) if self.caching else 0,
+            evictable_blocks=(sum(1 for b in self.free_queue if b.block_hash is not None) + len(self._parked))
+            if self.caching
+            else 0,
             running_requests=len(self._held),
             by_namespace=self._by_namespace(),
         )
@@ -313,7 +381,15 @@ class HashPrefixCache(KVCacheManager):
         free = list(self.free_queue)
         assert len(free) == self.free_queue.num_free, "free count drifted"
         in_use = [b for b in self.blocks if b.ref_cnt > 0]
-        assert len(free) + len(in_use) == self.num_pages, f"{len(free)} free + {len(in_use)} in use != {self.num_pages}"
+        num_free = len(free) + len(self._parked)
+        assert num_free + len(in_use) == self.num_pages, f"{num_free} free + {len(in_use)} in use != {self.num_pages}"
+        self.retention.check()
+        for block_id in self.retention.pages():
+            block = self.blocks[block_id]
+            assert block.block_hash is not None and self.cached.get(block.block_hash) is block, "retained, not cached"
+        for block_id, block in self._parked.items():
+            assert block.block_id == block_id and block.ref_cnt == 0 and block.prev_free is None, f"parked {block!r}"
+            assert block_id in self.retention, f"{block!r} parked without a retention"
         assert all(b.ref_cnt == 0 for b in free), "a block with ref_cnt > 0 is in the free queue"
         assert all(b.ref_cnt >= 0 for b in self.blocks), "negative ref_cnt"
         for key, b in self.cached.items():

@@ -19,11 +19,13 @@ remembers per request (pages, memoised keys and matches) lives inside the manage
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from prefixkv.kvcache.events import AllBlocksCleared, KVCacheEvent
+from prefixkv.kvcache.retention import RetentionTable
 from prefixkv.request import Request
 
 
@@ -62,11 +64,20 @@ class KVCacheManager(ABC):
     name: str = "abstract"
     caching: bool = True  # False: lookup never finds anything (prefix caching off), so waiting for a page gains nothing
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        retained_pool_fraction: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """retained_pool_fraction: the most of the pool that retained pages (retention.py) may hold; clock: what
+        retention deadlines are measured on (the simulator passes its simulated clock)."""
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.retention = RetentionTable(num_pages, retained_pool_fraction, clock)
         self.stats = PrefixCacheStats()  # written by the scheduler at admission; the manager only reports it
         self._events: list[KVCacheEvent] | None = None  # None: events off
 
@@ -163,6 +174,7 @@ class KVCacheManager(ABC):
             "readmission_queries": self.stats.readmission_queries,
             "readmission_hits": self.stats.readmission_hits,
             "evicted_pages": self.stats.evicted_pages,
+            **self.retention.summary(),
         }
 
     # -- optional views (defaults for caches that have nothing to show) ----------------------------------------

@@ -17,10 +17,14 @@ node at a time and keeps its id when a node is split, grows or is trimmed, so it
 
 Keys: (lora_id, cache_salt) select separate roots; prompt positions covered by a multimodal input are keyed by
 (input hash, offset) instead of the placeholder token, so two images never match each other.
+
+Retention (retention.py): the pages a retaining request commits or hits are recorded by page id in the manager's
+retention table, which the tree consults when it evicts (radix_tree.RadixTree.evict).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -78,13 +82,21 @@ class _RequestState:
 class RadixPrefixCache(KVCacheManager):
     name = "radix"
 
-    def __init__(self, num_pages: int, page_size: int = 1, eviction: str = "lru", hash_algo: str = "sha256") -> None:
-        super().__init__(num_pages, page_size)
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int = 1,
+        eviction: str = "lru",
+        hash_algo: str = "sha256",
+        retained_pool_fraction: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(num_pages, page_size, retained_pool_fraction, clock)
         if hash_algo not in HASH_FUNCTIONS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_FUNCTIONS)}, got {hash_algo!r}")
         self._hash_fn = HASH_FUNCTIONS[hash_algo]  # for KV events only: lookups compare tokens
         self._page_hash: list[int] = []  # by page id, for pages in the tree; filled with events on
-        self.tree = RadixTree(page_size, eviction)
+        self.tree = RadixTree(page_size, eviction, self.retention)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._requests: dict[str, _RequestState] = {}  # by request id, from allocate to free
         self._lookups: dict[str, _Keys] = {}  # by request id, from the first lookup to free
@@ -198,6 +210,9 @@ class RadixPrefixCache(KVCacheManager):
     def _release(self, evicted: list[int]) -> None:
         """Evicted tree pages go to the free list, and into the eviction count."""
         self.stats.evicted_pages += len(evicted)
+        if self.retention:
+            for page in evicted:
+                self.retention.discard(page)
         if self._events is not None and evicted:
             self._events.append(block_removed([self._page_hash[p] for p in evicted]))
         self._free.extend(evicted)
@@ -233,7 +248,14 @@ class RadixPrefixCache(KVCacheManager):
             self.tree.record_hit(node)
         pages = self.tree.path_pages(node) + self._take(max(need, 0))
         self._requests[request.request_id] = _RequestState(node, num_cached_tokens, pages)
+        if num_cached_tokens and request.retention_seconds:
+            self._retain(request, pages[: num_cached_tokens // ps], 0)
         return True
+
+    def _retain(self, request: Request, pages: list[int], first_depth: int) -> None:
+        """Tree pages the request hit or committed are retained (the tree reads the table when it evicts)."""
+        assert request.retention_seconds is not None
+        self.retention.retain(pages, first_depth, request.retention_priority, request.retention_seconds)
 
     def commit(self, request: Request) -> None:
         state = self._requests.get(request.request_id)
@@ -259,6 +281,8 @@ class RadixPrefixCache(KVCacheManager):
         state.node, state.committed = node, full
         if stored:
             self._emit_stored(request, stored)
+        if request.retention_seconds:
+            self._retain(request, tree_pages, first)
 
     def _emit_stored(self, request: Request, indices: list[int]) -> None:
         """Record the hashes of the request's pages `indices` (just inserted into the tree) and one BlockStored
@@ -484,3 +508,5 @@ class RadixPrefixCache(KVCacheManager):
             for page in state.pages[n:]:
                 own(page, f"request {rid}")
         assert len(owner) == self.num_pages, f"{self.num_pages - len(owner)} pages leaked"
+        self.retention.check()
+        assert all(owner[page] == "tree" for page in self.retention.pages()), "a retained page is not in the tree"

@@ -9,8 +9,9 @@ extend that leaf in place, so a request decoding 1,000 tokens adds one node, not
 Lifetime: a request that uses a prefix holds a lock reference on every node from its deepest node up to the
 namespace root. Unlocked nodes are evictable, leaves only, in the order of the eviction policy (eviction.py;
 least recently used by default) kept in a lazy heap; evicting a parent's last child makes the parent an evictable
-leaf. Counters of evictable and protected tokens are kept up to date on every lock change, so a free-page count
-never scans the tree.
+leaf. Pages in the retention table (retention.py) are evicted only when no unretained page can be. Counters of
+evictable and protected tokens are kept up to date on every lock change, so a free-page count never scans the
+tree.
 
 The tree knows nothing about requests or the free list: eviction hands freed page ids back to the caller.
 """
@@ -21,6 +22,7 @@ import itertools
 from collections.abc import Hashable, Iterator, Sequence
 
 from prefixkv.kvcache.eviction import EvictionHeap, make_eviction_policy
+from prefixkv.kvcache.retention import RetentionTable
 
 Namespace = Hashable  # (lora_id, cache_salt): separate roots, so tenants never match each other
 
@@ -76,7 +78,7 @@ def common_prefix_len(run: Sequence, seq: Sequence, start: int, end: int) -> int
 
 
 class RadixTree:
-    def __init__(self, page_size: int = 1, eviction: str = "lru") -> None:
+    def __init__(self, page_size: int = 1, eviction: str = "lru", retention: RetentionTable | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
@@ -89,6 +91,7 @@ class RadixTree:
         self._clock = itertools.count(1)
         self.eviction = make_eviction_policy(eviction)
         self._evictable: EvictionHeap[RadixNode] = EvictionHeap()  # unlocked leaves; stale entries skipped
+        self.retention = retention  # the cache's (it records what requests retain); read when evicting
 
     # -- keys and roots ------------------------------------------------------------------------------------
     def key(self, tokens: Sequence, i: int) -> Hashable:
@@ -297,6 +300,8 @@ class RadixTree:
 
         A leaf bigger than what is still needed is trimmed from its tail (SGLang drops whole leaves; keeping
         the head keeps the part more likely to be shared, and frees exactly what was asked)."""
+        if self.retention:  # some pages are retained: spare them while anything else can go
+            return self._evict_sparing_retained(num_pages, self.retention)
         ps, freed = self.page_size, list[int]()
         while len(freed) < num_pages:
             entry = self._evictable.pop(self._is_evictable_leaf)
@@ -318,6 +323,56 @@ class RadixTree:
             self._remove(node)
         self._maybe_compact_heap()
         return freed
+
+    def _evict_sparing_retained(self, num_pages: int, retention: RetentionTable) -> list[int]:
+        """evict() when pages are retained: a leaf's unretained tail pages go in the policy's order; a leaf
+        whose last page is retained is set aside, and only when no other leaf is left does the one whose last
+        page is weakest (retention.rank) lose pages. Set-aside leaves go back to the heap at the end."""
+        retention.expire()
+        freed: list[int] = []
+        aside: list[RadixNode] = []
+        while len(freed) < num_pages:
+            entry = self._evictable.pop(self._is_evictable_leaf)
+            if entry is not None:
+                priority, node = entry
+                unretained = 0
+                while unretained < len(node.pages) and node.pages[-1 - unretained] not in retention:
+                    unretained += 1
+                if not unretained:
+                    aside.append(node)
+                    continue
+                self.eviction.evicted(priority)
+                self._take_tail(node, min(unretained, num_pages - len(freed)), freed)
+                continue
+            aside = [n for n in aside if self._is_evictable_leaf(n)]
+            if not aside:
+                break
+            node = min(aside, key=lambda n: retention.rank(n.pages[-1]))
+            aside.remove(node)
+            retained = 0
+            while retained < len(node.pages) and node.pages[-1 - retained] in retention:
+                retained += 1
+            taken = min(retained, num_pages - len(freed))
+            for page in node.pages[-taken:]:
+                retention.discard(page)
+            self._take_tail(node, taken, freed)
+        for node in aside:
+            self._push_if_evictable(node)
+        self._maybe_compact_heap()
+        return freed
+
+    def _take_tail(self, node: RadixNode, n: int, freed: list[int]) -> None:
+        """Evict the last n pages of an evictable leaf into `freed`; a leaf left with pages is pushed back."""
+        self._shrink(node)
+        freed.extend(node.pages[-n:])
+        if n < len(node.pages):
+            del node.pages[-n:]
+            del node.tokens[-n * self.page_size :]
+            self.evictable_tokens -= n * self.page_size
+            self._push_if_evictable(node)
+            return
+        self.evictable_tokens -= len(node.tokens)
+        self._remove(node)
 
     def evict_namespace(self, namespace: Namespace) -> list[int]:
         """Free every unlocked node under one root (leaves first, so a parent goes once its children have);

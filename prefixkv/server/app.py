@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
-from prefixkv.server import admin, chat, completions
+from prefixkv.server import admin, chat, completions, prewarm
 from prefixkv.server.async_engine import AsyncEngine
 from prefixkv.server.auth import KeyRing, authenticate, isolation_mode, require_admin
 from prefixkv.server.errors import install_error_handlers
@@ -79,7 +79,7 @@ def build_app(
     app.add_middleware(BoundedRequestBody, max_bytes=limits.max_request_body_bytes, timeout=limits.body_timeout)
     install_error_handlers(app)
     app.include_router(admin.public)
-    for router in (admin.router, completions.router, chat.router):
+    for router in (admin.router, completions.router, chat.router, prewarm.router):
         app.include_router(router, dependencies=[Depends(authenticate)])
     app.include_router(admin.admin_only, dependencies=[Depends(require_admin)])
     install_openapi(app, state)

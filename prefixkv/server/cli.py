@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from prefixkv.engine_args import add_engine_args, engine_config
+from prefixkv.prewarm import prewarm_from_file, read_prewarm_file
 from prefixkv.router import POLICIES
 from prefixkv.server.auth import DEFAULT_TENANT, TENANT_ISOLATION, KeyFileError, read_key_file
 from prefixkv.server.limits import add_limit_arguments, limits_from_args
@@ -73,6 +75,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="an existing Ray cluster to run the replicas on (e.g. 'auto' on a cluster node); default: start one",
     )
+    p.add_argument(
+        "--prewarm",
+        default=None,
+        metavar="FILE",
+        help="JSONL of prompts to compute and cache before the server reports ready: one "
+        '{"prompt": ...} or {"messages": [...]} per line (optional "cache_salt", "prompt_cache_retention")',
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_limit_arguments(p)
 
@@ -89,6 +98,15 @@ def checked_app_options(args: argparse.Namespace) -> dict | None:
     if args.replicas < 1:
         print(f"prefixkv serve: error: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
         return None
+    if getattr(args, "prewarm", None) is not None:
+        if args.replicas > 1:
+            print("prefixkv serve: error: --prewarm is for one engine (not with --replicas above 1)", file=sys.stderr)
+            return None
+        try:
+            read_prewarm_file(args.prewarm)
+        except (OSError, ValueError) as exc:
+            print(f"prefixkv serve: error: --prewarm: {exc}", file=sys.stderr)
+            return None
     return dict(
         served_model_name=args.served_model_name,
         api_key=args.api_key,
@@ -116,7 +134,22 @@ def serve(args: argparse.Namespace) -> int:
         print("prefixkv serve: error: --replicas above 1 runs through `prefixkv serve` (Ray Serve)", file=sys.stderr)
         return 2
     raise_open_files_limit(app_options["limits"])
-    app = build_app(build_engine(engine_config(args)), **app_options)
+    engine = build_engine(engine_config(args))
+    if args.prewarm is not None:  # before the app exists: /health answers only once the prefixes are cached
+        started = time.perf_counter()
+        try:
+            num_prompts, num_cached = prewarm_from_file(engine, args.prewarm)
+        except ValueError as exc:
+            print(f"prefixkv serve: error: --prewarm: {exc}", file=sys.stderr)
+            return 2
+        logging.getLogger(__name__).info(
+            "prewarmed %d prompt(s) from %s: %d tokens cached in %.1f s",
+            num_prompts,
+            args.prewarm,
+            num_cached,
+            time.perf_counter() - started,
+        )
+    app = build_app(engine, **app_options)
     make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0
 

@@ -58,6 +58,8 @@ class APIError(Exception):
 
 _PARAMS = {
     "prompt",
+    "prompt_cache_key",
+    "prompt_cache_retention",
     "messages",
     "max_tokens",
     "max_completion_tokens",

@@ -190,6 +190,12 @@ class ServerMetrics:
             labels + ["finished_reason"],
             registry=self.registry,
         )
+        self.prompt_cache_keyed = Counter(
+            "prefixkv:prompt_cache_key_requests",
+            "Requests that carried a prompt_cache_key (the keys themselves are not labels).",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
         self._stats = _EngineStatsCollector(model_name)
         self.registry.register(self._stats)
 

@@ -9,10 +9,11 @@ names it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from prefixkv.kvcache.retention import PROMPT_CACHE_RETENTION
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
 
@@ -22,6 +23,7 @@ MAX_LOGPROBS = 20
 DEFAULT_MAX_N = 128  # OpenAI's cap on n; the server's --max-n
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024  # the server's --max-prompts-per-request
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's, also when a client sends max_tokens: null
+MAX_PROMPT_CACHE_KEY_CHARS = 1024
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
@@ -30,7 +32,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class PromptCacheFields(BaseModel):
+    """OpenAI's prompt-cache fields, on every request that fills the cache."""
+
+    model_config = _STRICT
+
+    prompt_cache_key: str | None = Field(
+        None,
+        max_length=MAX_PROMPT_CACHE_KEY_CHARS,
+        description="groups requests that share a prefix (a routing hint: replicas route a key to one engine)",
+    )
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="24h: keep this request's prompt KV cached for a day (bounded by the server's cap)"
+    )
+
+    def retention(self) -> dict[str, Any]:
+        """The engine's add_request keyword arguments for prompt_cache_retention (see retention.py)."""
+        return dict(PROMPT_CACHE_RETENTION[self.prompt_cache_retention or "in_memory"])
+
+
+class _GenerationRequest(PromptCacheFields):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = _STRICT
@@ -153,35 +174,40 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages in the plain {role, content: str} shape chat templates expect; 400 when they are not."""
-        out = []
-        for i, m in enumerate(self.messages):
-            role = m.get("role")
-            if not isinstance(role, str) or role not in ("system", "developer", "user", "assistant", "tool"):
-                raise APIError(
-                    f"messages[{i}].role must be one of system, developer, user, assistant, tool; got {role!r}",
-                    param="messages",
-                    code="invalid_value",
-                )
-            content = m.get("content")
-            if content is None:
-                content = ""
-            elif isinstance(content, list):
-                parts = []
-                for part in content:
-                    is_text = isinstance(part, dict) and part.get("type") == "text"
-                    if not is_text or not isinstance(part.get("text"), str):
-                        raise APIError(
-                            f"messages[{i}].content: only text parts are supported",
-                            param="messages",
-                            code="invalid_value",
-                        )
-                    parts.append(part["text"])
-                content = "".join(parts)
-            elif not isinstance(content, str):
-                raise APIError(
-                    f"messages[{i}].content must be a string or a list of text parts",
-                    param="messages",
-                    code="invalid_value",
-                )
-            out.append({"role": "system" if role == "developer" else role, "content": content})
-        return out
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages in the plain {role, content: str} shape chat templates expect; 400 when they are not."""
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ("system", "developer", "user", "assistant", "tool"):
+            raise APIError(
+                f"messages[{i}].role must be one of system, developer, user, assistant, tool; got {role!r}",
+                param="messages",
+                code="invalid_value",
+            )
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for part in content:
+                is_text = isinstance(part, dict) and part.get("type") == "text"
+                if not is_text or not isinstance(part.get("text"), str):
+                    raise APIError(
+                        f"messages[{i}].content: only text parts are supported",
+                        param="messages",
+                        code="invalid_value",
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise APIError(
+                f"messages[{i}].content must be a string or a list of text parts",
+                param="messages",
+                code="invalid_value",
+            )
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out

@@ -153,9 +153,25 @@ async def submit(
     salt = cache_salt_for(state.tenant_isolation, raw, body.user, body.cache_salt)
     prompts = await state.tokenize(prompts)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    record_prompt_cache_key(state, request_id, body.prompt_cache_key)
     try:
         return await state.engine.submit(
-            ids, prompts, params, stream=bool(body.stream), priority=body.priority, cache_salt=salt
+            ids,
+            prompts,
+            params,
+            stream=bool(body.stream),
+            priority=body.priority,
+            cache_salt=salt,
+            prompt_cache_key=body.prompt_cache_key,
+            **body.retention(),
         )
     except ValueError as exc:
         raise from_value_error(exc) from None
+
+
+def record_prompt_cache_key(state: ServerState, request_id: str, key: str | None) -> None:
+    """prompt_cache_key is a grouping hint: logged with the request id and counted (no per-key metric label:
+    keys are unbounded). Routers read it from the body themselves (serve_ray/ingress.py)."""
+    if key is not None:
+        state.metrics.prompt_cache_keyed.inc()
+        logger.debug("request %s prompt_cache_key=%r", request_id, key)

@@ -74,6 +74,8 @@ class Arrival:
     group: str = ""
     lora_id: str | None = None
     cache_salt: str | None = None
+    retention_seconds: float | None = None  # simulated seconds (kvcache/retention.py)
+    retention_priority: int = 0
 
 
 @dataclass(slots=True)
@@ -134,6 +136,7 @@ class Simulation:
         if clock not in ("seconds", "steps"):
             raise ValueError(f"clock must be 'seconds' or 'steps', got {clock!r}")
         self.kv = kv
+        kv.retention.clock = self.now  # retention deadlines run on simulated time
         self.scheduler = Scheduler(config, kv, policy)
         self.cost = cost
         self.clock = clock
@@ -145,6 +148,10 @@ class Simulation:
         self.result = SimResult()
         self._live: dict[Request, RequestMetrics] = {}
         self._next_token = _FIRST_GENERATED_ID
+
+    def now(self) -> float:
+        """The simulated time, in seconds (both clocks charge each step its cost)."""
+        return self.result.sim_seconds
 
     def run(self, arrivals: Iterable[Arrival]) -> SimResult:
         """Serve every arrival (in non-decreasing `due` order) to the end and return the result."""
@@ -196,6 +203,8 @@ class Simulation:
             arrival_time=arrival_s,
             lora_id=arrival.lora_id,
             cache_salt=arrival.cache_salt,
+            retention_seconds=arrival.retention_seconds,
+            retention_priority=arrival.retention_priority,
         )
         request.max_tokens = arrival.output_len
         self.scheduler.add(request)
@@ -260,7 +269,12 @@ def create_kv(config: EngineConfig) -> KVCacheManager:
         raise ValueError("the simulator needs kv_cache_tokens (a pool size in tokens)")
     num_pages = config.kv_cache_pages(bytes_per_token=1)
     return create_kv_cache_manager(
-        config.prefix_cache, num_pages, config.tokens_per_page, config.prefix_caching_hash_algo, config.eviction
+        config.prefix_cache,
+        num_pages,
+        config.tokens_per_page,
+        config.prefix_caching_hash_algo,
+        config.eviction,
+        config.retained_pool_fraction,
     )
 
 

@@ -122,6 +122,7 @@ class TieredKVCache(KVCacheManager):
         self.caching = True
         self.num_pages, self.page_size = inner.num_pages, inner.page_size
         self.stats = inner.stats
+        self.retention = inner.retention  # retained pages are the pool's: the inner cache honours them
         self.chunk_tokens = chunk_tokens
         self.hash_algo = hash_algo
         self.write_policy = write_policy

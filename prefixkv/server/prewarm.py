@@ -1,0 +1,67 @@
+"""POST /v1/cache/prewarm: compute and cache a prompt's KV without generating (prefixkv/prewarm.py explains it).
+
+Body: {"prompt": text or token ids} or {"messages": [...]} (templated as a chat request's would be), with the
+cache fields of the generation endpoints: cache_salt / user (tenant isolation as configured: a tenant warms its
+own namespace only), prompt_cache_key, prompt_cache_retention. Answer: {"prompt_tokens", "cached_tokens"}: the
+prompt's length and how many of its tokens are cached now (whole pages), plus the hit it found on arrival.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from prefixkv.prewarm import PREWARM_PARAMS
+from prefixkv.server.auth import cache_salt_for
+from prefixkv.server.errors import APIError, from_value_error
+from prefixkv.server.protocol import PromptCacheFields, template_messages
+from prefixkv.server.state import record_prompt_cache_key, server_state
+
+router = APIRouter()
+
+
+class PrewarmRequest(PromptCacheFields):
+    model: str | None = None
+    prompt: str | list[int] | None = Field(None, description="text or token ids; exactly one of prompt, messages")
+    messages: list[dict[str, Any]] | None = Field(None, min_length=1)
+    cache_salt: str | None = None
+    user: str | None = None
+
+
+@router.post("/v1/cache/prewarm")
+async def prewarm_cache(body: PrewarmRequest, raw: Request) -> dict:
+    state = server_state(raw)
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError("give exactly one of 'prompt' and 'messages'", param="prompt", code="invalid_value")
+    if body.messages is not None:
+        prompt: Any = await state.tokenize_chat(template_messages(body.messages))
+    else:
+        if not body.prompt:
+            raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
+        (prompt,) = await state.tokenize([body.prompt])
+    salt = cache_salt_for(state.tenant_isolation, raw, body.user, body.cache_salt)
+    request_id = f"prewarm-{uuid.uuid4().hex}"
+    record_prompt_cache_key(state, request_id, body.prompt_cache_key)
+    try:
+        group = await state.engine.submit(
+            [request_id], [prompt], PREWARM_PARAMS, stream=False, cache_salt=salt, prefill_only=True, **body.retention()
+        )
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    try:
+        (final,) = await group.collect()
+    finally:
+        group.close()
+    cached = await state.engine.call(lambda engine: engine.cached_prompt_tokens(prompt, salt))
+    return {
+        "id": request_id,
+        "object": "cache.prewarm",
+        "model": state.served_model_name,
+        "prompt_tokens": len(final.prompt_token_ids),
+        "cached_tokens": cached,
+        "hit_tokens": final.num_cached_tokens,  # what was cached already when it arrived
+    }
