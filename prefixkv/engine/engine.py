@@ -243,6 +243,8 @@ class Engine:
         for seq in sequences:
             self._seqs[seq.request.request_id] = seq
             self.scheduler.add(seq.request)
+            if self.tiered is not None:
+                self.tiered.prefetch(seq.request)  # read its tier chunks while the engine steps
         self._prompt_tokens += len(token_ids) * params.n
         return request_id
 
@@ -348,6 +350,7 @@ class Engine:
             assert self.tiered is not None
             self.tiered.save_all_pending()  # write_back: what only the pool holds
             self._save_to_tier()
+            self.tiered.close()
             self._tier_writer.close()
             assert self.kv_tier is not None
             self.kv_tier.close()

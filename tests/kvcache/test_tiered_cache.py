@@ -197,6 +197,44 @@ def test_a_chunk_promised_unread_that_fails_at_admission_is_recomputed():
     assert eng.kv.tier_stats.failed_reads == 1
 
 
+class _ThreadRecordingTier(HostTier):
+    """Records which thread each get() ran on (the prefetch reads must not run on the caller's)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.get_threads: list[str] = []
+
+    def get(self, key):
+        import threading
+
+        self.get_threads.append(threading.current_thread().name)
+        return super().get(key)
+
+
+def test_prefetch_reads_a_new_requests_chunks_in_the_background():
+    tier = _ThreadRecordingTier(64 * MANIFEST.payload_bytes, MANIFEST)
+    FakeEngine("hash", 8, tier).run(make_request(PROMPT_A))
+    eng = FakeEngine("radix", 8, tier, max_staged_bytes=2 * MANIFEST.payload_bytes)
+    req = make_request(PROMPT_A)
+    eng.kv.prefetch(req)  # two chunks fit the staging bound: those two are read by the prefetch thread
+    eng.kv.check_invariants()  # reads in flight count against the bound
+    assert eng.run(req) == 96  # the third chunk is read at admission; the driver checked every loaded slot
+    assert len(tier.get_threads) == 3 and all("prefetch" in t for t in tier.get_threads[:2])
+    assert "prefetch" not in tier.get_threads[2] and eng.kv._staged_bytes == 0
+
+    bad = _DamagingTier(64 * MANIFEST.payload_bytes, MANIFEST)  # a prefetched chunk that fails verification
+    FakeEngine("hash", 8, bad).run(make_request(PROMPT_A))
+    bad.bad = eng.kv._chunk_keys(eng.kv._state(make_request(PROMPT_A)), 3)[1]
+    eng = FakeEngine("hash", 8, bad)
+    req, dropped = make_request(PROMPT_A), make_request(PROMPT_A + [5])
+    eng.kv.prefetch(req)
+    eng.kv.prefetch(dropped)
+    eng.kv.free(dropped)  # freed before its reads were used: their bytes leave the bound
+    assert eng.run(req) == 32 and eng.kv.tier_stats.failed_reads == 1
+    eng.kv.close()
+    assert eng.kv._staged_bytes == 0
+
+
 def test_options_are_checked():
     inner = create_kv_cache_manager("hash", 8, PAGE)
     with pytest.raises(ValueError, match="kv_offload_chunk_tokens"):

@@ -16,6 +16,11 @@ promised unread and verified at admission; if it fails then, the admission is re
 pages are short) and the next lookup stops before it. Either way a chunk that fails verification ends the hit
 there and is recomputed, never served.
 
+Prefetch: the engine calls prefetch(request) when a request arrives. A background thread then reads and verifies
+the chunks the tier holds for it into its staging (within the same bound), while the engine goes on stepping;
+a lookup that needs a chunk still being read waits for that read alone. A request that waits in the queue finds
+its chunks read by the time it is admitted, and an idle engine loses nothing.
+
 Write policies. write_through: after each step, every newly completed full chunk the tier does not hold yet is
 saved. write_back: such a chunk is only remembered (its pages), and saved when one of its pages is handed out
 again by an allocation, i.e. when the pool evicts it; the engine reads those saves right after scheduling, before
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from prefixkv.kvcache.events import KVCacheEvent
@@ -79,6 +85,9 @@ class _TierState:
     request: Request
     keys: list[bytes] = field(default_factory=list)  # chunk chain keys (token ids only grow: they stay valid)
     staged: dict[int, bytes] = field(default_factory=dict)  # chunk index -> verified payload, until admission
+    # chunk index -> a background read (prefetch) of (verified payload or None, seconds); its bytes are counted
+    # in the staging bound from submission
+    reading: dict[int, Future] = field(default_factory=dict)
     bad_from: int = 1 << 62  # first chunk that failed verification: no hit reaches it
     pool_hit: int = 0  # the last lookup's split of its answer
     tier_hit: int = 0
@@ -136,6 +145,7 @@ class TieredKVCache(KVCacheManager):
         # write_back: chunks computed but not in the tier (key -> their pool slots), and which page holds which
         self._unsaved: dict[bytes, list[int]] = {}
         self._unsaved_by_page: dict[int, bytes] = {}
+        self._prefetcher: ThreadPoolExecutor | None = None  # started by the first prefetch()
 
     # -- per-request state ---------------------------------------------------------------------------------
     def _state(self, request: Request) -> _TierState:
@@ -155,14 +165,65 @@ class TieredKVCache(KVCacheManager):
         )
 
     def _unstage(self, state: _TierState, below: int | None = None) -> None:
-        """Drop the request's staged payloads (only those of chunks below `below`, when given)."""
+        """Drop the request's staged payloads and reads in flight (only those of chunks below `below`, when
+        given); a read in flight finishes unused."""
         for c in [c for c in state.staged if below is None or c < below]:
             self._staged_bytes -= len(state.staged.pop(c))
+        for c in [c for c in state.reading if below is None or c < below]:
+            state.reading.pop(c).cancel()
+            self._staged_bytes -= self.tier.manifest.payload_bytes
+
+    # -- prefetch ------------------------------------------------------------------------------------------
+    def prefetch(self, request: Request) -> None:
+        """Start reading, in the background, the chunks the tier holds after the pool's hit for this new request
+        (while staging has room); lookups then take them from staging instead of reading them themselves."""
+        state = self._state(request)
+        c, size = self.chunk_tokens, self.tier.manifest.payload_bytes
+        index = self.inner.lookup(request) // c
+        max_chunks = (request.num_tokens - 1) // c
+        keys = self._chunk_keys(state, max_chunks)
+        while index < max_chunks and self._staged_bytes + size <= self.max_staged_bytes:
+            if index not in state.staged and index not in state.reading:
+                if not self.tier.contains(keys[index]):
+                    break
+                if self._prefetcher is None:
+                    self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix=f"prefixkv-{self.tier.name}-prefetch")
+                state.reading[index] = self._prefetcher.submit(self._timed_get, keys[index])
+                self._staged_bytes += size
+            index += 1
+
+    def _timed_get(self, key: bytes) -> tuple[bytes | None, float]:
+        started = time.perf_counter()
+        payload = self.tier.get(key)
+        return payload, time.perf_counter() - started
+
+    def _take_read(self, state: _TierState, index: int) -> bytes | None:
+        """The prefetched payload of chunk `index`, waiting for its read if it is still running; staged when it
+        verified (its bytes were counted at submission), released when it did not."""
+        payload, seconds = state.reading.pop(index).result()
+        self.tier_stats.read_seconds += seconds
+        if payload is None or len(payload) != self.tier.manifest.payload_bytes:
+            self.tier_stats.failed_reads += 1
+            self._staged_bytes -= self.tier.manifest.payload_bytes
+            state.bad_from = min(state.bad_from, index)
+            return None
+        state.staged[index] = payload
+        return payload
+
+    def close(self) -> None:
+        """Stop the prefetch thread (reads in flight finish; their results are dropped)."""
+        for state in self._states.values():
+            self._unstage(state)
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+            self._prefetcher = None
 
     def _probe(self, state: _TierState, index: int) -> bool:
         """Whether chunk `index` can be promised. While staging has room it is read and verified now (and staged,
         so later lookups of the waiting request read nothing); with staging full, the tier holding it is enough
         and admission verifies it (_take_payloads). False when the tier lacks it or it failed verification."""
+        if index in state.reading:
+            return self._take_read(state, index) is not None
         key = self._chunk_keys(state, index + 1)[index]
         if not self.tier.contains(key):
             return False
@@ -194,7 +255,9 @@ class TieredKVCache(KVCacheManager):
         keys = self._chunk_keys(state, chunks.stop)
         for index in chunks:
             payload = state.staged.get(index)
-            if payload is None:
+            if payload is None and index in state.reading:
+                payload = self._take_read(state, index)
+            elif payload is None:
                 payload = self._read(keys[index])
             if payload is None:
                 state.bad_from = index
@@ -392,7 +455,8 @@ class TieredKVCache(KVCacheManager):
     def check_invariants(self) -> None:
         self.inner.check_invariants()
         staged = sum(len(p) for state in self._states.values() for p in state.staged.values())
-        assert staged == self._staged_bytes, f"staged bytes {self._staged_bytes} != {staged} held"
+        staged += sum(len(state.reading) for state in self._states.values()) * self.tier.manifest.payload_bytes
+        assert staged == self._staged_bytes, f"staged bytes {self._staged_bytes} != {staged} held or being read"
         assert self._staged_bytes <= self.max_staged_bytes, "staging over its bound"
         for load in self._loads:
             pages = set(self.inner.page_table(load.request))
