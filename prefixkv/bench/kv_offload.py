@@ -17,15 +17,13 @@ import argparse
 import json
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from typing import Any
 
 from prefixkv import engine_args
 from prefixkv.bench import common
+from prefixkv.bench.server_process import serve_process
 from prefixkv.config import EngineConfig
 from prefixkv.stats import median, ratio, summarize
 
@@ -67,14 +65,15 @@ def run_restart(args: argparse.Namespace) -> dict:
     phases: dict[str, list] = {"cold": [], "warm_in_pool": [], "warm_after_restart": []}
     cached: dict[str, list] = {k: [] for k in phases}
     try:
-        with _server(flags, args.startup_timeout) as base:
+        with serve_process(flags, startup_timeout=args.startup_timeout) as base:
             _warm_up(httpx, base, tokens(64))
             for system, (qa, qb, _) in zip(systems, questions):
                 for phase, q in (("cold", qa), ("warm_in_pool", qb)):
                     seconds, hit = _ttft(httpx, base, system + q)
                     phases[phase].append(seconds)
                     cached[phase].append(hit)
-        with _server(flags, args.startup_timeout) as base:  # a new process: empty pool, same directory
+        # a new process: empty pool, same directory
+        with serve_process(flags, startup_timeout=args.startup_timeout) as base:
             _warm_up(httpx, base, tokens(64))
             before = _metrics(httpx, base)
             for system, (_, _, qc) in zip(systems, questions):
@@ -135,42 +134,6 @@ def _server_flags(args: argparse.Namespace, tier_dir: str) -> list[str]:
             continue
         flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags + ["--kv-offload-dir", tier_dir]
-
-
-@contextmanager
-def _server(flags: list[str], startup_timeout: float):
-    """A `python -m prefixkv.server` process on a free port; SIGTERM at the end (a drained shutdown flushes the
-    tier's writes)."""
-    import socket
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "prefixkv.server", "--port", str(port), *flags])
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy")
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become healthy")
-            time.sleep(0.3)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _warm_up(httpx, base: str, prompt: list[int]) -> None:

@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import time
-import urllib.request
 
 from prefixkv.bench.serve_client import run_async
+from prefixkv.bench.server_process import serve_process
 
 READY_TIMEOUT_S = 600.0
 
@@ -45,62 +40,6 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="server logs (default: --output-dir)")
     p.set_defaults(func=run)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _server(router: str, args: argparse.Namespace, log_path: str):
-    """A `prefixkv serve --replicas N` process (its own session: stopping it stops its Ray); yields its URL."""
-    port = _free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "prefixkv",
-        "serve",
-        "--replicas",
-        str(args.replicas),
-        "--router",
-        router,
-        "--port",
-        str(port),
-        "--dtype",
-        args.dtype,
-        "--num-threads",
-        "1",
-        "--kv-cache-tokens",
-        str(args.kv_cache_tokens),
-        "--max-num-seqs",
-        str(args.concurrency),
-    ]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"prefixkv bench routing: the {router} server exited; see {log_path}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"prefixkv bench routing: the {router} server was not ready; see {log_path}")
-            time.sleep(2)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _client_args(url: str, args: argparse.Namespace) -> argparse.Namespace:
@@ -133,7 +72,21 @@ def run(args: argparse.Namespace) -> dict:
         order = routers if round_index % 2 == 0 else routers[::-1]
         for router in order:
             log_path = os.path.join(log_dir, f"routing_{router}_round{round_index}.log")
-            with _server(router, args, log_path) as url:
+            serve_args = [
+                "--replicas",
+                str(args.replicas),
+                "--router",
+                router,
+                "--dtype",
+                args.dtype,
+                "--num-threads",
+                "1",
+                "--kv-cache-tokens",
+                str(args.kv_cache_tokens),
+                "--max-num-seqs",
+                str(args.concurrency),
+            ]
+            with serve_process(serve_args, "/v1/models", READY_TIMEOUT_S, log_path) as url:
                 summary = asyncio.run(run_async(_client_args(url, args)))
             if summary["num_errors"]:
                 raise SystemExit(f"prefixkv bench routing: {router}: {summary['errors']}; see {log_path}")
