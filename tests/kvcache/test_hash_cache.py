@@ -53,10 +53,12 @@ def test_finished_request_frees_tail_first_and_eviction_drops_key():
     assert order[-4:] == [table[3], table[2], table[1], table[0]]
     assert sorted(order) == sorted(tail_first)
     # fill the pool: the least recently used cached block (chain end, block 3) is evicted first, key and all
+    keys = [kv.blocks[page].block_hash for page in table[:4]]
     other = make_request(range(100, 100 + 4 * 4 + 1))
     assert admit(kv, other)
-    evicted = kv.blocks[table[3]]
-    assert evicted.block_hash is None and len(kv.cached) == 3
+    assert keys[3] not in kv.cached and all(key in kv.cached for key in keys[:3])
+    assert kv.blocks[table[3]].block_hash != keys[3]  # (it carries other's key now: keyed at allocation)
+    assert len(kv.cached) == 3 + 4  # other's 4 full blocks are findable from its allocation on (in flight)
     kv.check_invariants()
 
 
