@@ -178,8 +178,8 @@ class HashPrefixCache(KVCacheManager):
             blocks.append(b)
         held.page_ids.extend(b.block_id for b in blocks[len(held.page_ids) :])
         if self.keys_in_flight_pages:
-            end = request.num_computed_tokens + num_cached_tokens + num_new_tokens
-            self._key_blocks(request, held, end // self.page_size)
+            end = min(request.num_computed_tokens + num_cached_tokens + num_new_tokens, request.num_tokens)
+            self._key_blocks(request, held, end // self.page_size)  # (room reserved past the tokens keys nothing)
         return True
 
     def commit(self, request: Request) -> None:

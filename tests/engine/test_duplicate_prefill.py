@@ -400,6 +400,36 @@ def test_under_memory_pressure_with_preemption_every_request_finishes_and_no_pag
     assert kv.num_free_pages() == kv.num_pages and not sched._hit_when_deferred
 
 
+def test_a_request_preempted_in_the_step_that_keyed_its_pages_takes_the_keys_back():
+    """Priority policy, a 4-page pool (pages of 4): low-priority A runs first; in step 3 its decode token
+    completes its page 1, keyed at allocation, then high-priority B's chunk finds no page and preempts A. A's
+    page 1 was never computed: it is no longer findable (BlockRemoved), page 0 (computed) still is."""
+    from prefixkv.kvcache.events import BlockRemoved, apply_events
+
+    kv = HashPrefixCache(4, 4)
+    kv.enable_events()
+    mirror: set[int] = set()
+    sched = scheduler(kv, "priority", max_num_batched_tokens=8)
+    a, b = req(own(6, 1), max_tokens=8, priority=9), req(own(12, 2), priority=0)
+    sched.add(a)
+    step(sched)  # A's prompt: page 0 computed
+    sched.add(b)
+    assert step(sched)[0] == [b]  # A decodes position 6, B's first 7 tokens
+    apply_events(mirror, kv.drain_events())
+    out = sched.schedule()  # A's decode at position 7 completes its page 1: keyed in flight; B preempts A
+    assert out.preempted == [a] and [r for r, _ in out.scheduled] == [b]
+    events = kv.drain_events()  # A's page 1 stored and removed, then B's new pages stored
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert len(removed) == 1 and removed[0] not in kv.cached_block_hashes()
+    assert kv.stats.evicted_pages == 0  # taken back, not evicted: B got that uncached page first
+    apply_events(mirror, events)
+    assert mirror == kv.cached_block_hashes()
+    assert kv.lookup(req(a.token_ids[:8] + [5])) == 4  # page 0 only
+    kv.check_invariants()
+    sched.update(out, [None] * len(out.scheduled))
+    run_all(sched)  # A comes back and finishes; no page leaks
+
+
 # -- through the real model --------------------------------------------------------------------------------------
 _ALONE: list[list[int]] = []  # filled by the first parametrization below
 
