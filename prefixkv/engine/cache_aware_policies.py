@@ -93,8 +93,9 @@ class BoundedLPMPolicy(LPMPolicy):
     so groups sharing a prefix stay together and the pool does not thrash.
 
     A request whose new pages another one computes in the same step waits a step for them under every policy
-    (Scheduler._defer), overdue requests included: that wait is bounded by its own pages, not by newcomers, and
-    the bound here is about order, which deferral leaves alone.
+    (Scheduler._defer; the hash cache lets it hit them in that step instead), overdue requests included: that
+    wait is bounded by its own pages, not by newcomers, and the bound here is about order, which deferral leaves
+    alone.
     """
 
     name = "bounded-lpm"

@@ -1,7 +1,8 @@
 """Orders the waiting queue. The scheduler admits requests in the order a policy returns.
 
 What a policy does not decide: whether a request waits a step for a page another request is computing in the
-same step (the scheduler does that for every policy, see Scheduler._defer)."""
+same step (the scheduler does that for every policy, for caches without keys_in_flight_pages, see
+Scheduler._defer)."""
 
 from __future__ import annotations
 

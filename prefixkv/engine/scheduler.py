@@ -5,8 +5,11 @@ the order the policy gives, each starting after its cached prefix, with long pro
 budget (chunked prefill). When pages run out, a running request is preempted by recompute: its pages are
 released (they stay cached, so the recompute is mostly a prefix hit) and it goes back to the front of the queue.
 
-A new prefix is computed once, whatever the policy: a waiting request whose next page another request computes
-in this same step waits one step and hits that page instead (see Scheduler._defer).
+A new prefix is computed once, whatever the policy. With a cache that keys pages in flight (the hash cache: a
+chunk's pages are findable from its allocation on), a request admitted later in the same step simply hits the
+pages an earlier chunk of the step computes, and reads them in the same forward pass. With one that keys them
+only once computed (the radix cache), a waiting request whose next page another request computes in this same
+step waits one step and hits that page instead (see Scheduler._defer).
 
 The scheduler is the only writer of a request's progress: it counts the prefix hit as computed when the KV
 manager has taken it (admit_request), and advances the request after each step (update), whoever ran the step
@@ -116,11 +119,16 @@ class Scheduler:
         everyone the policy puts behind it. (Handing its share to the requests behind, as vLLM does with
         requests it cannot schedule yet, would let one of them take its seat for a whole generation, or its
         budget for a whole chunked prefill.) The step just skips the duplicate work. Pages short stop admission
-        for everyone, as without deferral; a deferred request holds no pages."""
+        for everyone, as without deferral; a deferred request holds no pages. A cache that keys pages in flight
+        needs no deferral: its lookup already finds the pages this step's chunks complete.
+
+        Nothing is freed after the first admission of a step (preemption happens only in _schedule_running, and
+        admission stops when pages are short): a page keyed in flight that an admission hits is computed in
+        this step by the request that keyed it."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return
         kv = self.kv
-        in_flight = _PagesComputedThisStep(kv.page_size, out.scheduled)
+        in_flight = None if kv.keys_in_flight_pages else _PagesComputedThisStep(kv.page_size, out.scheduled)
         admitted: list[Request] = []
         seats = self.max_num_seqs - len(self.running)
         now = time.monotonic()
@@ -131,7 +139,7 @@ class Scheduler:
             num_new = min(request.num_tokens - cached, budget)
             seats -= 1
             budget -= num_new
-            if self._defer(request, cached, in_flight):
+            if in_flight is not None and self._defer(request, cached, in_flight):
                 continue
             if not admit_request(kv, request, num_new, cached):
                 break

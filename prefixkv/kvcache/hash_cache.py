@@ -13,6 +13,13 @@ key tells a tail; evicting a tail can make its parent one.
 Retention (retention.py): a retained free block that comes up for eviction is set aside ("parked", out of the
 free queue but still counted free and still findable) while anything else is free; it goes back to the front of
 the eviction order when its retention ends, or is evicted, weakest first, once nothing else is left.
+
+Keyed before computed (keys_in_flight_pages, vLLM's v1 rule): allocate() keys the full blocks the request's chunk
+completes right away, so a request admitted later in the same step hits them instead of computing them again.
+That is safe because the forward pass writes every row's new K/V into the pool before any row attends (layer by
+layer), and nothing reads the pool between scheduling and that pass. Such a block is "in flight" until commit()
+sees it computed; if its request is freed before that (preempted in the step that allocated it, or a failed
+step's abort), free() takes the key back (BlockRemoved), so no later lookup finds KV that was never written.
 """
 
 from __future__ import annotations
@@ -42,11 +49,13 @@ class _Keys:
 
 @dataclass(slots=True)
 class _Held:
-    """The blocks a running request holds, in position order."""
+    """The blocks a running request holds, in position order. Blocks [num_committed, num_keyed) that carry a key
+    are keyed in flight by this request: keyed at allocation, not yet seen computed."""
 
     blocks: list[Block]
     page_ids: list[int]  # the same blocks' ids: page_table() runs every step
-    num_committed: int  # leading blocks already keyed
+    num_keyed: int  # leading blocks keyed (or left private: another block held their key first)
+    num_committed: int  # leading blocks known computed: the hit's, and those commit() has seen
 
 
 class HashPrefixCache(KVCacheManager):
@@ -61,8 +70,11 @@ class HashPrefixCache(KVCacheManager):
         eviction: str = "lru",
         retained_pool_fraction: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
+        keys_in_flight_pages: bool = True,
     ) -> None:
+        """keys_in_flight_pages=False keys a block only once computed (at commit), as a radix tree inserts."""
         super().__init__(num_pages, page_size, retained_pool_fraction, clock)
+        self.keys_in_flight_pages = keys_in_flight_pages and self.caching
         if hash_algo not in HASH_FUNCTIONS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_FUNCTIONS)}, got {hash_algo!r}")
         self.hash_algo = hash_algo
@@ -71,6 +83,7 @@ class HashPrefixCache(KVCacheManager):
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
         self._held: dict[str, _Held] = {}  # by request id, from allocate to free
+        self._in_flight: dict[int, str] = {}  # block id -> id of the request that keyed it before it was computed
         self._keys: dict[str, _Keys] = {}  # by request id, from the first lookup to free
         self.num_evictions = 0  # keys only leave the map on eviction: a memoised match stays valid until then
         self.eviction = make_eviction_policy(eviction)
@@ -148,7 +161,7 @@ class HashPrefixCache(KVCacheManager):
             return False
 
         if held is None:
-            held = self._held[request.request_id] = _Held([], [], len(hit_blocks))
+            held = self._held[request.request_id] = _Held([], [], len(hit_blocks), len(hit_blocks))
         blocks = held.blocks
         for b in hit_blocks:
             if b.ref_cnt == 0 and self._parked.pop(b.block_id, None) is None:
@@ -164,14 +177,30 @@ class HashPrefixCache(KVCacheManager):
             b.ref_cnt = 1
             blocks.append(b)
         held.page_ids.extend(b.block_id for b in blocks[len(held.page_ids) :])
+        if self.keys_in_flight_pages:
+            end = min(request.num_computed_tokens + num_cached_tokens + num_new_tokens, request.num_tokens)
+            self._key_blocks(request, held, end // self.page_size)  # (room reserved past the tokens keys nothing)
         return True
 
     def commit(self, request: Request) -> None:
+        """The blocks the step completed are computed now: no longer in flight; keyed here when allocate() did
+        not key them already."""
         if not self.caching:
             return
         held = self._held[request.request_id]
         num_full = request.num_computed_tokens // self.page_size
-        start = held.num_committed
+        if num_full <= held.num_committed:
+            return
+        if self._in_flight:
+            for b in held.blocks[held.num_committed : min(num_full, held.num_keyed)]:
+                self._in_flight.pop(b.block_id, None)
+        held.num_committed = num_full
+        self._key_blocks(request, held, num_full)
+
+    def _key_blocks(self, request: Request, held: _Held, num_full: int) -> None:
+        """Give the request's blocks up to num_full their keys, making them findable (a block whose key another
+        block holds already stays private). Those past held.num_committed are in flight until commit()."""
+        start = held.num_keyed
         if num_full <= start:
             return
         keys = self.block_hashes(request, num_full)
@@ -190,6 +219,8 @@ class HashPrefixCache(KVCacheManager):
                 block.cache_salt = request.cache_salt
                 block.hits = 0
                 self.cached[key] = block
+                if i >= held.num_committed:
+                    self._in_flight[block.block_id] = request.request_id
                 if self._tails is not None:
                     block.position = i * self.page_size
                     block.parent_hash = parent = keys[i - 1] if i else None
@@ -197,7 +228,7 @@ class HashPrefixCache(KVCacheManager):
                         self._num_children[parent] = self._num_children.get(parent, 0) + 1
         if stored:
             self._emit_stored(request, keys, stored)
-        held.num_committed = num_full
+        held.num_keyed = num_full
         if request.retention_seconds:
             self._retain(request, [self.cached[keys[i]] for i in range(start, num_full)], start)
 
@@ -217,6 +248,8 @@ class HashPrefixCache(KVCacheManager):
         held = self._held.pop(request.request_id, None)
         if held is None:
             return
+        if self._in_flight:
+            self._unkey_in_flight(held)
         tails = self._tails
         if tails is not None:
             self._release_clock += 1
@@ -296,20 +329,36 @@ class HashPrefixCache(KVCacheManager):
         )
         self._tails.push(block, priority, block.last_access)
 
+    def _unkey_in_flight(self, held: _Held) -> None:
+        """The request goes before its step computed the blocks it keyed in flight (preempted in the step that
+        allocated them, or aborted after a failed step): take their keys back, so no lookup finds KV that was
+        never written. Only requests scheduled in that same step can hold them too (a hit never outlives the
+        step unless the step ran), and the scheduler frees nobody mid-step after admitting those."""
+        for b in reversed(held.blocks[held.num_committed : held.num_keyed]):
+            if self._in_flight.pop(b.block_id, None) is not None:
+                self._drop_key(b)
+
     def _evict(self, block: Block) -> None:
+        if self._drop_key(block):
+            self.stats.evicted_pages += 1
+
+    def _drop_key(self, block: Block) -> bool:
+        """Forget the block's key (BlockRemoved when it was findable: True then)."""
         key = block.block_hash
-        if key is not None:
-            if self.retention:
-                self.retention.discard(block.block_id)
-            if self.cached.get(key) is block:
-                del self.cached[key]
-                if self._events is not None:
-                    self._events.append(block_removed([external_block_hash(key)]))
-                self.num_evictions += 1
-                self.stats.evicted_pages += 1
-                if self._tails is not None and block.parent_hash is not None:
-                    self._forget_child(block.parent_hash)
-            block.block_hash = None
+        if key is None:
+            return False
+        findable = self.cached.get(key) is block
+        if self.retention:
+            self.retention.discard(block.block_id)
+        if findable:
+            del self.cached[key]
+            if self._events is not None:
+                self._events.append(block_removed([external_block_hash(key)]))
+            self.num_evictions += 1  # memoised matches are checked against this count
+            if self._tails is not None and block.parent_hash is not None:
+                self._forget_child(block.parent_hash)
+        block.block_hash = None
+        return findable
 
     def _forget_child(self, parent: bytes) -> None:
         """One cached block continuing `parent` went; with none left, the parent's block (if cached and free)
@@ -396,6 +445,9 @@ class HashPrefixCache(KVCacheManager):
             assert b.block_hash == key, f"cached key maps to {b!r} whose key differs"
         for held in self._held.values():
             assert held.page_ids == [b.block_id for b in held.blocks], "page ids drifted from blocks"
+            assert held.num_keyed <= len(held.blocks), "keyed past the held blocks"
+            assert all(b.block_hash is None for b in held.blocks[held.num_keyed :]), "a key past num_keyed"
+        self._check_in_flight()
         if self._tails is not None:
             self._check_tails(free)
         holders: dict[int, int] = {}
@@ -404,6 +456,21 @@ class HashPrefixCache(KVCacheManager):
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
         for b in self.blocks:
             assert holders.get(b.block_id, 0) == b.ref_cnt, f"{b!r} ref_cnt != number of requests holding it"
+
+    def _check_in_flight(self) -> None:
+        """Every keyed block is computed or in flight; an in-flight block is findable and held by the request that
+        keyed it, past what that request has computed, so it is never free: only requests scheduled in the same
+        step can find it before it is written."""
+        expected: dict[int, str] = {}
+        for request_id, held in self._held.items():
+            for b in held.blocks[held.num_committed : held.num_keyed]:
+                if b.block_hash is not None:
+                    expected[b.block_id] = request_id
+        assert self._in_flight == expected, f"in-flight blocks {self._in_flight} != keyed, uncommitted {expected}"
+        for block_id in self._in_flight:
+            block = self.blocks[block_id]
+            assert block.ref_cnt > 0 and block.block_hash is not None, f"{block!r} in flight, free or not keyed"
+            assert self.cached.get(block.block_hash) is block, f"{block!r} in flight, not findable"
 
     def _check_tails(self, free: list[Block]) -> None:
         """Child counts match the cached blocks, uncached free blocks come first, every free tail is in the heap."""

@@ -6,7 +6,8 @@ Protocol per request (all called by the scheduler, never by the model runner):
                                  tokens; False and nothing changed if memory is short even after eviction
   page_table(req)             -> page ids, handed to the model runner
   commit(req)                 -> req.num_computed_tokens advanced: make newly computed KV findable
-  free(req)                   -> finished, aborted or preempted: release pages (they stay cached until evicted)
+  free(req)                   -> finished, aborted or preempted: release pages (they stay cached until evicted;
+                                 pages keyed in flight that were never computed are forgotten)
 
 KV events (events.py), off by default: after enable_events() every page that becomes findable, every eviction
 and every reset is recorded, and drain_events() hands the records over (the engine publishes them once a step).
@@ -63,6 +64,10 @@ class KVCacheManager(ABC):
 
     name: str = "abstract"
     caching: bool = True  # False: lookup never finds anything (prefix caching off), so waiting for a page gains nothing
+    # True: allocate() makes the full pages a chunk completes findable at once ("keyed before computed"), so a
+    # request admitted later in the same step hits them (the forward pass writes them before anyone attends).
+    # False: pages become findable at commit(), after their step; the scheduler then defers the duplicate instead.
+    keys_in_flight_pages: bool = False
 
     def __init__(
         self,

@@ -1,8 +1,11 @@
 """A shared new prefix is computed once, under every policy: the real Scheduler driven without a model.
 
-A waiting request whose first page not cached is completed in the same step by a request already scheduled
-(running or admitted before it) waits one step and hits that page. Everything else about the order is the
-policy's: FCFS stays FCFS apart from the deferred requests, which are first among the waiting next step.
+The hash cache keys a chunk's pages at allocation (keys_in_flight_pages), so a request admitted later in the same
+step hits the pages an earlier chunk of the step computes: nobody waits, the order is the policy's. With the radix
+cache (pages findable once computed), a waiting request whose first page not cached is completed in the same step
+by a request already scheduled (running or admitted before it) waits one step and hits that page. Everything else
+about the order is the policy's: FCFS stays FCFS apart from the deferred requests, which are first among the
+waiting next step.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ def step(sched: Scheduler) -> tuple[list[Request], int]:
         if token is not None and r.num_output_tokens >= r.max_tokens:
             sched.finish(r, RequestStatus.FINISHED_LENGTH)
     sched.kv.check_invariants()
+    assert not getattr(sched.kv, "_in_flight", None)  # after its step every page keyed in flight is computed
     return admitted, out.num_batched_tokens
 
 
@@ -101,10 +105,33 @@ def test_32_requests_behind_one_new_1024_prefix_hit_the_optimal_31_x_1024(policy
     assert kv.stats.hits == 31 * 1024  # only the first request computes the prefix
     assert [r.num_cached_tokens for r in requests].count(1024) == 31
     first, second = steps[0], steps[1]
-    assert len(first[0]) == 1 and first[1] == 1074  # was 2048: request 2 computed 974 prefix tokens again
-    assert len(second[0]) == 31 and second[1] == 31 * 50 + 1  # the rest, hitting; plus request 1's decode
+    if kv.keys_in_flight_pages:  # the followers hit the pages the first one computes in this same step
+        assert len(first[0]) == 21 and first[1] == 1074 + 19 * 50 + 24  # the budget: the 21st gets 24 tokens
+        assert len(second[0]) == 11 and second[1] == 26 + 11 * 50 + 20  # the rest; 20 decodes
+    else:  # the followers wait one step
+        assert len(first[0]) == 1 and first[1] == 1074  # was 2048: request 2 computed 974 prefix tokens again
+        assert len(second[0]) == 31 and second[1] == 31 * 50 + 1  # the rest, hitting; plus request 1's decode
     outputs = 32 * 31  # decodes after each request's prefill sampled its first token
     assert sum(n for _, n in steps) == 1024 + 32 * 50 + outputs  # the prefix computed once in all
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_with_same_step_keying_every_follower_is_scheduled_in_the_first_step(policy):
+    """Budget for all: step 1 computes the prefix once and every follower's own 50 tokens, each follower reading
+    the 1024 prefix tokens the first request writes in that step; one step fewer than with deferral."""
+    prefix = list(range(50_000, 51_024))
+    counts = {}
+    for kv in (HashPrefixCache(512, 16), RadixPrefixCache(512, 16)):
+        sched = scheduler(kv, policy, max_num_seqs=64, max_num_batched_tokens=4096)
+        requests = [req(prefix + own(50, i), max_tokens=4) for i in range(32)]
+        for r in requests:
+            sched.add(r)
+        steps = run_all(sched)
+        assert kv.stats.hits == 31 * 1024 and sorted(r.num_cached_tokens for r in requests) == [0] + [1024] * 31
+        counts[kv.name] = len(steps)
+        if kv.keys_in_flight_pages:
+            assert set(map(id, steps[0][0])) == set(map(id, requests)) and steps[0][1] == 1074 + 31 * 50
+    assert counts == {"hash": 4, "radix": 5}
 
 
 def test_the_simulator_runs_the_same_rule():
@@ -157,12 +184,18 @@ def test_fcfs_admits_in_arrival_order_except_the_deferred_which_come_first_next_
 
     sched = scheduler(kv, "fcfs")
     made = add_all(sched)
-    assert names(step(sched)[0], label) == list("ABDF")  # plain order minus the deferred ones
-    assert names(sched.waiting, label) == list("CE")  # they keep their places
     late = req(own(40, 7))
     label[id(late)] = "G"
-    sched.add(late)
-    assert names(step(sched)[0], label) == list("CEG")
+    if kv.keys_in_flight_pages:  # C and E hit the pages A computes in the same step: plain FCFS, S computed once
+        admitted, computed = step(sched)
+        assert names(admitted, label) == list("ABCDEF") and computed == 272 + 2 * 16 + 3 * 40
+        sched.add(late)
+        assert names(step(sched)[0], label) == ["G"]
+    else:
+        assert names(step(sched)[0], label) == list("ABDF")  # plain order minus the deferred ones
+        assert names(sched.waiting, label) == list("CE")  # they keep their places
+        sched.add(late)
+        assert names(step(sched)[0], label) == list("CEG")
     assert made["C"].num_cached_tokens == made["E"].num_cached_tokens == len(S)
     run_all(sched)
 
@@ -185,7 +218,10 @@ def test_with_a_tight_budget_the_admission_order_is_plain_fcfs_order(kv):
     plain, _ = admissions(scheduler(NoPrefixCache(1024, 16), "fcfs", max_num_batched_tokens=512))
     assert plain == [["A", "C"], ["B", "D", "F"]]
     ours, made = admissions(scheduler(kv, "fcfs", max_num_batched_tokens=512))
-    assert ours == [["A"], ["C", "B", "D", "F"]]
+    if kv.keys_in_flight_pages:  # C hits S in step 1 and needs only 16 tokens: all five fit one step
+        assert ours == [["A", "C", "B", "D", "F"]]
+    else:
+        assert ours == [["A"], ["C", "B", "D", "F"]]
     assert sum(ours, []) == sum(plain, [])
     assert made["C"].num_cached_tokens == len(S)
 
@@ -229,6 +265,13 @@ def test_a_request_follows_a_running_prefill_chunk_by_chunk(kv):
     assert step(sched)[0] == [o]  # [0, 256)
     r = req(long[:600] + own(30, 1))
     sched.add(r)
+    if kv.keys_in_flight_pages:  # O's pages are findable from their allocation on: R hits them in that step
+        assert step(sched)[0] == []  # O's chunk [256, 512) takes the whole budget
+        admitted, computed = step(sched)  # O computes [512, 700); R hits all of it it shares and computes the rest
+        assert admitted == [r] and computed == 188 + 38 and r.num_cached_tokens == 600 - 600 % kv.page_size
+        assert r.num_computed_tokens == 600 + 30  # a step before deferral would admit it
+        run_all(sched)
+        return
     assert step(sched)[0] == []  # O computes [256, 512): R's page [256, 272) among them; R waits
     admitted, _ = step(sched)  # O computes [512, 700); R (hit 512) would compute [512, 528) again: waits
     assert admitted == []
@@ -277,7 +320,11 @@ def test_salts_adapters_and_multimodal_inputs_keep_requests_apart(kv):
         first, second = req(base, **first_kw), req(S + own(16, 2), **second_kw)
         sched.add(first)
         sched.add(second)
-        assert step(sched)[0] == ([first] if waits else [first, second]), (first_kw, second_kw)
+        if kv.keys_in_flight_pages:  # no wait: the second hits the first's pages in the same step, or misses them
+            assert step(sched)[0] == [first, second]
+            assert second.num_cached_tokens == (len(S) if waits else 0), (first_kw, second_kw)
+        else:
+            assert step(sched)[0] == ([first] if waits else [first, second]), (first_kw, second_kw)
         run_all(sched)
 
 
@@ -353,6 +400,36 @@ def test_under_memory_pressure_with_preemption_every_request_finishes_and_no_pag
     assert kv.num_free_pages() == kv.num_pages and not sched._hit_when_deferred
 
 
+def test_a_request_preempted_in_the_step_that_keyed_its_pages_takes_the_keys_back():
+    """Priority policy, a 4-page pool (pages of 4): low-priority A runs first; in step 3 its decode token
+    completes its page 1, keyed at allocation, then high-priority B's chunk finds no page and preempts A. A's
+    page 1 was never computed: it is no longer findable (BlockRemoved), page 0 (computed) still is."""
+    from prefixkv.kvcache.events import BlockRemoved, apply_events
+
+    kv = HashPrefixCache(4, 4)
+    kv.enable_events()
+    mirror: set[int] = set()
+    sched = scheduler(kv, "priority", max_num_batched_tokens=8)
+    a, b = req(own(6, 1), max_tokens=8, priority=9), req(own(12, 2), priority=0)
+    sched.add(a)
+    step(sched)  # A's prompt: page 0 computed
+    sched.add(b)
+    assert step(sched)[0] == [b]  # A decodes position 6, B's first 7 tokens
+    apply_events(mirror, kv.drain_events())
+    out = sched.schedule()  # A's decode at position 7 completes its page 1: keyed in flight; B preempts A
+    assert out.preempted == [a] and [r for r, _ in out.scheduled] == [b]
+    events = kv.drain_events()  # A's page 1 stored and removed, then B's new pages stored
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert len(removed) == 1 and removed[0] not in kv.cached_block_hashes()
+    assert kv.stats.evicted_pages == 0  # taken back, not evicted: B got that uncached page first
+    apply_events(mirror, events)
+    assert mirror == kv.cached_block_hashes()
+    assert kv.lookup(req(a.token_ids[:8] + [5])) == 4  # page 0 only
+    kv.check_invariants()
+    sched.update(out, [None] * len(out.scheduled))
+    run_all(sched)  # A comes back and finishes; no page leaks
+
+
 # -- through the real model --------------------------------------------------------------------------------------
 _ALONE: list[list[int]] = []  # filled by the first parametrization below
 
@@ -366,8 +443,10 @@ _ALONE: list[list[int]] = []  # filled by the first parametrization below
     ids=["hash-fcfs", "radix16-chunked-lpm"],
 )
 def test_outputs_with_deferral_equal_each_prompt_run_alone(new_llm, options):
-    """fp32 greedy: a batch in which requests wait for each other's new pages (admitted together, or behind a
-    running chunked prefill) gives every prompt the tokens it gets alone on a cold cache, and the waits paid."""
+    """fp32 greedy: a batch in which requests share each other's new pages gives every prompt the tokens it gets
+    alone on a cold cache, and the sharing paid. Hash: the followers read, in the same forward pass, the pages the
+    first request writes (keyed in flight); radix, chunked: they wait for each other's pages (admitted together,
+    or behind a running chunked prefill)."""
     import random
 
     rng = random.Random(14)
@@ -394,3 +473,36 @@ def test_outputs_with_deferral_equal_each_prompt_run_alone(new_llm, options):
     assert all(o.num_cached_tokens >= page_floor for o in batched[1:5])  # they waited for the first's pages
     assert batched[6].num_cached_tokens >= 288  # it followed the long prompt's chunks (300 shared, pages of 16)
     assert llm.llm_engine.get_stats().num_pages_used == 0
+
+
+def test_bf16_same_step_reads_match_deferred_reads(new_llm):
+    """bf16, whose native kernels (shared-prefix prefill, where the CPU has them) the fp32 test does not reach: the
+    followers that read, in the same forward pass, the shared pages the first request writes there produce the
+    same greedy tokens as when they wait a step and read those pages computed (keys_in_flight_pages off), or
+    part only at a near-tie (top-2 logprob gap within two bf16 steps at the first differing token)."""
+    import random
+
+    rng = random.Random(15)
+    shared = [rng.randrange(200, 40000) for _ in range(150)]
+    prompts = [shared + [rng.randrange(200, 40000) for _ in range(6 + 3 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=2)
+    llm = new_llm(dtype="bfloat16", kv_cache_tokens=4096, prefix_cache="hash")
+    engine = llm.llm_engine
+    runs, steps = {}, {}
+    for same_step in (True, False):
+        assert llm.reset_prefix_cache()
+        engine.kv.keys_in_flight_pages = same_step  # the scheduler reads it each step (off: it defers)
+        first_step = engine.scheduler.step_count
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        steps[same_step] = engine.scheduler.step_count - first_step
+        assert all(o.num_cached_tokens == 144 for o in outs[1:])
+        runs[same_step] = [o.outputs[0] for o in outs]
+    engine.kv.keys_in_flight_pages = True
+    assert steps[True] == steps[False] - 1  # all five prefills in step 1 (here one shared-prefix group)
+    assert engine.get_stats().num_pages_used == 0
+    for same, deferred in zip(runs[True], runs[False], strict=True):
+        if same.token_ids == deferred.token_ids:
+            continue
+        j = next(j for j, (a, b) in enumerate(zip(same.token_ids, deferred.token_ids, strict=True)) if a != b)
+        top = same.logprobs[j]["top_logprobs"]
+        assert top[0][1] - top[1][1] <= 0.25, (j, top)  # a near-tie, not a wrong read

@@ -53,10 +53,12 @@ def test_finished_request_frees_tail_first_and_eviction_drops_key():
     assert order[-4:] == [table[3], table[2], table[1], table[0]]
     assert sorted(order) == sorted(tail_first)
     # fill the pool: the least recently used cached block (chain end, block 3) is evicted first, key and all
+    keys = [kv.blocks[page].block_hash for page in table[:4]]
     other = make_request(range(100, 100 + 4 * 4 + 1))
     assert admit(kv, other)
-    evicted = kv.blocks[table[3]]
-    assert evicted.block_hash is None and len(kv.cached) == 3
+    assert keys[3] not in kv.cached and all(key in kv.cached for key in keys[:3])
+    assert kv.blocks[table[3]].block_hash != keys[3]  # (it carries other's key now: keyed at allocation)
+    assert len(kv.cached) == 3 + 4  # other's 4 full blocks are findable from its allocation on (in flight)
     kv.check_invariants()
 
 
@@ -100,6 +102,40 @@ def test_running_request_blocks_are_shared_before_it_finishes():
     assert kv.lookup(b) == 8
     assert admit(kv, b)
     assert kv.blocks[kv.page_table(a)[0]].ref_cnt == 2
+    kv.check_invariants()
+
+
+def test_pages_keyed_in_flight_are_found_at_once_and_forgotten_if_never_computed():
+    """A chunk's full blocks are findable from its allocation on (a later admission of the same step hits them);
+    a request freed before its step ran (preempted in that step) takes back the keys of the blocks it had not
+    computed, with BlockRemoved, and its retention of them: a lookup misses them, no page leaks."""
+    from prefixkv.kvcache.events import BlockRemoved, BlockStored, apply_events
+
+    kv = HashPrefixCache(num_pages=16, page_size=4)
+    kv.enable_events()
+    mirror: set[int] = set()
+    a = make_request(range(20), retention_seconds=60.0)
+    assert admit(kv, a, budget=8)
+    compute(kv, a, 8)  # blocks 0, 1 computed
+    assert kv.allocate(a, 9)  # the next chunk [8, 17): blocks 2, 3 keyed in flight
+    follower = make_request(list(range(16)) + [99])
+    assert kv.lookup(follower) == 16  # the in-flight blocks count
+    stored = kv.drain_events()
+    assert [type(e) for e in stored] == [BlockStored, BlockStored] and len(stored[1].block_hashes) == 2
+    apply_events(mirror, stored)
+    kv.check_invariants()
+    kv.free(a)  # preempted before the step computed [8, 17)
+    removed = kv.drain_events()
+    assert all(isinstance(e, BlockRemoved) for e in removed) and len(removed) == 2
+    apply_events(mirror, removed)
+    assert mirror == kv.cached_block_hashes() and len(kv.cached) == 2
+    assert kv.lookup(follower) == 8  # the computed blocks stay cached, the others are gone
+    assert kv.num_free_pages() == kv.num_pages and kv.stats.evicted_pages == 0  # taking a key back evicts nothing
+    kv.check_invariants()  # (retention of the forgotten blocks went with their keys)
+    b = make_request(list(range(16)) + [7])
+    assert admit(kv, b)  # a cache hit on in-flight pages, then commit of the hitter's own pages
+    compute(kv, b)
+    assert not kv._in_flight and kv.lookup(follower) == 16
     kv.check_invariants()
 
 

@@ -29,6 +29,7 @@ operation = st.one_of(
     arrival,
     arrival,
     st.tuples(st.just("free"), st.integers(0, 10)),
+    st.tuples(st.just("preempt"), st.integers(0, 10), st.integers(1, 12)),  # freed in the step of its allocation
     st.tuples(st.just("reset"), st.sampled_from([None, "a", "b"])),
 )
 
@@ -64,6 +65,11 @@ def play(kv, operations, check):
                 kv.free(req)
         elif op[0] == "free" and running:
             kv.free(running.pop(op[1] % len(running)))
+        elif op[0] == "preempt" and running:  # decodes allocated (their pages keyed in flight), never computed
+            req = running.pop(op[1] % len(running))
+            req.token_ids.extend(range(op[2]))
+            kv.allocate(req, req.num_tokens - req.num_computed_tokens)
+            kv.free(req)
         elif op[0] == "reset":
             salt = op[1]
             kv.reset_prefix_cache(None if salt is None else (lambda s, salt=salt: s == salt))

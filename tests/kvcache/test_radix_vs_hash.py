@@ -2,7 +2,11 @@
 index: every request of any workload sees the same hit. Both managers get the same admissions, chunks, decodes,
 preemptions and frees, and must agree on every lookup and every admission's cached-token count. Under eviction
 pressure they still agree, for every eviction policy, as long as no two requests compute the same page at once
-(the radix tree returns such a duplicate page at commit, the hash cache keeps it private until free)."""
+(the radix tree returns such a duplicate page at commit, the hash cache keeps it private until free).
+
+The hash cache here keys a block at commit, as the tree inserts (keys_in_flight_pages=False): keyed at allocation
+(its default) it finds pages a step earlier, which the scheduler uses instead of deferring (test_duplicate_prefill
+and test_hash_cache check that mode)."""
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -21,7 +25,7 @@ BASES = [list(range(100, 150)), list(range(100, 120)) + list(range(200, 230)), [
 class SameHits(RuleBasedStateMachine):
     @initialize(eviction=st.sampled_from(EVICTION_POLICIES))
     def setup(self, eviction):
-        self.hash = HashPrefixCache(4096, 16, eviction=eviction)
+        self.hash = HashPrefixCache(4096, 16, eviction=eviction, keys_in_flight_pages=False)
         self.radix = RadixPrefixCache(4096, 16, eviction)
         self.waiting: list[tuple] = []
         self.running: list[tuple] = []
@@ -110,7 +114,7 @@ def test_same_hits_on_a_seeded_chat_workload():
     rng = random.Random(0)
     systems = [[rng.randrange(50) for _ in range(n)] for n in (37, 50, 70)]
     convs: list[list[int]] = []
-    caches = (HashPrefixCache(8192, 16), RadixPrefixCache(8192, 16))
+    caches = (HashPrefixCache(8192, 16, keys_in_flight_pages=False), RadixPrefixCache(8192, 16))
     in_flight: list[tuple] = []
     for _ in range(300):
         if convs and rng.random() < 0.5:

@@ -147,6 +147,11 @@ class TieredKVCache(KVCacheManager):
         self._unsaved_by_page: dict[int, bytes] = {}
         self._prefetcher: ThreadPoolExecutor | None = None  # started by the first prefetch()
 
+    @property
+    def keys_in_flight_pages(self) -> bool:  # type: ignore[override]
+        """The inner cache's: pages loaded from the tier are keyed when the inner cache keys computed ones."""
+        return self.inner.keys_in_flight_pages
+
     # -- per-request state ---------------------------------------------------------------------------------
     def _state(self, request: Request) -> _TierState:
         state = self._states.get(request.request_id)
@@ -283,7 +288,8 @@ class TieredKVCache(KVCacheManager):
 
     def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
         """At first admission, take the pool part of the hit from the inner cache and allocate the tier part as
-        new tokens, then queue its loads (the inner cache keys those pages at commit, as if computed)."""
+        new tokens, then queue its loads (the inner cache keys those pages as if computed: the hash cache at once,
+        in flight, the radix cache at commit; the engine writes the loads before the forward pass either way)."""
         if not num_cached_tokens:
             held = len(self.inner.page_table(request))
             if not self.inner.allocate(request, num_new_tokens):
