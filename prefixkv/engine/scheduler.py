@@ -119,8 +119,9 @@ class Scheduler:
         everyone the policy puts behind it. (Handing its share to the requests behind, as vLLM does with
         requests it cannot schedule yet, would let one of them take its seat for a whole generation, or its
         budget for a whole chunked prefill.) The step just skips the duplicate work. Pages short stop admission
-        for everyone, as without deferral; a deferred request holds no pages. A cache that keys pages in flight
-        needs no deferral: its lookup already finds the pages this step's chunks complete.
+        for everyone, as without deferral; a deferred request holds no pages. With a cache that keys pages in
+        flight the lookup already finds the pages this step's chunks complete, so a request waits only for a page
+        a chunk of this step ends inside.
 
         Nothing is freed after the first admission of a step (preemption happens only in _schedule_running, and
         admission stops when pages are short): a page keyed in flight that an admission hits is computed in
@@ -128,7 +129,7 @@ class Scheduler:
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return
         kv = self.kv
-        in_flight = None if kv.keys_in_flight_pages else _PagesComputedThisStep(kv.page_size, out.scheduled)
+        in_flight = _PagesComputedThisStep(kv.page_size, out.scheduled, kv.keys_in_flight_pages)
         admitted: list[Request] = []
         seats = self.max_num_seqs - len(self.running)
         now = time.monotonic()
@@ -139,7 +140,7 @@ class Scheduler:
             num_new = min(request.num_tokens - cached, budget)
             seats -= 1
             budget -= num_new
-            if in_flight is not None and self._defer(request, cached, in_flight):
+            if self._defer(request, cached, in_flight):
                 continue
             if not admit_request(kv, request, num_new, cached):
                 break
@@ -156,9 +157,10 @@ class Scheduler:
 
     def _defer(self, request: Request, num_cached: int, in_flight: _PagesComputedThisStep) -> bool:
         """Whether `request` waits a step because its first page not cached, [num_cached, num_cached +
-        page_size), is completed in this step by a request already scheduled (a running request's chunk or an
-        admission before it) with the same tokens, adapter, salt and multimodal inputs up to the page's end.
-        Next step it hits that page instead of computing it a second time in the same batch.
+        page_size), is being computed by a request already scheduled (a running request's chunk or an admission
+        before it) with the same tokens, adapter, salt and multimodal inputs up to the page's end: completed in
+        this step, or, with keys in flight (whose hit already has what this step completes), by the chunk that
+        ends inside it. Next step it hits that page instead of computing it a second time.
 
         Nothing is deferred without a prefix cache, or when a hit next step could not cover a new page (a hit
         never includes the last token). It cannot starve: a request is deferred only with a longer hit than at
@@ -169,7 +171,7 @@ class Scheduler:
             return False
         if num_cached <= self._hit_when_deferred.get(request, -1):
             return False
-        if not in_flight.completes(request, num_cached):
+        if not in_flight.computes_next(request, num_cached):
             return False
         self._hit_when_deferred[request] = num_cached
         return True
@@ -204,21 +206,28 @@ class Scheduler:
 
 
 class _PagesComputedThisStep:
-    """The full pages this step's scheduled chunks complete: what a waiting request would find cached next step
-    if it waited. `scheduled` is the step's own list (during admission it only grows), read at each question.
+    """The pages this step's scheduled chunks complete, or reach into: what a waiting request would find cached
+    next step if it waited. `scheduled` is the step's own list (during admission it only grows), read at each
+    question.
+
+    Without keys in flight a page the step completes is not in a lookup's hit yet: waiting a step finds it. With
+    keys in flight it is in the hit already; what is left to wait for is a page a scheduled chunk ends inside
+    (or right before): its request computes it next step, and a request that computed it now would compute it
+    twice (a long shared prompt still being prefilled in chunks: the follower trails it chunk by chunk).
 
     No index: a question scans the step's chunks for one that ends a page at the asked position (integer tests),
     and compares tokens only for those. A step has at most max_num_seqs chunks and a few questions, while an
     index of every page in the chunks costs a tuple per page of every long prefill chunk, each step."""
 
-    def __init__(self, page_size: int, scheduled: list[tuple[Request, int]]) -> None:
+    def __init__(self, page_size: int, scheduled: list[tuple[Request, int]], keyed_in_flight: bool = False) -> None:
         self.page_size = page_size
         self._scheduled = scheduled
+        self._keyed_in_flight = keyed_in_flight
 
-    def completes(self, request: Request, start: int) -> bool:
-        """Whether a scheduled request computes through the end of `request`'s page [start, start + page_size)
-        (start is page-aligned) in this step, with the same token ids up to there, the same adapter and salt,
-        and the same multimodal inputs."""
+    def computes_next(self, request: Request, start: int) -> bool:
+        """Whether a scheduled request, with the same token ids up to the end of `request`'s page [start, start +
+        page_size) (start is page-aligned), the same adapter and salt and the same multimodal inputs, completes
+        that page in this step (without keys in flight) or ends its chunk inside it or at its start (with them)."""
         if start % self.page_size:
             return False  # only whole pages are cached
         end = start + self.page_size
@@ -226,7 +235,9 @@ class _PagesComputedThisStep:
         page: list[int] | None = None
         for other, num_new in self._scheduled:
             done = other.num_computed_tokens
-            if not done < end <= done + num_new or other.extra_keys != request.extra_keys:
+            reached = done + num_new
+            waits = start <= reached < end if self._keyed_in_flight else done < end <= reached
+            if not waits or other.extra_keys != request.extra_keys:
                 continue
             if page is None:
                 page = tokens[start:end]

@@ -281,6 +281,23 @@ def test_a_request_follows_a_running_prefill_chunk_by_chunk(kv):
     run_all(sched)
 
 
+def test_with_keys_in_flight_a_request_waits_for_the_page_a_chunk_ends_inside():
+    """The pages this step completes are in a hit already when keyed in flight; the page a chunk stops inside (or
+    right before) is computed by that request next step, so a follower sharing it waits rather than compute it
+    twice. Without keys in flight the wait is for a page completed this step, as before."""
+    from prefixkv.engine.scheduler import _PagesComputedThisStep
+
+    shared = list(range(70_000, 70_100))
+    o, r = req(shared + own(20, 1)), req(shared + own(20, 2))
+    o.num_computed_tokens = 32
+    keyed = _PagesComputedThisStep(16, [(o, 40)], keyed_in_flight=True)  # O computes [32, 72): ends inside [64, 80)
+    assert keyed.computes_next(r, 64) and not keyed.computes_next(r, 48) and not keyed.computes_next(r, 80)
+    assert _PagesComputedThisStep(16, [(o, 48)], keyed_in_flight=True).computes_next(r, 80)  # ends at its start
+    plain = _PagesComputedThisStep(16, [(o, 40)])
+    assert plain.computes_next(r, 48) and not plain.computes_next(r, 64)
+    assert not keyed.computes_next(req(list(range(90_000, 90_120))), 64)  # other tokens: nothing to wait for
+
+
 @pytest.mark.parametrize("kv", ["radix16", "hash16"], indirect=True)  # with 1-token pages no page is half done
 def test_no_wait_for_a_page_the_other_request_does_not_complete_this_step(kv):
     """With S cached: O's prompt ends 8 tokens into the page after S, and R shares those 8 tokens: O does not
