@@ -66,13 +66,16 @@ def test_caching_on_equals_off_sequential_and_batched(llm_factory, workload_and_
     assert llm.llm_engine.get_stats().num_pages_used == 0
 
 
+SYSTEM_TOKENS = 512  # a multiple of the page size: the whole system prompt is a hit
+
+
 @pytest.mark.parametrize("cache", ["hash", "radix"])
 def test_system_prompt_hit_counts_and_isolation(llm_factory, cache):
     llm = llm_factory(prefix_cache=cache)
     llm.reset_prefix_cache()
     tok = llm.get_tokenizer()
     rng = random.Random(2)
-    system = [rng.randrange(200, 40000) for _ in range(2048)]
+    system = [rng.randrange(200, 40000) for _ in range(SYSTEM_TOKENS)]
     q1 = [rng.randrange(200, 40000) for _ in range(50)]
     q2 = [rng.randrange(200, 40000) for _ in range(50)]
     one = SamplingParams(temperature=0, max_tokens=1)
@@ -80,14 +83,14 @@ def test_system_prompt_hit_counts_and_isolation(llm_factory, cache):
     first = llm.generate({"prompt_token_ids": system + q1}, one, use_tqdm=False)[0]
     second = llm.generate({"prompt_token_ids": system + q2}, one, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
-    assert second.num_cached_tokens == 2048  # 128 full blocks of 16; radix (page 1) matches to the first new token
+    assert second.num_cached_tokens == SYSTEM_TOKENS  # whole pages of 16; radix (page 1) matches to the first new one
     salted = llm.generate({"prompt_token_ids": system + q2, "cache_salt": "tenant-b"}, one, use_tqdm=False)[0]
     adapter = llm.generate({"prompt_token_ids": system + q2, "lora_id": "adapter-7"}, one, use_tqdm=False)[0]
     assert salted.num_cached_tokens == 0 and adapter.num_cached_tokens == 0
     assert salted.outputs[0].token_ids == second.outputs[0].token_ids
     stats = llm.llm_engine.get_stats()
-    assert stats.prefix_cache_hits - stats0.prefix_cache_hits == 2048
-    assert stats.prefix_cache_queries - stats0.prefix_cache_queries == 4 * 2098
+    assert stats.prefix_cache_hits - stats0.prefix_cache_hits == SYSTEM_TOKENS
+    assert stats.prefix_cache_queries - stats0.prefix_cache_queries == 4 * (SYSTEM_TOKENS + 50)
     assert 0 < stats.prefix_cache_hit_rate < 1
     del tok
 
