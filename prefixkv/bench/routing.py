@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 
-from prefixkv.bench.serve_client import run_async
+from prefixkv.bench.serve_client import add_arguments, run_async
 from prefixkv.bench.server_process import serve_process
 
 READY_TIMEOUT_S = 600.0
@@ -43,24 +43,22 @@ def register(subparsers) -> None:
 
 
 def _client_args(url: str, args: argparse.Namespace) -> argparse.Namespace:
-    return argparse.Namespace(
-        base_url=url,
-        model=None,
-        api_key=None,
-        trace=None,
-        workload="multi-tenant",
-        tenants=args.tenants,
-        tenant_api_keys=None,
-        num_requests=args.num_requests,
-        concurrency=args.concurrency,
-        system_prompt_tokens=args.system_prompt_tokens,
-        output_tokens=args.output_tokens,
-        turns=1,
-        turn_tokens=0,
-        ignore_eos=True,
-        timeout=1200.0,
-        seed=args.seed,
-    )
+    """`prefixkv bench serve --workload multi-tenant` against url, parsed by bench serve's own parser (its
+    defaults stay its own)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = {
+        "--base-url": url,
+        "--workload": "multi-tenant",
+        "--tenants": args.tenants,
+        "--num-requests": args.num_requests,
+        "--concurrency": args.concurrency,
+        "--system-prompt-tokens": args.system_prompt_tokens,
+        "--output-tokens": args.output_tokens,
+        "--timeout": 1200,
+        "--seed": args.seed,
+    }
+    return parser.parse_args([*(str(x) for item in flags.items() for x in item), "--ignore-eos"])
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -172,6 +172,8 @@ class TieredKVCache(KVCacheManager):
     def _unstage(self, state: _TierState, below: int | None = None) -> None:
         """Drop the request's staged payloads and reads in flight (only those of chunks below `below`, when
         given); a read in flight finishes unused."""
+        if not state.staged and not state.reading:  # the usual case: every waiting request's lookup comes here
+            return
         for c in [c for c in state.staged if below is None or c < below]:
             self._staged_bytes -= len(state.staged.pop(c))
         for c in [c for c in state.reading if below is None or c < below]:
@@ -205,10 +207,8 @@ class TieredKVCache(KVCacheManager):
     def _take_read(self, state: _TierState, index: int) -> bytes | None:
         """The prefetched payload of chunk `index`, waiting for its read if it is still running; staged when it
         verified (its bytes were counted at submission), released when it did not."""
-        payload, seconds = state.reading.pop(index).result()
-        self.tier_stats.read_seconds += seconds
-        if payload is None or len(payload) != self.tier.manifest.payload_bytes:
-            self.tier_stats.failed_reads += 1
+        payload = self._verified(*state.reading.pop(index).result())
+        if payload is None:
             self._staged_bytes -= self.tier.manifest.payload_bytes
             state.bad_from = min(state.bad_from, index)
             return None
@@ -244,10 +244,12 @@ class TieredKVCache(KVCacheManager):
         return True
 
     def _read(self, key: bytes) -> bytes | None:
-        """The verified payload under key (None, counted, when the tier cannot give it back intact)."""
-        started = time.perf_counter()
-        payload = self.tier.get(key)
-        self.tier_stats.read_seconds += time.perf_counter() - started
+        """The verified payload under key, read now (None, counted, when the tier cannot give it back intact)."""
+        return self._verified(*self._timed_get(key))
+
+    def _verified(self, payload: bytes | None, seconds: float) -> bytes | None:
+        """A read's payload if it is whole (None, counted, if not); its time goes into the stats either way."""
+        self.tier_stats.read_seconds += seconds
         if payload is None or len(payload) != self.tier.manifest.payload_bytes:
             self.tier_stats.failed_reads += 1
             return None
