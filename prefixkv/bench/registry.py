@@ -20,6 +20,7 @@ BENCH_MODULES = [
     "serve_client",
     "routing",
     "kv_offload",
+    "cache_invariance",
 ]
 
 

@@ -26,9 +26,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN copy of weight (see packed_linear), set by use_kernels
+        self.row_invariant = False  # a single row computed as in a batch (cache-invariant bf16), set by use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if self.row_invariant:
+                return packed_linear.packed_linear_rows(x, self.packed, self.bias)
             return packed_linear.packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -156,6 +159,9 @@ class LlamaModel(nn.Module):
                     module.packed = packed_linear.pack(module.weight) if options.packed_weights else None
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head_packed = packed_linear.pack(weight) if options.packed_weights else None
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.row_invariant = options.cache_invariant
         kernels = native.fused_ops() if options.fused_ops else None
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
@@ -178,7 +184,9 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]; call only on rows that sample."""
         if self.lm_head_packed is not None:
-            return packed_linear.packed_linear(hidden, self.lm_head_packed, None).float()
+            row_invariant = self.kernel_options is not None and self.kernel_options.cache_invariant
+            linear = packed_linear.packed_linear_rows if row_invariant else packed_linear.packed_linear
+            return linear(hidden, self.lm_head_packed, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

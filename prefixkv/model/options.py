@@ -13,6 +13,12 @@ Two kinds of paths, and why the defaults differ by dtype:
   prefix caching on and off, so they are on only below float32;
 - the native bf16 attention kernel (native_attention) rounds differently from torch's SDPA (its error on random
   inputs is within torch's own, tests/model/test_native_attention.py); it exists for bfloat16 only.
+- cache_invariant (bf16, on with the native kernels and packed weights): every row is computed by one
+  arithmetic whatever the cache, the chunking or the batch: decodes run the prefill kernel's reduction order,
+  shared prefixes hand their softmax state over to each member's own keys instead of merging by log-sum-exp, and
+  a matmul of a single row runs as two rows (oneDNN's one-row kernel sums differently; any 2+ rows agree, see
+  packed_linear). Greedy bf16 answers then do not change on a cache hit, nor in a batch
+  (tests/engine/test_cache_invariance.py).
 
 Tests parametrize these options (`dataclasses.replace(options, in_place_decodes=False)`) instead of patching.
 """
@@ -53,6 +59,11 @@ class KernelOptions:
     # prefill chunks behind the same cached leading pages attend to that prefix once, stacked (needs
     # native_attention; reorders the softmax sum like cascade decodes)
     shared_prefill: bool = False
+    # bf16 rows are computed the same whether their context is cached or fresh, however the step was cut and
+    # batched: decodes use the prefill kernel's arithmetic (paged_flash_decode), shared-prefix groups (cut at a
+    # multiple of 64 keys) continue each row's softmax state instead of merging by log-sum-exp, and single-row
+    # matmuls run as two rows (needs native_attention, in_place_decodes and packed_weights)
+    cache_invariant: bool = False
     # RMSNorm, rotary embedding and SiLU-multiply use the native one-pass bf16 kernels
     fused_ops: bool = False
     # matmul weights are packed once into oneDNN's blocked layout (bf16 CPU)
@@ -95,6 +106,9 @@ class KernelOptions:
         if unknown:
             raise ValueError(f"unknown kernel options {sorted(unknown)}")
         options = dataclasses.replace(options, **overrides)
+        if "cache_invariant" not in overrides:  # on wherever its kernels run, also when an override turned them off
+            kernels = options.native_attention and options.in_place_decodes and options.packed_weights
+            options = dataclasses.replace(options, cache_invariant=kernels)
         options.check(device, dtype, config)
         return options
 
@@ -110,6 +124,8 @@ class KernelOptions:
             raise ValueError("native_attention needs bfloat16, head_dim 64 and a CPU with AVX-512 BF16 (native build)")
         if self.shared_prefill and not self.native_attention:
             raise ValueError("shared_prefill needs native_attention")
+        if self.cache_invariant and not (self.native_attention and self.in_place_decodes and self.packed_weights):
+            raise ValueError("cache_invariant needs native_attention, in_place_decodes and packed_weights")
         if self.fused_ops and not (cpu and dtype == torch.bfloat16 and native.fused_ops() is not None):
             raise ValueError("fused_ops needs bfloat16 on a CPU where the native fused kernels are built")
         if self.fused_ops and config is not None and not fused_ops_fit(config):

@@ -5,6 +5,11 @@ into the blocked (AMX/VNNI) layout on every call. For the small row counts of de
 (M = 1..256) that reorder is ~30% of the matmul; packing each weight once at load time removes it. The
 results are bit-identical to `F.linear` (same kernel, same accumulation order), measured on SmolLM2's shapes.
 Used only for bfloat16 on CPUs where oneDNN supports it; float32 stays on `F.linear` (the exactness mode).
+
+Row invariance (for cache-invariant bf16): a row's result is the same in any product of 2 or more rows, at any
+index, but oneDNN computes a single row with another kernel whose sum can differ (SmolLM2's down projection,
+K = 1536). `packed_linear_rows` computes a single row as two copies of it, so a row never depends on its batch
+(tests/model/test_invariant_attention.py measures both facts).
 """
 
 from __future__ import annotations
@@ -31,3 +36,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] -> [..., out], equal to F.linear(x, weight, bias) for the weight `packed` came from."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packed_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """packed_linear of x [rows, in] whose every row equals that row's result in any batch of rows."""
+    if x.shape[0] != 1:
+        return packed_linear(x, packed, bias)
+    return packed_linear(x.expand(2, -1).contiguous(), packed, bias)[:1]

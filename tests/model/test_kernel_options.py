@@ -58,7 +58,7 @@ def test_model_switches_follow_the_runner_options(tiny_checkpoint):
     mlp = runner.model.layers[0].mlp
     assert runner.model.kernel_options is runner.options and runner.options.packed_weights
     assert mlp.gate_up_proj.packed is not None and runner.model.lm_head_packed is not None
-    plain = dataclasses.replace(runner.options, packed_weights=False)
+    plain = dataclasses.replace(runner.options, packed_weights=False, cache_invariant=False)
     runner = ModelRunner(loaded, num_pages=4, page_size=16, options=plain)
     assert mlp.gate_up_proj.packed is None and runner.model.lm_head_packed is None
     assert runner.model.kernel_options is plain

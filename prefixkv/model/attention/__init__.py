@@ -11,9 +11,11 @@ Which path runs is decided in two places only, and never per layer:
   index-shaped tensor they need.
 `paged_attention` then writes each layer's new K/V into the pool and lets every group attend (groups.py). Groups
 that attend to two disjoint key sets and merge (cascade decodes, shared-prefix chunks, split chunks) share
-merge.py; that reordering of the softmax sum is why the options enable them only below float32, where token
-equality between prefix caching on and off is not promised. A new way to attend is one more group class and one
-more rule in the planner.
+merge.py; that reordering of the softmax sum is why the options enable them only below float32. In bf16 with
+KernelOptions.cache_invariant (the default where the native kernels run) the native groups do not merge: the
+shared prefix hands each row's softmax state to the row's own keys, and decodes use the prefill kernel's
+arithmetic, so a token's result is the same cached or fresh, whatever the chunking or the batch. A new way to
+attend is one more group class and one more rule in the planner.
 """
 
 from prefixkv.model.attention.groups import (

@@ -6,7 +6,8 @@ group's members are not adjacent (cascade members, or the decodes left beside ca
 not do is look at the device, the dtype or a global to pick a path: its fields say everything (the planner set
 them from the frozen KernelOptions).
 
-- InPlaceDecodes: the native kernel reads each decode's pages where they lie (nothing gathered).
+- InPlaceDecodes: the native kernel reads each decode's pages where they lie (nothing gathered); cache-invariant,
+  with the prefill kernel's arithmetic (paged_flash_decode), so a 1-token chunk equals that row of a longer one.
 - PaddedDecodes: decodes gathered and padded to the group's longest context, one SDPA call; each query head group
   is laid out as rows of its kv head ([B, kv_heads, group, d]), so no GQA expansion is needed.
 - CascadeDecodes: decodes behind the same leading pages attend to that prefix once (queries of all members as rows
@@ -17,7 +18,8 @@ them from the frozen KernelOptions).
 - SplitChunk: a chunk after cached tokens attends to the cached part (all visible, read as a view of the pool when
   its slots are back to back) and to its own K/V (causal) in two calls merged by log-sum-exp.
 - NativeChunk: a chunk (fresh or after cached tokens) attended by the native bf16 kernel straight from the pool.
-- SharedPrefixChunks: chunks behind the same cached pages attend to them once, stacked, then to their own parts.
+- SharedPrefixChunks: chunks behind the same cached pages attend to them once, stacked, then to their own parts
+  (merged by log-sum-exp, or, cache-invariant, continuing each row's softmax state).
 Gathered K/V go into one workspace reused by every layer: fresh large allocations are slow on CPU.
 """
 
@@ -76,13 +78,16 @@ class InPlaceDecodes:
     page_table: torch.Tensor  # [B, max_pages] int64, rows padded with page 0
     context_lens: torch.Tensor  # [B] int64: positions [0, start_pos + 1) are attended
     page_size: int
+    invariant: bool  # bf16: the prefill kernel's arithmetic (paged_flash_decode), else the plain decode kernel
 
     workspace_slots = 0
 
     def attend(self, q, kv, kv_layer, workspace, scale) -> torch.Tensor:
-        return native.module().paged_decode_attention(
-            take_rows(q, self.rows), kv_layer, self.page_table, self.context_lens, self.page_size, scale
-        )
+        kernels, qd = native.module(), take_rows(q, self.rows)
+        args = (qd, kv_layer, self.page_table, self.context_lens, self.page_size, scale)
+        if self.invariant:
+            return kernels.paged_flash_decode(*args)[0]
+        return kernels.paged_decode_attention(*args)
 
 
 @dataclass(slots=True)
@@ -192,8 +197,10 @@ class CascadeDecodes:
 @dataclass(slots=True)
 class NativeCascadeDecodes:
     """CascadeDecodes with the native kernels, nothing gathered: the members' queries stacked against the shared
-    prefix (flash_attention, bf16), each member's own pages after it in place (paged_decode_attention_lse, its
-    page table starting after the shared pages: prefix_len is whole pages), merged by log-sum-exp."""
+    prefix (flash_attention, bf16), each member's own pages after it in place (its page table starting after the
+    shared pages: prefix_len is whole pages). Invariant: the prefix hands each row's softmax state to
+    paged_flash_decode, which continues it (prefix_len a multiple of 64: bit for bit one pass); else the two
+    pieces are merged by log-sum-exp."""
 
     rows: Rows
     prefix_slots: torch.Tensor  # [prefix_len]
@@ -201,12 +208,20 @@ class NativeCascadeDecodes:
     suffix_table: torch.Tensor  # [B, pages] each member's pages after the shared ones (padded with page 0)
     suffix_lens: torch.Tensor  # [B] start_pos + 1 - prefix_len
     page_size: int
+    invariant: bool
 
     workspace_slots = 0
 
     def attend(self, q, kv, kv_layer, workspace, scale) -> torch.Tensor:
         kernels = native.module()
         qc = take_rows(q, self.rows).contiguous()
+        if self.invariant:
+            state = kernels.flash_attention(
+                qc, kv_layer, self.prefix_slots, self.prefix_q_pos, scale, return_state=True
+            )[2]
+            return kernels.paged_flash_decode(
+                qc, kv_layer, self.suffix_table, self.suffix_lens, self.page_size, scale, state
+            )[0]
         o1, lse1 = kernels.flash_attention(qc, kv_layer, self.prefix_slots, self.prefix_q_pos, scale)
         o2, lse2 = kernels.paged_decode_attention_lse(
             qc, kv_layer, self.suffix_table, self.suffix_lens, self.page_size, scale
@@ -313,19 +328,28 @@ class SharedPrefixChunks:
     The queries of every member are stacked and attend to the shared prefix in one native call (its K/V packed
     once for all members, and one call's worth of work to split over the threads, instead of one small call per
     chunk); each member then attends to its own positions [prefix_len, start_pos + n), causally, and the two
-    pieces are merged by log-sum-exp (merge.py). The prefill counterpart of CascadeDecodes.
+    pieces are merged by log-sum-exp (merge.py), or, invariant, the prefix hands each row's softmax state to its
+    own part, which continues it (prefix_len a multiple of 64: bit for bit one pass over the whole context). The
+    prefill counterpart of CascadeDecodes.
     """
 
     rows: Rows  # every member's rows, member after member
     prefix_slots: torch.Tensor  # [prefix_len]
     prefix_q_pos: torch.Tensor  # [rows] prefix_len - 1: every row sees the whole prefix
     members: list[tuple[slice, torch.Tensor, torch.Tensor]]  # (rows within the group, own slots, positions - prefix)
+    invariant: bool
 
     workspace_slots = 0
 
     def attend(self, q, kv, kv_layer, workspace, scale) -> torch.Tensor:
         kernel = native.module().flash_attention
         qg = take_rows(q, self.rows)
+        if self.invariant:
+            state = kernel(qg, kv_layer, self.prefix_slots, self.prefix_q_pos, scale, return_state=True)[2]
+            out = torch.empty_like(qg)
+            for local, slots, q_pos in self.members:
+                out[local] = kernel(qg[local], kv_layer, slots, q_pos, scale, state[local])[0]
+            return out
         o1, lse1 = kernel(qg, kv_layer, self.prefix_slots, self.prefix_q_pos, scale)
         o2, lse2 = torch.empty_like(o1), torch.empty_like(lse1)
         for local, slots, q_pos in self.members:

@@ -7,6 +7,8 @@ ModelRunner.execute). The planner reads only that batch and the frozen KernelOpt
 - the other decodes are one in-place group (options.in_place_decodes), or padded length groups, split where
   padding would more than double the work;
 - prefill chunks behind the same cached leading pages form shared-prefix groups (options.shared_prefill);
+- with options.cache_invariant, a cascade or shared-prefix group's prefix is cut to a multiple of 64 keys (the
+  native kernels' softmax chunk), where the handed-over state equals one pass's;
 - every other prefill chunk is one group: native (options.native_attention), fresh, after cached tokens in one
   masked call, or split (options.split_prefill).
 Everything index-shaped (slots, page tables, masks) is computed here, once, and read by every layer.
@@ -14,6 +16,7 @@ Everything index-shaped (slots, page tables, masks) is computed here, once, and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +36,8 @@ from prefixkv.model.attention.groups import (
     SplitChunk,
 )
 from prefixkv.model.options import KernelOptions
+
+INVARIANT_ALIGN = 64  # keys per softmax chunk of the native kernels (csrc/flash_attention.cpp kChunk)
 
 
 @dataclass(slots=True)
@@ -142,7 +147,9 @@ class StepPlanner:
     def _in_place_group(self, members, start_positions, page_tables) -> InPlaceDecodes:
         lens = np.asarray([start_positions[i] + 1 for i in members], dtype=np.int64)
         table = _page_table(members, page_tables, lens, 0, self.page_size)
-        return InPlaceDecodes(self._rows(members), self._tensor(table), self._tensor(lens), self.page_size)
+        return InPlaceDecodes(
+            self._rows(members), self._tensor(table), self._tensor(lens), self.page_size, self.options.cache_invariant
+        )
 
     def _padded_group(self, members, start_positions, page_tables) -> PaddedDecodes:
         slots, valid = _padded_slots(members, 0, start_positions, page_tables, self.page_size)
@@ -186,6 +193,7 @@ class StepPlanner:
             self._tensor(table),
             self._tensor(lens),
             ps,
+            self.options.cache_invariant,
         )
 
     # -- prefill chunks ----------------------------------------------------------------------------------------
@@ -219,6 +227,7 @@ class StepPlanner:
             self._tensor(prefix_slots),
             torch.full((offset,), prefix_len - 1, dtype=torch.long, device=self.device),
             parts,
+            self.options.cache_invariant,
         )
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
@@ -315,6 +324,8 @@ def _cascade_members(candidates, start_positions, page_tables, page_size, option
     (so two big families behind one short shared start are both found).
     """
     min_pages = -(-options.cascade_min_prefix // page_size)
+    # cache-invariant groups hand softmax state over at the prefix's end: it must fall on the kernel's 64-key chunks
+    align = math.lcm(INVARIANT_ALIGN, page_size) // page_size if options.cache_invariant else 1
     found = []
 
     def split(members: list[int], depth: int) -> None:
@@ -329,11 +340,12 @@ def _cascade_members(candidates, start_positions, page_tables, page_size, option
             table = np.asarray([page_tables[i][:limit] for i in sub], dtype=np.int64)
             same = (table == table[0]).all(axis=0)
             shared = limit if same.all() else int(np.argmin(same))
-            if shared >= min_pages:
+            usable = shared - shared % align
+            if usable >= min_pages:
                 ends = [start_positions[i] + 1 for i in sub]
-                cascade_slots = shared * page_size * (1 - len(sub)) + len(sub) * max(ends)
+                cascade_slots = usable * page_size * (1 - len(sub)) + len(sub) * max(ends)
                 if max_gather is None or cascade_slots <= max_gather * sum(ends):
-                    found.append((sub, shared))
+                    found.append((sub, usable))
             elif shared < limit:
                 split(sub, shared)
 

@@ -10,7 +10,10 @@ bool has_fused_ops();
 std::vector<at::Tensor> paged_decode_attention_lse(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
                                                    int64_t page_size, double scale);
 std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor slots, at::Tensor q_pos,
-                                        double scale);
+                                        double scale, c10::optional<at::Tensor> state_in, bool return_state);
+std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
+                                           int64_t page_size, double scale, c10::optional<at::Tensor> state_in,
+                                           bool return_state);
 bool has_flash_attention();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -21,7 +24,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row in float32, scaled by weight, one pass");
   m.def("has_fused_ops", &has_fused_ops, "whether silu_mul, rms_norm and rotary are compiled in (AVX-512)");
   m.def("flash_attention", &flash_attention,
-        "bf16 attention of many query rows over pool slots with per-row causal limits; returns (out, lse)");
+        "bf16 attention of many query rows over pool slots with per-row causal limits; returns (out, lse[, state])",
+        py::arg("q"), py::arg("kv"), py::arg("slots"), py::arg("q_pos"), py::arg("scale"),
+        py::arg("state_in") = py::none(), py::arg("return_state") = false);
+  m.def("paged_flash_decode", &paged_flash_decode,
+        "decode attention over each sequence's pages, bit for bit flash_attention's arithmetic; (out, lse[, state])",
+        py::arg("q"), py::arg("kv"), py::arg("table"), py::arg("lens"), py::arg("page_size"), py::arg("scale"),
+        py::arg("state_in") = py::none(), py::arg("return_state") = false);
   m.def("has_flash_attention", &has_flash_attention, "whether flash_attention is compiled in (AVX-512 BF16)");
   m.def("rotary", &rotary, "rotate_half rotary embedding of [T, heads, d] by [T, 1, d] cos/sin, one pass");
 }

@@ -1,15 +1,26 @@
-// Prefill-style attention for CPU in bfloat16 with AVX-512 BF16 dot products (head_dim 64), reading K/V from the
-// paged pool by slot. Many query rows against one key range: a prefill chunk (fresh or after cached tokens), the
-// stacked queries of several chunks or decodes against a shared prefix. Returns the output and each row's
-// log-sum-exp so pieces over disjoint key ranges can be merged exactly.
+// Attention for CPU in bfloat16 with AVX-512 BF16 dot products (head_dim 64), reading K/V from the paged pool.
+// Two entry points share one arithmetic:
+// - flash_attention: many query rows against one key range (a prefill chunk, fresh or after cached tokens; the
+//   stacked queries of several chunks or decodes against a shared prefix);
+// - paged_flash_decode: one query token per sequence, each over its own pages.
+// Both return each row's log-sum-exp (to merge pieces over disjoint key ranges) and can hand over / pick up the
+// raw online-softmax state instead, so attention over keys [0, P) then [P, L) continues exactly where one pass
+// over [0, L) would be after key P (bit for bit when P is a multiple of kChunk): that is how shared prefixes are
+// attended once without changing any row's result (cache-invariant bf16, see KernelOptions.cache_invariant).
 //
-// Why: torch's CPU flash kernel reaches ~60-120 GFLOPS on SmolLM2's shapes (3 kv heads of 64, 9 query heads),
-// under a third of what the same CPU does in the model's matmuls; attention was half of a 2048-token prefill.
-// Layout: K and V of the key range are first packed once per call into bf16 pairs (K: 16 keys x 2 dims per
-// vector, so one dot-product instruction scores 16 keys; V: 2 keys x 16 dims, so one adds 2 keys' values into 16
-// output dims). Work items are (kv head, block of query positions); the query heads of a kv head share its
-// packed K/V (GQA without expanding). Online softmax in float32; probabilities are rounded to bfloat16 for the
-// value product, and the row sums use the rounded values so the weights stay normalised.
+// Why one arithmetic: a token's attention must not depend on whether its context was computed this step or read
+// from the cache, nor on how the scheduler cut the prompt into chunks (a 1-token chunk runs as a decode). Every
+// row therefore walks its keys from key 0 in chunks of kChunk, and one compiled function (attend_chunk) does a
+// tile of rows against one chunk for both entry points.
+//
+// Why a kernel at all: torch's CPU flash kernel reaches ~60-120 GFLOPS on SmolLM2's shapes (3 kv heads of 64, 9
+// query heads), under a third of what the same CPU does in the model's matmuls.
+// Layout: K and V are packed into bf16 pairs (K: 16 keys x 2 dims per vector, so one dot-product instruction
+// scores 16 keys; V: 2 keys x 16 dims, so one adds 2 keys' values into 16 output dims): once per call for
+// flash_attention, chunk by chunk (in registers, then L1) for decodes. Work items are (kv head, block of query
+// positions) or (sequence, kv head); the query heads of a kv head share its packed K/V (GQA without expanding).
+// Online softmax in float32; probabilities are rounded to bfloat16 for the value product, and the row sums use
+// the rounded values so the weights stay normalised.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -63,30 +74,279 @@ void pack_values(const uint16_t* v_base, int64_t slot_stride, const int64_t* slo
   }
 }
 
+// 16 x 16 dwords: out[p] lane i = in[i] lane p (four rounds of in-lane unpacks and 128-bit shuffles)
+inline void transpose16(__m512i r[16]) {
+  __m512i a[16], b[16];
+  for (int k = 0; k < 8; ++k) {
+    a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // b[4k + c], 128-bit lane L: dword 4L + c of rows 4k .. 4k + 3
+    b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+    b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+    b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+    b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // 4 x 4 transpose of 128-bit lanes over b[c], b[4 + c], b[8 + c], b[12 + c]
+    const __m512i y0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), y1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
+    const __m512i y2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
+    const __m512i y3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(y0, y2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(y0, y2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(y1, y3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(y1, y3, 0xDD);
+  }
+}
+
+inline int64_t slot_of(const int64_t* pages, int64_t page_size, int64_t pos) {
+  return pages[pos / page_size] * page_size + pos % page_size;
+}
+
+// Keys [c0, c0 + 16 * nvec) of one sequence's pages -> the pack_keys layout of one chunk (keys >= len are zero)
+void pack_chunk_keys(const uint16_t* k_base, int64_t slot_stride, const int64_t* pages, int64_t page_size,
+                     int64_t c0, int64_t len, int64_t nvec, uint16_t* out) {
+  for (int64_t j = 0; j < nvec; ++j) {
+    __m512i lo[16], hi[16];  // pairs 0-15 and 16-31 of each of 16 keys
+    for (int64_t i = 0; i < kKeysPerVec; ++i) {
+      const int64_t key = c0 + j * kKeysPerVec + i;
+      if (key < len) {
+        const uint16_t* src = k_base + slot_of(pages, page_size, key) * slot_stride;
+        lo[i] = _mm512_loadu_si512(src);
+        hi[i] = _mm512_loadu_si512(src + 32);
+      } else {
+        lo[i] = hi[i] = _mm512_setzero_si512();
+      }
+    }
+    transpose16(lo);
+    transpose16(hi);
+    for (int64_t p = 0; p < 16; ++p) {
+      _mm512_store_si512(out + (j * kPairs + p) * 32, lo[p]);
+      _mm512_store_si512(out + (j * kPairs + 16 + p) * 32, hi[p]);
+    }
+  }
+}
+
+// Key pairs [c0 / 2, c0 / 2 + pairs) of one sequence's pages -> the pack_values layout of one chunk
+void pack_chunk_values(const uint16_t* v_base, int64_t slot_stride, const int64_t* pages, int64_t page_size,
+                       int64_t c0, int64_t len, int64_t pairs, uint16_t* out) {
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const int64_t k0 = c0 + 2 * kp, k1 = k0 + 1;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;  // dims 0-31, 32-63 of keys k0, k1
+    if (k0 < len) {
+      const uint16_t* src = v_base + slot_of(pages, page_size, k0) * slot_stride;
+      a0 = _mm512_loadu_si512(src);
+      a1 = _mm512_loadu_si512(src + 32);
+    }
+    if (k1 < len) {
+      const uint16_t* src = v_base + slot_of(pages, page_size, k1) * slot_stride;
+      b0 = _mm512_loadu_si512(src);
+      b1 = _mm512_loadu_si512(src + 32);
+    }
+    uint16_t* dst = out + kp * 2 * kDim;
+    _mm512_store_si512(dst, _mm512_permutex2var_epi16(a0, low, b0));
+    _mm512_store_si512(dst + 32, _mm512_permutex2var_epi16(a0, high, b0));
+    _mm512_store_si512(dst + 64, _mm512_permutex2var_epi16(a1, low, b1));
+    _mm512_store_si512(dst + 96, _mm512_permutex2var_epi16(a1, high, b1));
+  }
+}
+
+constexpr int64_t kStateWidth = kDim + 2;  // a row's state: unnormalised output (64 floats), running max, sum
+
+// Per-row online-softmax state of one work item (rows padded to whole tiles)
+struct Rows {
+  const uint32_t** q;  // the row's query (32 bf16 pairs)
+  int64_t* see;        // the last key the row sees
+  float* m;            // running max of scaled scores
+  float* l;            // running sum of exp(score - m), of the bf16-rounded probabilities
+  float* o;            // unnormalised output, 64 floats per row, 64-byte aligned
+};
+
+void init_row(const Rows& rows, int64_t r, const float* state) {
+  if (state == nullptr) {
+    rows.m[r] = -std::numeric_limits<float>::infinity();
+    rows.l[r] = 0.f;
+    std::memset(rows.o + r * kDim, 0, sizeof(float) * kDim);
+  } else {
+    std::memcpy(rows.o + r * kDim, state, sizeof(float) * kDim);
+    rows.m[r] = state[kDim];
+    rows.l[r] = state[kDim + 1];
+  }
+}
+
+// Row r's output (normalised, bf16), log-sum-exp and, when state is set, its raw state
+__attribute__((noinline)) void finish_row(const Rows& rows, int64_t r, c10::BFloat16* out, float* lse, float* state) {
+  const __m512 inv = _mm512_set1_ps(1.f / rows.l[r]);
+  for (int64_t d = 0; d < kDim; d += 16) prefixkv::store16(out + d, _mm512_mul_ps(inv, _mm512_load_ps(rows.o + r * kDim + d)));
+  *lse = rows.m[r] + std::log(rows.l[r]);
+  if (state != nullptr) {
+    std::memcpy(state, rows.o + r * kDim, sizeof(float) * kDim);
+    state[kDim] = rows.m[r];
+    state[kDim + 1] = rows.l[r];
+  }
+}
+
+// Rows [t0, t0 + kTile) against the kChunk keys from key c0, packed at kc (pack_keys layout, this chunk's groups)
+// and vc (pack_values layout, this chunk's pairs). Not inlined: both entry points run this one compiled copy, so
+// a row's arithmetic cannot depend on its caller (the compiler may not contract or reorder it differently).
+__attribute__((noinline)) void attend_chunk(const uint16_t* kc, const uint16_t* vc, int64_t c0, int64_t t0,
+                                            const Rows& rows, float scale) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  int64_t tile_see = 0;
+  for (int64_t i = 0; i < kTile; ++i) tile_see = std::max(tile_see, rows.see[t0 + i]);
+  if (tile_see < c0) return;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  alignas(64) uint32_t probs[kTile][kChunk / 2];
+  const int64_t nvec = std::min<int64_t>(4, (tile_see - c0) / kKeysPerVec + 1);
+  __m512 s[kTile][4];
+  for (int64_t i = 0; i < kTile; ++i)
+    for (int64_t j = 0; j < 4; ++j) s[i][j] = _mm512_setzero_ps();
+  const uint32_t* const* qt = rows.q + t0;
+  if (nvec == 4) {
+    for (int64_t p = 0; p < kPairs; ++p) {
+      const __m512i k0 = _mm512_loadu_si512(kc + (0 * kPairs + p) * 32);
+      const __m512i k1 = _mm512_loadu_si512(kc + (1 * kPairs + p) * 32);
+      const __m512i k2 = _mm512_loadu_si512(kc + (2 * kPairs + p) * 32);
+      const __m512i k3 = _mm512_loadu_si512(kc + (3 * kPairs + p) * 32);
+      for (int64_t i = 0; i < kTile; ++i) {
+        const __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int>(qt[i][p])));
+        s[i][0] = _mm512_dpbf16_ps(s[i][0], as_bh(k0), qb);
+        s[i][1] = _mm512_dpbf16_ps(s[i][1], as_bh(k1), qb);
+        s[i][2] = _mm512_dpbf16_ps(s[i][2], as_bh(k2), qb);
+        s[i][3] = _mm512_dpbf16_ps(s[i][3], as_bh(k3), qb);
+      }
+    }
+  } else {
+    for (int64_t p = 0; p < kPairs; ++p) {
+      for (int64_t j = 0; j < nvec; ++j) {
+        const __m512i kj = _mm512_loadu_si512(kc + (j * kPairs + p) * 32);
+        for (int64_t i = 0; i < kTile; ++i)
+          s[i][j] = _mm512_dpbf16_ps(s[i][j], as_bh(kj), as_bh(_mm512_set1_epi32(static_cast<int>(qt[i][p]))));
+      }
+    }
+  }
+  // scale, mask, online softmax; probabilities -> bf16 pairs
+  for (int64_t i = 0; i < kTile; ++i) {
+    const int64_t r = t0 + i;
+    float* orow = rows.o + r * kDim;
+    __m512 vmax = _mm512_set1_ps(neg_inf);
+    __mmask16 visible[4];
+    for (int64_t j = 0; j < nvec; ++j) {
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(c0 + 16 * j)));
+      visible[j] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(rows.see[r])));
+      s[i][j] = _mm512_mask_mul_ps(_mm512_set1_ps(neg_inf), visible[j], s[i][j], vscale);
+      vmax = _mm512_max_ps(vmax, s[i][j]);
+    }
+    const float chunk_max = _mm512_reduce_max_ps(vmax);
+    if (chunk_max == neg_inf) {  // nothing visible in this chunk for this row
+      for (int64_t j = 0; j < kChunk / 2; ++j) probs[i][j] = 0;
+      continue;
+    }
+    const float m_new = std::max(rows.m[r], chunk_max);
+    const float alpha = rows.m[r] == neg_inf ? 0.f : std::exp(rows.m[r] - m_new);
+    const __m512 vm = _mm512_set1_ps(m_new);
+    __m512 vsum = _mm512_setzero_ps();
+    __m512 e[4];
+    for (int64_t j = 0; j < 4; ++j) {
+      // exp16 clamps its argument, so masked lanes are zeroed explicitly
+      e[j] = j < nvec ? _mm512_maskz_mov_ps(visible[j], prefixkv::exp16(_mm512_sub_ps(s[i][j], vm)))
+                      : _mm512_setzero_ps();
+    }
+    // bf16 probabilities in key order are exactly the (key 2j, key 2j + 1) pairs the value product reads
+    const __m512bh p01 = _mm512_cvtne2ps_pbh(e[1], e[0]), p23 = _mm512_cvtne2ps_pbh(e[3], e[2]);
+    _mm512_store_si512(probs[i], (__m512i)p01);
+    _mm512_store_si512(probs[i] + 16, (__m512i)p23);
+    for (int64_t j = 0; j < nvec; ++j) vsum = _mm512_add_ps(vsum, prefixkv::round_bf16(e[j]));
+    rows.l[r] = rows.l[r] * alpha + _mm512_reduce_add_ps(vsum);
+    rows.m[r] = m_new;
+    if (alpha != 1.f) {
+      const __m512 va = _mm512_set1_ps(alpha);
+      for (int64_t d = 0; d < kDim; d += 16) _mm512_store_ps(orow + d, _mm512_mul_ps(va, _mm512_load_ps(orow + d)));
+    }
+  }
+  // values: o += p @ V over this chunk's key pairs
+  __m512 o[kTile][4];
+  for (int64_t i = 0; i < kTile; ++i)
+    for (int64_t j = 0; j < 4; ++j) o[i][j] = _mm512_load_ps(rows.o + (t0 + i) * kDim + 16 * j);
+  const int64_t pairs = nvec * 8;
+  for (int64_t kp2 = 0; kp2 < pairs; ++kp2) {
+    const __m512i v0 = _mm512_loadu_si512(vc + kp2 * 2 * kDim);
+    const __m512i v1 = _mm512_loadu_si512(vc + kp2 * 2 * kDim + 32);
+    const __m512i v2 = _mm512_loadu_si512(vc + kp2 * 2 * kDim + 64);
+    const __m512i v3 = _mm512_loadu_si512(vc + kp2 * 2 * kDim + 96);
+    for (int64_t i = 0; i < kTile; ++i) {
+      const __m512bh pb = as_bh(_mm512_set1_epi32(static_cast<int>(probs[i][kp2])));
+      o[i][0] = _mm512_dpbf16_ps(o[i][0], as_bh(v0), pb);
+      o[i][1] = _mm512_dpbf16_ps(o[i][1], as_bh(v1), pb);
+      o[i][2] = _mm512_dpbf16_ps(o[i][2], as_bh(v2), pb);
+      o[i][3] = _mm512_dpbf16_ps(o[i][3], as_bh(v3), pb);
+    }
+  }
+  for (int64_t i = 0; i < kTile; ++i)
+    for (int64_t j = 0; j < 4; ++j) _mm512_store_ps(rows.o + (t0 + i) * kDim + 16 * j, o[i][j]);
+}
+
+// Per-thread storage of a work item's row state
+struct RowStorage {
+  std::vector<float> o_state, m, l;
+  std::vector<int64_t> see;
+  std::vector<const uint32_t*> q;
+  Rows rows;
+
+  explicit RowStorage(int64_t max_rows)
+      : o_state(max_rows * kDim + 16), m(max_rows), l(max_rows), see(max_rows), q(max_rows) {
+    float* o = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(o_state.data()) + 63) & ~uintptr_t(63));
+    rows = Rows{q.data(), see.data(), m.data(), l.data(), o};
+  }
+};
+
+at::Tensor checked_state(const c10::optional<at::Tensor>& state, int64_t rows, int64_t heads) {
+  if (!state.has_value()) return at::Tensor();
+  const at::Tensor& s = *state;
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 3 && s.size(0) == rows && s.size(1) == heads &&
+                  s.size(2) == kStateWidth,
+              "state must be float32 [rows, heads, 66] (as returned with return_state)");
+  return s.contiguous();
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& kv) {
+  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "native attention runs on CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16, "native attention is bf16");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kDim && kv.dim() == 4 && kv.size(0) == 2 && kv.size(3) == kDim &&
+                  kv.stride(3) == 1,
+              "expected q [R, H, 64] and kv [2, KVH, slots, 64]");
+  TORCH_CHECK(q.size(1) % kv.size(1) == 0, "query heads must be a multiple of kv heads");
+}
+
 }  // namespace
 
 // q [R, H, 64] bf16; kv [2, KVH, S, 64] bf16 (last dim contiguous); slots [L] int64: slot of key j; q_pos [R]
-// int64: row r sees keys j <= q_pos[r] (and j < L). Every row must see key 0. Returns {out [R, H, 64] bf16,
-// lse [R, H] float32 (natural log of the sum of exp(scale * score))}.
+// int64: row r sees keys j <= q_pos[r] (and j < L). Every row must see key 0. state_in [R, H, 66] float32: start
+// from this state (keys before these L, as returned with return_state) instead of from nothing. Returns {out
+// [R, H, 64] bf16, lse [R, H] float32 (natural log of the sum of exp(scale * score))} and, with return_state,
+// the state [R, H, 66].
 std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor slots, at::Tensor q_pos,
-                                        double scale) {
-  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "flash_attention runs on CPU tensors");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16, "flash_attention is bf16");
-  TORCH_CHECK(q.dim() == 3 && q.size(2) == kDim && kv.dim() == 4 && kv.size(3) == kDim && kv.stride(3) == 1,
-              "expected q [R, H, 64] and kv [2, KVH, slots, 64]");
-  TORCH_CHECK(q.size(1) % kv.size(1) == 0, "query heads must be a multiple of kv heads");
+                                        double scale, c10::optional<at::Tensor> state_in, bool return_state) {
+  check_inputs(q, kv);
   TORCH_CHECK(slots.scalar_type() == at::kLong && q_pos.scalar_type() == at::kLong, "slots / q_pos must be int64");
   TORCH_CHECK(q_pos.size(0) == q.size(0), "one q_pos per query row");
   q = q.contiguous();
   slots = slots.contiguous();
   q_pos = q_pos.contiguous();
   const int64_t rows = q.size(0), heads = q.size(1), kv_heads = kv.size(1), group = heads / kv_heads;
+  const at::Tensor state0 = checked_state(state_in, rows, heads);
   const int64_t length = slots.size(0);
   TORCH_CHECK(length >= 1, "flash_attention needs at least one key");
   const int64_t groups16 = (length + kKeysPerVec - 1) / kKeysPerVec;
   const int64_t padded = groups16 * kKeysPerVec;  // keys rounded up to whole vectors (and to even pairs)
   auto out = at::empty_like(q);
   auto lse = at::empty({rows, heads}, q.options().dtype(at::kFloat));
+  auto state = return_state ? at::empty({rows, heads, kStateWidth}, q.options().dtype(at::kFloat)) : at::Tensor();
   auto kp = at::empty({kv_heads, groups16 * kPairs * 32}, q.options().dtype(at::kShort));
   auto vp = at::empty({kv_heads, padded / 2 * 2 * kDim}, q.options().dtype(at::kShort));
   const uint16_t* kv_ptr = reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>());
@@ -107,24 +367,18 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
   });
 
   const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  uint16_t* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  c10::BFloat16* out_ptr = out.data_ptr<c10::BFloat16>();
   float* lse_ptr = lse.data_ptr<float>();
+  const float* state_in_ptr = state0.defined() ? state0.data_ptr<float>() : nullptr;
+  float* state_ptr = return_state ? state.data_ptr<float>() : nullptr;
   // query positions per work item: more share each key chunk while it is in L1, fewer balance short calls
   const int64_t kBlockPositions = rows >= 1024 ? 64 : 16;
   const int64_t blocks = (rows + kBlockPositions - 1) / kBlockPositions;
   const float fscale = static_cast<float>(scale);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    // per-row state of one work item; a key chunk stays in L1 while every row tile of the item uses it
-    std::vector<float> o_state(kBlockPositions * group * kDim + 16);
-    float* o_acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(o_state.data()) + 63) & ~uintptr_t(63));
-    std::vector<float> m(kBlockPositions * group + kTile), l(kBlockPositions * group + kTile);
-    std::vector<int64_t> see(kBlockPositions * group + kTile);
-    std::vector<const uint32_t*> qrow(kBlockPositions * group + kTile);
-    alignas(64) uint32_t probs[kTile][kChunk / 2];
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512 vscale = _mm512_set1_ps(fscale);
+    RowStorage storage(kBlockPositions * group + kTile);
+    const Rows& st = storage.rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / blocks, block = item % blocks;
       const int64_t first = block * kBlockPositions, last = std::min(rows, first + kBlockPositions);
@@ -136,119 +390,89 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
       for (int64_t r = 0; r < padded_rows; ++r) {
         const int64_t rr = std::min(r, item_rows - 1);  // padding rows repeat the last real one
         const int64_t pos = first + rr / group, head = h * group + rr % group;
-        qrow[r] = reinterpret_cast<const uint32_t*>(q_ptr + (pos * heads + head) * kDim);
-        see[r] = std::min(pos_ptr[pos], length - 1);
-        see_max = std::max(see_max, see[r]);
-        m[r] = neg_inf;
-        l[r] = 0.f;
+        st.q[r] = reinterpret_cast<const uint32_t*>(q_ptr + (pos * heads + head) * kDim);
+        st.see[r] = std::min(pos_ptr[pos], length - 1);
+        see_max = std::max(see_max, st.see[r]);
+        init_row(st, r, state_in_ptr == nullptr ? nullptr : state_in_ptr + (pos * heads + head) * kStateWidth);
       }
-      std::memset(o_acc, 0, sizeof(float) * padded_rows * kDim);
       for (int64_t c0 = 0; c0 <= see_max; c0 += kChunk) {
         const uint16_t* kc = khead + (c0 / kKeysPerVec) * kPairs * 32;
         const uint16_t* vc = vhead + (c0 / 2) * 2 * kDim;
-        for (int64_t t0 = 0; t0 < padded_rows; t0 += kTile) {
-          int64_t tile_see = 0;
-          for (int64_t i = 0; i < kTile; ++i) tile_see = std::max(tile_see, see[t0 + i]);
-          if (tile_see < c0) continue;
-          const int64_t nvec = std::min<int64_t>(4, (tile_see - c0) / kKeysPerVec + 1);
-          __m512 s[kTile][4];
-          for (int64_t i = 0; i < kTile; ++i)
-            for (int64_t j = 0; j < 4; ++j) s[i][j] = _mm512_setzero_ps();
-          const uint32_t* const* qt = qrow.data() + t0;
-          if (nvec == 4) {
-            for (int64_t p = 0; p < kPairs; ++p) {
-              const __m512i k0 = _mm512_loadu_si512(kc + (0 * kPairs + p) * 32);
-              const __m512i k1 = _mm512_loadu_si512(kc + (1 * kPairs + p) * 32);
-              const __m512i k2 = _mm512_loadu_si512(kc + (2 * kPairs + p) * 32);
-              const __m512i k3 = _mm512_loadu_si512(kc + (3 * kPairs + p) * 32);
-              for (int64_t i = 0; i < kTile; ++i) {
-                const __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int>(qt[i][p])));
-                s[i][0] = _mm512_dpbf16_ps(s[i][0], as_bh(k0), qb);
-                s[i][1] = _mm512_dpbf16_ps(s[i][1], as_bh(k1), qb);
-                s[i][2] = _mm512_dpbf16_ps(s[i][2], as_bh(k2), qb);
-                s[i][3] = _mm512_dpbf16_ps(s[i][3], as_bh(k3), qb);
-              }
-            }
-          } else {
-            for (int64_t p = 0; p < kPairs; ++p) {
-              for (int64_t j = 0; j < nvec; ++j) {
-                const __m512i kj = _mm512_loadu_si512(kc + (j * kPairs + p) * 32);
-                for (int64_t i = 0; i < kTile; ++i)
-                  s[i][j] = _mm512_dpbf16_ps(s[i][j], as_bh(kj), as_bh(_mm512_set1_epi32(static_cast<int>(qt[i][p]))));
-              }
-            }
-          }
-          // scale, mask, online softmax; probabilities -> bf16 pairs
-          for (int64_t i = 0; i < kTile; ++i) {
-            const int64_t r = t0 + i;
-            float* orow = o_acc + r * kDim;
-            __m512 vmax = _mm512_set1_ps(neg_inf);
-            __mmask16 visible[4];
-            for (int64_t j = 0; j < nvec; ++j) {
-              const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(c0 + 16 * j)));
-              visible[j] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(see[r])));
-              s[i][j] = _mm512_mask_mul_ps(_mm512_set1_ps(neg_inf), visible[j], s[i][j], vscale);
-              vmax = _mm512_max_ps(vmax, s[i][j]);
-            }
-            const float chunk_max = _mm512_reduce_max_ps(vmax);
-            if (chunk_max == neg_inf) {  // nothing visible in this chunk for this row
-              for (int64_t j = 0; j < kChunk / 2; ++j) probs[i][j] = 0;
-              continue;
-            }
-            const float m_new = std::max(m[r], chunk_max);
-            const float alpha = m[r] == neg_inf ? 0.f : std::exp(m[r] - m_new);
-            const __m512 vm = _mm512_set1_ps(m_new);
-            __m512 vsum = _mm512_setzero_ps();
-            __m512 e[4];
-            for (int64_t j = 0; j < 4; ++j) {
-              // exp16 clamps its argument, so masked lanes are zeroed explicitly
-              e[j] = j < nvec ? _mm512_maskz_mov_ps(visible[j], prefixkv::exp16(_mm512_sub_ps(s[i][j], vm)))
-                              : _mm512_setzero_ps();
-            }
-            // bf16 probabilities in key order are exactly the (key 2j, key 2j + 1) pairs the value product reads
-            const __m512bh p01 = _mm512_cvtne2ps_pbh(e[1], e[0]), p23 = _mm512_cvtne2ps_pbh(e[3], e[2]);
-            _mm512_store_si512(probs[i], (__m512i)p01);
-            _mm512_store_si512(probs[i] + 16, (__m512i)p23);
-            for (int64_t j = 0; j < nvec; ++j) vsum = _mm512_add_ps(vsum, prefixkv::round_bf16(e[j]));
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(vsum);
-            m[r] = m_new;
-            if (alpha != 1.f) {
-              const __m512 va = _mm512_set1_ps(alpha);
-              for (int64_t d = 0; d < kDim; d += 16) _mm512_store_ps(orow + d, _mm512_mul_ps(va, _mm512_load_ps(orow + d)));
-            }
-          }
-          // values: o += p @ V over this chunk's key pairs
-          __m512 o[kTile][4];
-          for (int64_t i = 0; i < kTile; ++i)
-            for (int64_t j = 0; j < 4; ++j) o[i][j] = _mm512_load_ps(o_acc + (t0 + i) * kDim + 16 * j);
-          const int64_t pairs = nvec * 8;
-          for (int64_t kp2 = 0; kp2 < pairs; ++kp2) {
-            const __m512i v0 = _mm512_loadu_si512(vc + kp2 * 2 * kDim);
-            const __m512i v1 = _mm512_loadu_si512(vc + kp2 * 2 * kDim + 32);
-            const __m512i v2 = _mm512_loadu_si512(vc + kp2 * 2 * kDim + 64);
-            const __m512i v3 = _mm512_loadu_si512(vc + kp2 * 2 * kDim + 96);
-            for (int64_t i = 0; i < kTile; ++i) {
-              const __m512bh pb = as_bh(_mm512_set1_epi32(static_cast<int>(probs[i][kp2])));
-              o[i][0] = _mm512_dpbf16_ps(o[i][0], as_bh(v0), pb);
-              o[i][1] = _mm512_dpbf16_ps(o[i][1], as_bh(v1), pb);
-              o[i][2] = _mm512_dpbf16_ps(o[i][2], as_bh(v2), pb);
-              o[i][3] = _mm512_dpbf16_ps(o[i][3], as_bh(v3), pb);
-            }
-          }
-          for (int64_t i = 0; i < kTile; ++i)
-            for (int64_t j = 0; j < 4; ++j) _mm512_store_ps(o_acc + (t0 + i) * kDim + 16 * j, o[i][j]);
-        }
+        for (int64_t t0 = 0; t0 < padded_rows; t0 += kTile) attend_chunk(kc, vc, c0, t0, st, fscale);
       }
       for (int64_t r = 0; r < item_rows; ++r) {
-        const int64_t pos = first + r / group, head = h * group + r % group;
-        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-        c10::BFloat16* dst = reinterpret_cast<c10::BFloat16*>(out_ptr + (pos * heads + head) * kDim);
-        for (int64_t d = 0; d < kDim; d += 16)
-          prefixkv::store16(dst + d, _mm512_mul_ps(inv, _mm512_load_ps(o_acc + r * kDim + d)));
-        lse_ptr[pos * heads + head] = m[r] + std::log(l[r]);
+        const int64_t idx = (first + r / group) * heads + h * group + r % group;
+        finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, state_ptr == nullptr ? nullptr : state_ptr + idx * kStateWidth);
       }
     }
   });
+  if (return_state) return {out, lse, state};
+  return {out, lse};
+}
+
+// q [B, H, 64] bf16, one query token per sequence; kv as for flash_attention; table [B, max_pages] int64 page
+// ids; lens [B] int64: sequence b attends to its positions [0, lens[b]) (>= 1). Bit for bit what flash_attention
+// computes for that row over the same keys (its slots in position order, q_pos = lens[b] - 1). state_in /
+// return_state as for flash_attention.
+std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
+                                           int64_t page_size, double scale, c10::optional<at::Tensor> state_in,
+                                           bool return_state) {
+  check_inputs(q, kv);
+  TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "table / lens must be int64");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == q.size(0) && lens.size(0) == q.size(0),
+              "one table row and length per sequence");
+  TORCH_CHECK(page_size >= 1, "page_size must be >= 1");
+  q = q.contiguous();
+  table = table.contiguous();
+  lens = lens.contiguous();
+  const int64_t batch = q.size(0), heads = q.size(1), kv_heads = kv.size(1), group = heads / kv_heads;
+  const at::Tensor state0 = checked_state(state_in, batch, heads);
+  auto out = at::empty_like(q);
+  auto lse = at::empty({batch, heads}, q.options().dtype(at::kFloat));
+  auto state = return_state ? at::empty({batch, heads, kStateWidth}, q.options().dtype(at::kFloat)) : at::Tensor();
+  const uint16_t* kv_ptr = reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>());
+  const int64_t kv_stride = kv.stride(0), head_stride = kv.stride(1), slot_stride = kv.stride(2);
+  const int64_t max_pages = table.size(1);
+  const int64_t* table_ptr = table.data_ptr<int64_t>();
+  const int64_t* len_ptr = lens.data_ptr<int64_t>();
+  const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  c10::BFloat16* out_ptr = out.data_ptr<c10::BFloat16>();
+  float* lse_ptr = lse.data_ptr<float>();
+  const float* state_in_ptr = state0.defined() ? state0.data_ptr<float>() : nullptr;
+  float* state_ptr = return_state ? state.data_ptr<float>() : nullptr;
+  const float fscale = static_cast<float>(scale);
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(len_ptr[b] >= 1 && len_ptr[b] <= max_pages * page_size, "each length must be in [1, pages * page_size]");
+
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t padded_rows = (group + kTile - 1) / kTile * kTile;
+    RowStorage storage(padded_rows);
+    const Rows& st = storage.rows;
+    std::vector<uint16_t> buffers(4 * kPairs * 32 + kChunk / 2 * 2 * kDim + 32);
+    uint16_t* kc = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffers.data()) + 63) & ~uintptr_t(63));
+    uint16_t* vc = kc + 4 * kPairs * 32;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads, len = len_ptr[b];
+      const int64_t* pages = table_ptr + b * max_pages;
+      for (int64_t r = 0; r < padded_rows; ++r) {
+        const int64_t head = h * group + std::min(r, group - 1);  // padding rows repeat the last real one
+        st.q[r] = reinterpret_cast<const uint32_t*>(q_ptr + (b * heads + head) * kDim);
+        st.see[r] = len - 1;
+        init_row(st, r, state_in_ptr == nullptr ? nullptr : state_in_ptr + (b * heads + head) * kStateWidth);
+      }
+      for (int64_t c0 = 0; c0 < len; c0 += kChunk) {
+        const int64_t nvec = std::min<int64_t>(4, (len - 1 - c0) / kKeysPerVec + 1);
+        pack_chunk_keys(kv_ptr + h * head_stride, slot_stride, pages, page_size, c0, len, nvec, kc);
+        pack_chunk_values(kv_ptr + kv_stride + h * head_stride, slot_stride, pages, page_size, c0, len, nvec * 8, vc);
+        for (int64_t t0 = 0; t0 < padded_rows; t0 += kTile) attend_chunk(kc, vc, c0, t0, st, fscale);
+      }
+      for (int64_t r = 0; r < group; ++r) {
+        const int64_t idx = b * heads + h * group + r;
+        finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, state_ptr == nullptr ? nullptr : state_ptr + idx * kStateWidth);
+      }
+    }
+  });
+  if (return_state) return {out, lse, state};
   return {out, lse};
 }
 
@@ -256,8 +480,14 @@ bool has_flash_attention() { return true; }
 
 #else
 
-std::vector<at::Tensor> flash_attention(at::Tensor, at::Tensor, at::Tensor, at::Tensor, double) {
+std::vector<at::Tensor> flash_attention(at::Tensor, at::Tensor, at::Tensor, at::Tensor, double,
+                                        c10::optional<at::Tensor>, bool) {
   TORCH_CHECK(false, "flash_attention needs AVX-512 BF16 (not compiled in)");
+}
+
+std::vector<at::Tensor> paged_flash_decode(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
+                                           c10::optional<at::Tensor>, bool) {
+  TORCH_CHECK(false, "paged_flash_decode needs AVX-512 BF16 (not compiled in)");
 }
 
 bool has_flash_attention() { return false; }

@@ -1,0 +1,69 @@
+"""bf16 greedy answers do not change on a cache hit, nor in a batch (KernelOptions.cache_invariant).
+
+The prompt set is `prefixkv bench cache-invariance`'s: short questions, questions behind four shared system
+prompts and the turns of multi-turn chats, 204 in all. Every prompt is answered cold once (caching off, the whole
+set in one batch), then warm by one of four engines (hash cache with 16-token pages, radix cache with 1-token
+pages, each also with prefill chunked by a 48-token budget), each taking a quarter of the set: after its shared
+parts were prewarmed (partial hits) and once more (full hits: only the last token or page is computed). Warm
+tokens must equal cold ones exactly, and the warm runs must really have hit. In bf16 nothing here may be a
+near-tie excuse: the arithmetic of every token is the same cold or warm, so any difference is a bug.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixkv.bench.cache_invariance import answer, flips, invariance_prompts, spread_by_length, warm_runs
+from prefixkv.model import native
+
+pytestmark = pytest.mark.skipif(native.flash_attention() is None, reason="needs AVX-512 BF16 (native build)")
+
+MAX_TOKENS = 6
+CONFIGS = {  # name: (cache, page size, prefill token budget)
+    "hash-page16": ("hash", 16, 2048),
+    "radix-page1": ("radix", 1, 2048),
+    "hash-page16-chunked": ("hash", 16, 48),
+    "radix-page1-chunked": ("radix", 1, 48),
+}
+
+
+@pytest.fixture(scope="module")
+def cold(new_llm):
+    """(prompts, cold outputs): the whole set answered in one batch with caching off."""
+    llm = new_llm(dtype="bfloat16", prefix_cache="off")
+    assert llm.llm_engine.runner.options.cache_invariant
+    prompts = invariance_prompts(llm.get_tokenizer(), num_short=60, num_system=80, num_turns=64, turns_per_chat=4)
+    return prompts, answer(llm, prompts, MAX_TOKENS, sequential=False)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_warm_answers_equal_cold_ones(cold, new_llm, name):
+    prompts, cold_outputs = cold
+    cache, page_size, budget = CONFIGS[name]
+    index = list(CONFIGS).index(name)
+    mine = list(range(index, len(prompts), len(CONFIGS)))
+    llm = new_llm(dtype="bfloat16", prefix_cache=cache, page_size=page_size, max_num_batched_tokens=budget)
+    warm = warm_runs(llm, [prompts[i] for i in mine], MAX_TOKENS, sequential=False)
+    want = [cold_outputs[i] for i in mine]
+    for phase, outputs in warm.items():
+        # partial hits: every prompt with a prewarmed shared part; full hits: every prompt
+        missed = [
+            mine[k]
+            for k, o in enumerate(outputs)
+            if o.num_cached_tokens == 0 and (phase == "full_hit" or prompts[mine[k]].shared_ids)
+        ]
+        assert not missed, f"{phase}: prompts {missed} did not hit the cache, so they would pass vacuously"
+        flipped = [mine[k] for k in flips(want, outputs)]
+        assert not flipped, f"{phase}: prompts {flipped} answered differently warm than cold"
+
+
+def test_a_prompt_answers_the_same_alone_and_in_a_batch_of_16(cold, new_llm):
+    """Batch invariance: 16 prompts of mixed lengths (16 to 230 tokens), each alone == in the cold batch."""
+    prompts, cold_outputs = cold
+    llm = new_llm(dtype="bfloat16", prefix_cache="off")
+    picked = spread_by_length(prompts, 16)
+    alone = answer(llm, [prompts[i] for i in picked], MAX_TOKENS, sequential=True)
+    batch = answer(llm, [prompts[i] for i in picked], MAX_TOKENS, sequential=False)
+    want = [cold_outputs[i] for i in picked]
+    assert not flips(want, alone), "a prompt answered alone differs from the same prompt in the 204-prompt batch"
+    assert not flips(want, batch), "a prompt in a batch of 16 differs from the same prompt in the 204-prompt batch"

@@ -1,0 +1,189 @@
+"""Cache-invariant bf16 building blocks, bit for bit (issue: the same answer warm or cold).
+
+A token's attention output must not depend on how its context reached the pool or how the step was cut:
+- a row computed inside a long call == the same row in a call of its own chunk (chunk boundaries anywhere);
+- a decode (paged_flash_decode, own pages, any page size, shuffled page tables) == that row of flash_attention;
+- attention over keys [0, P) handing its state to [P, L) == one pass over [0, L), for P a multiple of 64
+  (how shared prefixes are attended once), for both kernels;
+- the matrix products: a row's result does not depend on how many rows are in the batch or where (oneDNN's bf16
+  path, measured here rather than assumed; a single row runs as two, see packed_linear).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixkv.model import native, packed_linear
+from prefixkv.model.attention import NativeCascadeDecodes, SharedPrefixChunks, StepPlanner, paged_attention
+from prefixkv.model.options import KernelOptions
+from tests.model.helpers import PagePool
+from tests.model.test_native_attention import _step
+
+pytestmark = pytest.mark.skipif(native.flash_attention() is None, reason="needs AVX-512 BF16 (native build)")
+
+KVH, GROUP, D = 3, 3, 64
+SCALE = D**-0.5
+
+
+def _pool(seed: int, num_slots: int = 2048) -> tuple[torch.Generator, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return gen, torch.randn(2, KVH, num_slots, D, generator=gen).to(torch.bfloat16)
+
+
+def _q(gen, rows: int) -> torch.Tensor:
+    return torch.randn(rows, KVH * GROUP, D, generator=gen).to(torch.bfloat16)
+
+
+def _paged(gen, length: int, page_size: int, num_slots: int) -> tuple[list[int], torch.Tensor]:
+    """A shuffled page table covering `length` positions and the slot of each position."""
+    pages = torch.randperm(num_slots // page_size, generator=gen)[: -(-length // page_size)].tolist()
+    pos = torch.arange(length)
+    slots = torch.tensor(pages)[pos // page_size] * page_size + pos % page_size
+    return pages, slots
+
+
+@pytest.mark.parametrize("length, first, n", [(300, 0, 300), (300, 137, 1), (300, 64, 100), (1000, 999, 1)])
+def test_a_row_does_not_depend_on_its_chunk(length, first, n):
+    """Rows [first, first + n) computed as their own chunk == the same rows of a call over the whole prompt."""
+    gen, pool = _pool(length + first)
+    slots = torch.randperm(pool.shape[2], generator=gen)[:length]
+    q = _q(gen, length)
+    whole, whole_lse = native.module().flash_attention(q, pool, slots, torch.arange(length), SCALE)
+    part, part_lse = native.module().flash_attention(
+        q[first : first + n], pool, slots[: first + n], torch.arange(first, first + n), SCALE
+    )
+    assert torch.equal(part, whole[first : first + n])
+    assert torch.equal(part_lse, whole_lse[first : first + n])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decodes_equal_the_prefill_kernel(page_size):
+    """Each decode of a batch (lengths around the 16- and 64-key blocks) == its row computed by flash_attention."""
+    gen, pool = _pool(page_size)
+    lens = [1, 2, 15, 16, 17, 63, 64, 65, 129, 500]
+    q = _q(gen, len(lens))
+    tables, slot_lists = zip(*(_paged(gen, n, page_size, pool.shape[2]) for n in lens))
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    out, lse = native.module().paged_flash_decode(q, pool, table, torch.tensor(lens), page_size, SCALE)
+    for b, (n, slots) in enumerate(zip(lens, slot_lists)):
+        want, want_lse = native.module().flash_attention(q[b : b + 1], pool, slots, torch.tensor([n - 1]), SCALE)
+        assert torch.equal(out[b], want[0]), f"length {n}"
+        assert torch.equal(lse[b], want_lse[0])
+
+
+@pytest.mark.parametrize("prefix", [64, 128, 512])
+def test_state_handover_equals_one_pass(prefix):
+    """Keys [0, prefix) then the rest from the handed-over state == one call over all keys (prefill rows)."""
+    gen, pool = _pool(prefix)
+    length, n = prefix + 90, 40
+    slots = torch.randperm(pool.shape[2], generator=gen)[:length]
+    q = _q(gen, n)
+    q_pos = torch.arange(length - n, length)
+    kernel = native.module().flash_attention
+    whole, whole_lse = kernel(q, pool, slots, q_pos, SCALE)
+    _, _, state = kernel(q, pool, slots[:prefix], torch.full((n,), prefix - 1), SCALE, return_state=True)
+    out, lse = kernel(q, pool, slots[prefix:], q_pos - prefix, SCALE, state)
+    assert torch.equal(out, whole)
+    assert torch.equal(lse, whole_lse)
+
+
+def test_decode_state_handover_equals_one_pass():
+    """A shared prefix attended by flash_attention, each decode's own pages after it: == one decode pass."""
+    page_size, prefix = 16, 128
+    gen, pool = _pool(7)
+    lens = [prefix + 1, prefix + 40, prefix + 200]
+    q = _q(gen, len(lens))
+    shared_pages, _ = _paged(gen, prefix, page_size, pool.shape[2])
+    used = set(shared_pages)
+    free = [p for p in torch.randperm(pool.shape[2] // page_size, generator=gen).tolist() if p not in used]
+    tables = []
+    for n in lens:
+        own = -(-(n - prefix) // page_size)
+        tables.append(shared_pages + free[:own])
+        free = free[own:]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    kernels = native.module()
+    whole, whole_lse = kernels.paged_flash_decode(q, pool, table, torch.tensor(lens), page_size, SCALE)
+    prefix_slots = (torch.tensor(shared_pages)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+    _, _, state = kernels.flash_attention(
+        q, pool, prefix_slots, torch.full((len(lens),), prefix - 1), SCALE, return_state=True
+    )
+    suffix_table = table[:, prefix // page_size :].contiguous()
+    out, lse = kernels.paged_flash_decode(q, pool, suffix_table, torch.tensor(lens) - prefix, page_size, SCALE, state)
+    assert torch.equal(out, whole)
+    assert torch.equal(lse, whole_lse)
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+def test_shared_prefix_groups_equal_every_row_alone(page_size):
+    """A step with shared-prefix chunks (and cascade decodes where they pay) behind a 96-token prefix, cut to 64
+    for the handover, gives bit for bit what the same step gives with each row attending over its whole context
+    by itself."""
+    counts, starts, tables = _step(page_size)
+    gen = torch.Generator().manual_seed(2)
+    pool = torch.randn(2, KVH, 2048, D, generator=gen).to(torch.bfloat16)
+    t = sum(counts)
+    q, kv = _q(gen, t), torch.randn(t, 2, KVH, D, generator=gen).to(torch.bfloat16)
+    alone = KernelOptions(in_place_decodes=True, native_attention=True, cache_invariant=True)
+    grouped = KernelOptions(
+        in_place_decodes=True, cascade_decodes=True, native_attention=True, shared_prefill=True, cache_invariant=True
+    )
+    outs = []
+    for options in (alone, grouped):
+        plan = StepPlanner(options, page_size, torch.bfloat16, 2 * KVH * D).plan(counts, starts, tables)
+        outs.append(paged_attention(q, kv, pool.clone(), plan, SCALE))
+    (shared,) = plan.groups_of(SharedPrefixChunks)
+    assert len(shared.prefix_slots) == 64
+    assert all(len(c.prefix_slots) == 64 for c in plan.groups_of(NativeCascadeDecodes))
+    assert torch.equal(outs[1], outs[0])
+
+
+def test_cascade_decodes_equal_each_decode_alone():
+    """Decodes behind a 200-token shared prefix form a cascade group (prefix cut to 192): == each decode alone."""
+    page_size = 16
+    pool_pages = PagePool(2048 // page_size, shuffle_seed=5)
+    shared = pool_pages.take(13)  # positions [0, 208)
+    starts = [250, 300, 310]
+    tables = [shared + pool_pages.take(-(-(s + 1) // page_size) - 13) for s in starts]
+    gen = torch.Generator().manual_seed(4)
+    pool = torch.randn(2, KVH, 2048, D, generator=gen).to(torch.bfloat16)
+    q, kv = _q(gen, 3), torch.randn(3, 2, KVH, D, generator=gen).to(torch.bfloat16)
+    outs = []
+    for cascade in (False, True):
+        options = KernelOptions(
+            in_place_decodes=True, cascade_decodes=cascade, native_attention=True, cache_invariant=True
+        )
+        plan = StepPlanner(options, page_size, torch.bfloat16, 2 * KVH * D).plan([1, 1, 1], starts, tables)
+        outs.append(paged_attention(q, kv, pool.clone(), plan, SCALE))
+    (group,) = plan.groups_of(NativeCascadeDecodes)
+    assert len(group.prefix_slots) == 192
+    assert torch.equal(outs[1], outs[0])
+
+
+def test_state_shape_is_checked():
+    gen, pool = _pool(3)
+    q = _q(gen, 2)
+    with pytest.raises(RuntimeError, match="state must be"):
+        native.module().flash_attention(
+            q, pool, torch.arange(8), torch.tensor([7, 7]), SCALE, torch.zeros(2, KVH * GROUP, 64)
+        )
+
+
+@pytest.mark.skipif(not packed_linear.can_pack(torch.device("cpu"), torch.bfloat16), reason="needs oneDNN bf16")
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (3072, 576), (576, 1536), (49152, 576)])
+def test_matmul_rows_do_not_depend_on_the_batch(out_features, in_features):
+    """SmolLM2's projections (qkv, gate_up, down, lm_head): a row's result is the same in any batch of 2+ rows, at
+    any index, and packed_linear_rows gives a single row that same result."""
+    gen = torch.Generator().manual_seed(out_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    packed = packed_linear.pack(weight)
+    x = torch.randn(200, in_features, generator=gen).to(torch.bfloat16)
+    full = packed_linear.packed_linear(x, packed, None)
+    for first, m in ((0, 2), (0, 33), (5, 2), (7, 64), (60, 129)):
+        rows = packed_linear.packed_linear_rows(x[first : first + m].clone(), packed, None)
+        assert torch.equal(rows, full[first : first + m]), f"rows {first}..{first + m}"
+    for i in (0, 5, 199):
+        assert torch.equal(packed_linear.packed_linear_rows(x[i : i + 1].clone(), packed, None)[0], full[i])
