@@ -68,6 +68,23 @@ def loaded_model():
 
 
 @pytest.fixture(scope="session")
+def hf_smol():
+    """transformers' own GGUF load of the default model in fp32 (independent dequantisation and q/k un-permutation):
+    the reference the model tests compare with, and the model the HF throughput benchmark test runs. Read once per
+    process: the load takes ~12 s, more than holding its half GB costs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from prefixkv.model.loader import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
 def new_llm(loaded_model):
     """new_llm(**engine_options) -> a new LLM of its own on the shared weights, with a small pool.
 

@@ -59,8 +59,9 @@ def register(subparsers) -> None:
 
 
 # -- throughput ----------------------------------------------------------------------------------------------
-def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) -> dict:
-    """Time prefixkv (and optionally HF) on num_prompts unrelated prompts; all submitted at once."""
+def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None, hf_loader=None) -> dict:
+    """Time prefixkv (and optionally HF) on num_prompts unrelated prompts; all submitted at once. hf_loader(args)
+    -> (transformers model, path) replaces load_hf_model (a test hands in the model it already loaded)."""
     llm = common.factory_for(args, llm_factory)(prefix_cache=args.prefix_cache)
     sampler = sampler_for(llm, seed=args.seed)
     prompts = random_prompts(sampler, args.num_prompts, args.input_len)
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
     }
     rows = [("prefixkv", args.prefix_cache, ours["elapsed_s"], ours["output_tok_s"], ours["total_tok_s"])]
     if args.compare_hf:
-        hf = run_hf(args, llm, prompts)
+        hf = run_hf(args, llm, prompts, hf_loader or load_hf_model)
         hf["token_match"] = _match_fraction(runs[0]["output_token_ids"], hf.pop("output_token_ids"))
         results["hf"] = hf
         results["ratio_output_tok_s_prefixkv_over_hf"] = ratio(ours["output_tok_s"], hf["output_tok_s"])
@@ -115,11 +116,11 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
     return results
 
 
-def run_hf(args: argparse.Namespace, llm, prompts: list[list[int]]) -> dict:
+def run_hf(args: argparse.Namespace, llm, prompts: list[list[int]], hf_loader) -> dict:
     """Plain transformers generate() on the same checkpoint and prompts: greedy, exactly output_len new tokens."""
     import torch
 
-    model, model_path = load_hf_model(args)
+    model, model_path = hf_loader(args)
     pad_id = _pad_id(llm)
     batch_size = args.hf_batch_size or len(prompts)
     with torch.inference_mode():

@@ -56,11 +56,13 @@ def test_throughput(factory):
     assert "hf" not in res
 
 
-def test_throughput_compare_hf(factory):
+def test_throughput_compare_hf(factory, hf_smol):
+    from prefixkv.model.loader import default_model_path
+
     args = parse(
         throughput, ["throughput", "--input-len", "32", "--output-len", "2", "--num-prompts", "2", "--compare-hf"]
     )
-    res = throughput.run(args, llm_factory=factory)
+    res = throughput.run(args, llm_factory=factory, hf_loader=lambda _: (hf_smol, default_model_path()))
     json.dumps(res)
     hf = res["hf"]
     assert hf["output_tokens"] == 2 * 2 and hf["gguf_weights"] == "dequantize" and "left padding" in hf["batching"]

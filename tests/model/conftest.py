@@ -45,21 +45,6 @@ def smol_prompts(smol) -> list[list[int]]:
     return [tok.encode(tok.apply_chat_template(CHAT_PROMPT))] + [tok.encode(p) for p in RAW_PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def hf_smol():
-    """transformers' own GGUF load of the same file (independent dequantisation and q/k un-permutation); dropped
-    after the module that uses it, so its half GB is not held for the rest of the run."""
-    from transformers import AutoModelForCausalLM
-
-    from prefixkv.model.loader import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-    return model.eval()
-
-
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF generate(do_sample=False) with eos disabled, so it always produces max_new_tokens tokens."""
     with torch.inference_mode():

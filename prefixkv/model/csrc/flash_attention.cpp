@@ -181,7 +181,8 @@ void init_row(const Rows& rows, int64_t r, const float* state) {
 // Row r's output (normalised, bf16), log-sum-exp and, when state is set, its raw state
 __attribute__((noinline)) void finish_row(const Rows& rows, int64_t r, c10::BFloat16* out, float* lse, float* state) {
   const __m512 inv = _mm512_set1_ps(1.f / rows.l[r]);
-  for (int64_t d = 0; d < kDim; d += 16) prefixkv::store16(out + d, _mm512_mul_ps(inv, _mm512_load_ps(rows.o + r * kDim + d)));
+  for (int64_t d = 0; d < kDim; d += 16)
+    prefixkv::store16(out + d, _mm512_mul_ps(inv, _mm512_load_ps(rows.o + r * kDim + d)));
   *lse = rows.m[r] + std::log(rows.l[r]);
   if (state != nullptr) {
     std::memcpy(state, rows.o + r * kDim, sizeof(float) * kDim);
@@ -402,7 +403,8 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
       }
       for (int64_t r = 0; r < item_rows; ++r) {
         const int64_t idx = (first + r / group) * heads + h * group + r % group;
-        finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, state_ptr == nullptr ? nullptr : state_ptr + idx * kStateWidth);
+        float* row_state = state_ptr == nullptr ? nullptr : state_ptr + idx * kStateWidth;
+        finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, row_state);
       }
     }
   });
@@ -442,7 +444,8 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
   float* state_ptr = return_state ? state.data_ptr<float>() : nullptr;
   const float fscale = static_cast<float>(scale);
   for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK(len_ptr[b] >= 1 && len_ptr[b] <= max_pages * page_size, "each length must be in [1, pages * page_size]");
+    TORCH_CHECK(len_ptr[b] >= 1 && len_ptr[b] <= max_pages * page_size,
+                "each length must be in [1, pages * page_size]");
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     const int64_t padded_rows = (group + kTile - 1) / kTile * kTile;
@@ -468,7 +471,8 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
       }
       for (int64_t r = 0; r < group; ++r) {
         const int64_t idx = b * heads + h * group + r;
-        finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, state_ptr == nullptr ? nullptr : state_ptr + idx * kStateWidth);
+        float* row_state = state_ptr == nullptr ? nullptr : state_ptr + idx * kStateWidth;
+        finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, row_state);
       }
     }
   });
