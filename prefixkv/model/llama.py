@@ -26,11 +26,11 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN copy of weight (see packed_linear), set by use_kernels
-        self.row_invariant = False  # a single row computed as in a batch (cache-invariant bf16), set by use_kernels
+        self.pad_single_row = False  # a single row computed as two (cache-invariant bf16), set by use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            if self.row_invariant:
+            if self.pad_single_row:
                 return packed_linear.packed_linear_rows(x, self.packed, self.bias)
             return packed_linear.packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -141,6 +141,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, kv_heads, slots, head_dim]
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_pad_single_row = False  # as Linear.pad_single_row, for the lm_head (set by use_kernels)
         self.kernel_options: KernelOptions | None = None  # what use_kernels last set up
 
     def use_kernels(self, options: KernelOptions) -> None:
@@ -159,9 +160,17 @@ class LlamaModel(nn.Module):
                     module.packed = packed_linear.pack(module.weight) if options.packed_weights else None
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head_packed = packed_linear.pack(weight) if options.packed_weights else None
-        for module in self.modules():
+        self.lm_head_pad_single_row = False
+        for module in self.modules():  # where oneDNN's one-row kernel sums differently (see packed_linear)
             if isinstance(module, Linear):
-                module.row_invariant = options.cache_invariant
+                module.pad_single_row = (
+                    options.cache_invariant
+                    and module.packed is not None
+                    and not packed_linear.single_row_agrees(module.weight, module.packed)
+                )
+        if options.cache_invariant and self.lm_head_packed is not None:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.lm_head_pad_single_row = not packed_linear.single_row_agrees(weight, self.lm_head_packed)
         kernels = native.fused_ops() if options.fused_ops else None
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
@@ -184,8 +193,8 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]; call only on rows that sample."""
         if self.lm_head_packed is not None:
-            row_invariant = self.kernel_options is not None and self.kernel_options.cache_invariant
-            linear = packed_linear.packed_linear_rows if row_invariant else packed_linear.packed_linear
+            pad = self.lm_head_pad_single_row
+            linear = packed_linear.packed_linear_rows if pad else packed_linear.packed_linear
             return linear(hidden, self.lm_head_packed, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

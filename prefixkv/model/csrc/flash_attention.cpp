@@ -232,16 +232,25 @@ __attribute__((noinline)) void attend_chunk(const uint16_t* kc, const uint16_t* 
     }
   }
   // scale, mask, online softmax; probabilities -> bf16 pairs
+  const __m512i ones = _mm512_set1_epi16(0x3F80);  // bf16 1.0 pairs: a dot product with them sums a pair
   for (int64_t i = 0; i < kTile; ++i) {
     const int64_t r = t0 + i;
     float* orow = rows.o + r * kDim;
     __m512 vmax = _mm512_set1_ps(neg_inf);
     __mmask16 visible[4];
-    for (int64_t j = 0; j < nvec; ++j) {
-      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(c0 + 16 * j)));
-      visible[j] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(rows.see[r])));
-      s[i][j] = _mm512_mask_mul_ps(_mm512_set1_ps(neg_inf), visible[j], s[i][j], vscale);
-      vmax = _mm512_max_ps(vmax, s[i][j]);
+    if (c0 + kKeysPerVec * nvec - 1 <= rows.see[r]) {  // every key of the chunk visible (most of a prefill)
+      for (int64_t j = 0; j < nvec; ++j) {
+        visible[j] = 0xFFFF;
+        s[i][j] = _mm512_mul_ps(s[i][j], vscale);
+        vmax = _mm512_max_ps(vmax, s[i][j]);
+      }
+    } else {
+      for (int64_t j = 0; j < nvec; ++j) {
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(c0 + 16 * j)));
+        visible[j] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(rows.see[r])));
+        s[i][j] = _mm512_mask_mul_ps(_mm512_set1_ps(neg_inf), visible[j], s[i][j], vscale);
+        vmax = _mm512_max_ps(vmax, s[i][j]);
+      }
     }
     const float chunk_max = _mm512_reduce_max_ps(vmax);
     if (chunk_max == neg_inf) {  // nothing visible in this chunk for this row
@@ -249,20 +258,21 @@ __attribute__((noinline)) void attend_chunk(const uint16_t* kc, const uint16_t* 
       continue;
     }
     const float m_new = std::max(rows.m[r], chunk_max);
-    const float alpha = rows.m[r] == neg_inf ? 0.f : std::exp(rows.m[r] - m_new);
+    const float alpha = rows.m[r] == neg_inf ? 0.f : rows.m[r] == m_new ? 1.f : std::exp(rows.m[r] - m_new);
     const __m512 vm = _mm512_set1_ps(m_new);
-    __m512 vsum = _mm512_setzero_ps();
     __m512 e[4];
     for (int64_t j = 0; j < 4; ++j) {
-      // exp16 clamps its argument, so masked lanes are zeroed explicitly
-      e[j] = j < nvec ? _mm512_maskz_mov_ps(visible[j], prefixkv::exp16(_mm512_sub_ps(s[i][j], vm)))
+      // exp16_bf16 clamps its argument, so masked lanes are zeroed explicitly
+      e[j] = j < nvec ? _mm512_maskz_mov_ps(visible[j], prefixkv::exp16_bf16(_mm512_sub_ps(s[i][j], vm)))
                       : _mm512_setzero_ps();
     }
-    // bf16 probabilities in key order are exactly the (key 2j, key 2j + 1) pairs the value product reads
+    // bf16 probabilities in key order are exactly the (key 2j, key 2j + 1) pairs the value product reads; their
+    // sum (of the rounded values, so the weights stay normalised) is two dot products with ones
     const __m512bh p01 = _mm512_cvtne2ps_pbh(e[1], e[0]), p23 = _mm512_cvtne2ps_pbh(e[3], e[2]);
     _mm512_store_si512(probs[i], (__m512i)p01);
     _mm512_store_si512(probs[i] + 16, (__m512i)p23);
-    for (int64_t j = 0; j < nvec; ++j) vsum = _mm512_add_ps(vsum, prefixkv::round_bf16(e[j]));
+    __m512 vsum = _mm512_dpbf16_ps(_mm512_setzero_ps(), p01, as_bh(ones));
+    if (nvec > 2) vsum = _mm512_dpbf16_ps(vsum, p23, as_bh(ones));
     rows.l[r] = rows.l[r] * alpha + _mm512_reduce_add_ps(vsum);
     rows.m[r] = m_new;
     if (alpha != 1.f) {
