@@ -12,6 +12,7 @@ run shared-prefix --prefix-len 1024 --suffix-len 50 --num-prompts 32 --output-le
 run throughput --input-len 512 --output-len 32 --num-prompts 32 --compare-hf $COMMON
 run zero-hit --input-len 512 --output-len 32 --num-prompts 32 --repeats 2 $COMMON
 run restart --system-tokens 2048 --question-tokens 50 --repeats 3 $COMMON
+run cache-invariance $COMMON
 run overflow --pool-tokens 8192 --working-set 4 --system-tokens 1024 --question-tokens 32 --rounds 3 $COMMON
 run thrash --output-dir $OUT
 run thrash --requests-per-group 24 --on-model --dtype bfloat16 --num-threads 2 --output-dir $OUT/thrash_on_model

@@ -16,8 +16,8 @@ Two kinds of paths, and why the defaults differ by dtype:
 - cache_invariant (bf16, on with the native kernels and packed weights): every row is computed by one
   arithmetic whatever the cache, the chunking or the batch: decodes run the prefill kernel's reduction order,
   shared prefixes hand their softmax state over to each member's own keys instead of merging by log-sum-exp, and
-  a matmul of a single row runs as two rows (oneDNN's one-row kernel sums differently; any 2+ rows agree, see
-  packed_linear). Greedy bf16 answers then do not change on a cache hit, nor in a batch
+  a single row's matmul runs as two rows where oneDNN's one-row kernel was measured to sum differently (any 2+
+  rows agree, see packed_linear). Greedy bf16 answers then do not change on a cache hit, nor in a batch
   (tests/engine/test_cache_invariance.py).
 
 Tests parametrize these options (`dataclasses.replace(options, in_place_decodes=False)`) instead of patching.
@@ -62,7 +62,7 @@ class KernelOptions:
     # bf16 rows are computed the same whether their context is cached or fresh, however the step was cut and
     # batched: decodes use the prefill kernel's arithmetic (paged_flash_decode), shared-prefix groups (cut at a
     # multiple of 64 keys) continue each row's softmax state instead of merging by log-sum-exp, and single-row
-    # matmuls run as two rows (needs native_attention, in_place_decodes and packed_weights)
+    # matmuls run as two rows where needed (needs native_attention, in_place_decodes and packed_weights)
     cache_invariant: bool = False
     # RMSNorm, rotary embedding and SiLU-multiply use the native one-pass bf16 kernels
     fused_ops: bool = False

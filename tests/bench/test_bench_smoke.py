@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixkv.bench import common, multi_turn, system_prompt, throughput, workloads, zero_hit
+from prefixkv.bench import cache_invariance, common, multi_turn, system_prompt, throughput, workloads, zero_hit
 
 BUDGET = 64  # tokens per step: small, so requests sent together still run in several steps and can share pages
 
@@ -151,6 +151,21 @@ def test_zero_hit(factory):
     assert all(0 < m["outside_model_s"] < m["elapsed_s"] for m in res["modes"].values())
     assert set(res["hash_us_per_block"]) == {"sha256", "xxhash"}
     assert all(finite_positive(us) for c in res["hash_us_per_block"].values() for us in c.values())
+
+
+def test_cache_invariance(factory):
+    """The flip-count benchmark at a tiny size: every warm run hits, every count is reported per cache and phase."""
+    args = parse(
+        cache_invariance,
+        "cache-invariance --num-short 2 --num-system 2 --num-turns 2 --output-len 2 --alone 2 --caches hash".split(),
+    )
+    res = cache_invariance.run(args, llm_factory=factory)
+    json.dumps(res)
+    assert res["config"]["num_prompts"] == 6 and res["alone_vs_batch"]["prompts"]
+    assert set(res["caches"]) == {"hash"}
+    for entry in res["caches"].values():
+        assert entry["full_hit"]["prompts_hit"] == 6 and entry["partial_hit"]["prompts_hit"] >= 4
+        assert all(0 <= entry[phase]["flips"] <= 6 for phase in ("partial_hit", "full_hit"))
 
 
 def test_cli_writes_json_and_plot(factory, tmp_path, monkeypatch):
