@@ -173,10 +173,11 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
             rows.append([cache, phase, len(prompts), hit, len(flipped), by_kind])
         results["caches"][cache] = entry
         del llm
+    mode = "sequential" if args.sequential else "batched"
     common.print_table(
         ["cache", "run", "prompts", "hit", "flips", "flips by kind"],
         rows,
-        title=f"greedy bf16 answers, cold (caching off) vs warm ({'sequential' if args.sequential else 'batched'})",
+        title=f"greedy {args.dtype} answers, cold (caching off) vs warm ({mode})",
     )
     results["config"] = {
         "num_prompts": len(prompts),

@@ -8,7 +8,7 @@ import pytest
 
 from prefixkv.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def _prompts(tok) -> list[list[int]]:
@@ -52,7 +52,7 @@ def test_batch_of_16_mixed_lengths_matches_alone(llm_factory, reference):
 
 def test_tiny_token_budget_forces_chunked_prefill(llm_factory, reference):
     prompts, alone = reference
-    llm = llm_factory(prefix_cache="off", max_num_batched_tokens=24)
+    llm = llm_factory(prefix_cache="off", max_num_batched_tokens=32)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert _tokens(outs) == alone
 

@@ -18,7 +18,7 @@ def test_readmissions_are_counted_apart(llm_factory):
     before = engine.get_stats()
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
         use_tqdm=False,
     )
     after = engine.get_stats()

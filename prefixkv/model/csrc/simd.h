@@ -37,13 +37,19 @@ inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// exp(x) = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2 and 2^f by a degree-6 polynomial (relative error
-// ~2e-7); x is clamped to [-87, 88] so the result stays a finite normal float
-inline __m512 exp16(__m512 x) {
+// exp(x) = e^f * 2^n with n = round(x log2 e) and |f| <= ln2 / 2 (the range reduction of exp16 and exp16_bf16);
+// x is clamped to [-87, 88] so the result stays a finite normal float
+inline void exp_reduce(__m512 x, __m512& n, __m512& f) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));
+  n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));
+}
+
+// exp(x) with e^f by a degree-6 polynomial (relative error ~2e-7)
+inline __m512 exp16(__m512 x) {
+  __m512 n, f;
+  exp_reduce(x, n, f);
   __m512 p = _mm512_set1_ps(1.f / 720.f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
@@ -55,12 +61,10 @@ inline __m512 exp16(__m512 x) {
 }
 
 // exp(x) accurate enough for a value rounded to bf16 next (relative error ~4e-5 against bf16's 2e-3 half-ulp):
-// exp16 with a degree-4 polynomial, two FMAs fewer per call in attention's softmax
+// a degree-4 polynomial, two FMAs fewer per call in attention's softmax
 inline __m512 exp16_bf16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));
+  __m512 n, f;
+  exp_reduce(x, n, f);
   __m512 p = _mm512_set1_ps(1.f / 24.f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
