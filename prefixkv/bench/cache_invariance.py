@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from prefixkv.bench import common
+from prefixkv.kvcache.radix_tree import common_prefix_len
 
 _SUBJECTS = [
     "the moon", "a bicycle", "photosynthesis", "the Roman empire", "volcanoes", "a compiler", "honey bees",
@@ -78,24 +79,19 @@ def invariance_prompts(
         system = {"role": "system", "content": _SYSTEMS[i % len(_SYSTEMS)]}
         full = ids([system, {"role": "user", "content": ask()}])
         shared = tokenizer.encode_chat([system], add_generation_prompt=False)
-        prompts.append(InvariancePrompt("system", full, full[: _common_prefix(full, shared)]))
+        prompts.append(InvariancePrompt("system", full, full[: common_prefix_len(shared, full, 0, len(full))]))
     for c in range(-(-num_turns // turns_per_chat)):
         messages = [{"role": "system", "content": _SYSTEMS[c % len(_SYSTEMS)]}]
         previous: list[int] = []
         for _ in range(min(turns_per_chat, num_turns - c * turns_per_chat)):
             messages.append({"role": "user", "content": ask()})
             full = ids(messages)
-            prompts.append(InvariancePrompt("multi-turn", full, full[: _common_prefix(full, previous)]))
+            prompts.append(
+                InvariancePrompt("multi-turn", full, full[: common_prefix_len(previous, full, 0, len(full))])
+            )
             messages.append({"role": "assistant", "content": rng.choice(_REPLIES)})
             previous = full
     return prompts
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def answer(llm, prompts: list[InvariancePrompt], max_tokens: int, sequential: bool) -> list:

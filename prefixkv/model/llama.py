@@ -154,23 +154,23 @@ class LlamaModel(nn.Module):
         kernels (prefixkv.model.native) instead of torch's ops; options.check has made sure they fit the shapes.
         """
         packed_before = self.kernel_options is not None and self.kernel_options.packed_weights
+        lm_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if options.packed_weights or packed_before:  # (re)pack: the weights may have been cast since
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.packed = packed_linear.pack(module.weight) if options.packed_weights else None
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self.lm_head_packed = packed_linear.pack(weight) if options.packed_weights else None
-        self.lm_head_pad_single_row = False
-        for module in self.modules():  # where oneDNN's one-row kernel sums differently (see packed_linear)
+            self.lm_head_packed = packed_linear.pack(lm_weight) if options.packed_weights else None
+
+        def pad_single_row(weight: torch.Tensor, packed: torch.Tensor | None) -> bool:
+            """Where oneDNN's one-row kernel sums differently (see packed_linear)."""
+            return (
+                options.cache_invariant and packed is not None and not packed_linear.single_row_agrees(weight, packed)
+            )
+
+        for module in self.modules():
             if isinstance(module, Linear):
-                module.pad_single_row = (
-                    options.cache_invariant
-                    and module.packed is not None
-                    and not packed_linear.single_row_agrees(module.weight, module.packed)
-                )
-        if options.cache_invariant and self.lm_head_packed is not None:
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self.lm_head_pad_single_row = not packed_linear.single_row_agrees(weight, self.lm_head_packed)
+                module.pad_single_row = pad_single_row(module.weight, module.packed)
+        self.lm_head_pad_single_row = pad_single_row(lm_weight, self.lm_head_packed)
         kernels = native.fused_ops() if options.fused_ops else None
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):

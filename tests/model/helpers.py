@@ -87,3 +87,24 @@ def greedy_generate(
     seq = Sequence("r0", prompt, pool, runner.page_size, chunk)
     run_batch(runner, [seq], max_new_tokens)
     return seq.output
+
+
+def shared_prefix_step(page_size: int):
+    """(token counts, start positions, page tables) of one step: decodes and prefill chunks behind one cached
+    prefix of 96 tokens, plus unrelated rows (the attention plan tests' shared-prefix and cascade step)."""
+    pool = PagePool(2048 // page_size, shuffle_seed=3)
+    pages = lambda tokens: -(-tokens // page_size)
+    shared = pool.take(96 // page_size)
+    table = lambda prefix, end: prefix + pool.take(pages(end) - len(prefix))
+    decodes = [(100, table(shared, 101)), (120, table(shared, 121)), (40, table([], 41))]
+    prefills = [
+        (20, 96, table(shared, 116)),  # chunks after the shared prefix
+        (9, 0, table([], 9)),  # a fresh chunk between them: the group's rows are not adjacent
+        (33, 96, table(shared, 129)),
+        (5, 112, table(shared + pool.take(1 if page_size == 16 else 16), 117)),  # more cached context of its own
+        (17, 50, table([], 67)),  # after cached tokens shared with nobody
+    ]
+    counts = [1] * len(decodes) + [n for n, _, _ in prefills]
+    starts = [s for s, _ in decodes] + [s for _, s, _ in prefills]
+    tables = [t for _, t in decodes] + [t for _, _, t in prefills]
+    return counts, starts, tables

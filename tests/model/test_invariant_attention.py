@@ -17,8 +17,7 @@ import torch
 from prefixkv.model import native, packed_linear
 from prefixkv.model.attention import NativeCascadeDecodes, SharedPrefixChunks, StepPlanner, paged_attention
 from prefixkv.model.options import KernelOptions
-from tests.model.helpers import PagePool
-from tests.model.test_native_attention import _step
+from tests.model.helpers import PagePool, shared_prefix_step
 
 pytestmark = pytest.mark.skipif(native.flash_attention() is None, reason="needs AVX-512 BF16 (native build)")
 
@@ -122,7 +121,7 @@ def test_shared_prefix_groups_equal_every_row_alone(page_size):
     """A step with shared-prefix chunks (and cascade decodes where they pay) behind a 96-token prefix, cut to 64
     for the handover, gives bit for bit what the same step gives with each row attending over its whole context
     by itself."""
-    counts, starts, tables = _step(page_size)
+    counts, starts, tables = shared_prefix_step(page_size)
     gen = torch.Generator().manual_seed(2)
     pool = torch.randn(2, KVH, 2048, D, generator=gen).to(torch.bfloat16)
     t = sum(counts)

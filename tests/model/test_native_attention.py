@@ -23,7 +23,7 @@ from prefixkv.model.attention import (
     paged_attention,
 )
 from prefixkv.model.options import KernelOptions
-from tests.model.helpers import PagePool
+from tests.model.helpers import shared_prefix_step
 
 pytestmark = pytest.mark.skipif(native.flash_attention() is None, reason="needs AVX-512 BF16 (native build)")
 
@@ -80,29 +80,9 @@ def test_kernel_rejects_what_it_cannot_run():
         kernel(q[..., :32], pool[..., :32], slots, q_pos, 1.0)
 
 
-def _step(page_size: int):
-    """Decodes and prefill chunks behind one cached prefix of 96 tokens, plus unrelated rows."""
-    pool = PagePool(2048 // page_size, shuffle_seed=3)
-    pages = lambda tokens: -(-tokens // page_size)
-    shared = pool.take(96 // page_size)
-    table = lambda prefix, end: prefix + pool.take(pages(end) - len(prefix))
-    decodes = [(100, table(shared, 101)), (120, table(shared, 121)), (40, table([], 41))]
-    prefills = [
-        (20, 96, table(shared, 116)),  # chunks after the shared prefix
-        (9, 0, table([], 9)),  # a fresh chunk between them: the group's rows are not adjacent
-        (33, 96, table(shared, 129)),
-        (5, 112, table(shared + pool.take(1 if page_size == 16 else 16), 117)),  # more cached context of its own
-        (17, 50, table([], 67)),  # after cached tokens shared with nobody
-    ]
-    counts = [1] * len(decodes) + [n for n, _, _ in prefills]
-    starts = [s for s, _ in decodes] + [s for _, s, _ in prefills]
-    tables = [t for _, t in decodes] + [t for _, _, t in prefills]
-    return counts, starts, tables
-
-
 @pytest.mark.parametrize("page_size", [16, 1])
 def test_shared_prefix_chunks_equal_the_plain_path(page_size):
-    counts, starts, tables = _step(page_size)
+    counts, starts, tables = shared_prefix_step(page_size)
     gen = torch.Generator().manual_seed(1)
     pool = torch.randn(2, KVH, 2048, D, generator=gen).to(torch.bfloat16)
     t = sum(counts)
