@@ -30,6 +30,10 @@ def _option(default: Any, help: str, choices: tuple[str, ...] | None = None, ali
     return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
 
+# kernel options that name a path instead of switching one on or off (prefixkv.model.options.KernelOptions)
+_KERNEL_PATH_OPTIONS = ("matmul",)
+
+
 @dataclass
 class EngineConfig:
     model: str | None = _option(
@@ -125,9 +129,9 @@ class EngineConfig:
     )
     kernel_options: str | None = _option(
         None,
-        "forward-pass kernel paths to force on or off, e.g. 'native_attention=0,shared_prefill=0' (names: "
-        "prefixkv.model.options.KernelOptions' switches; default: every path that runs here, reordering ones "
-        "below float32 only); for A/B measurements",
+        "forward-pass kernel paths to force on or off, e.g. 'native_attention=0,shared_prefill=0' or "
+        "'cache_invariant=0,matmul=onednn' (names: prefixkv.model.options.KernelOptions' fields; default: every "
+        "path that runs here, reordering ones below float32 only); for A/B measurements",
     )
 
     def __post_init__(self) -> None:
@@ -201,19 +205,25 @@ class EngineConfig:
         if self.prefix_cache == "off":
             raise ValueError("kv_offload_dir/kv_offload_host_size need a prefix cache (prefix_cache 'hash' or 'radix')")
 
-    def kernel_overrides(self) -> dict[str, bool]:
-        """kernel_options as {switch: on}; names are checked where the model's options are built."""
-        overrides: dict[str, bool] = {}
+    def kernel_overrides(self) -> dict[str, bool | str]:
+        """kernel_options as {field: value}: switches take 0/1 (or on/off, true/false), `matmul` a path name;
+        names and paths are checked where the model's options are built."""
+        overrides: dict[str, bool | str] = {}
         for part in (self.kernel_options or "").split(","):
             if not part.strip():
                 continue
-            name, _, value = part.partition("=")
-            flag = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}.get(
-                value.strip().lower()
-            )
-            if not name.strip() or flag is None:
-                raise ValueError(f"kernel_options: expected name=0 or name=1 pairs separated by commas, got {part!r}")
-            overrides[name.strip()] = flag
+            name, _, value = (x.strip() for x in part.partition("="))
+            word = value.lower()
+            flag = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}.get(word)
+            if name in _KERNEL_PATH_OPTIONS and word.replace("_", "").isalnum():
+                overrides[name] = word
+            elif name and flag is not None:
+                overrides[name] = flag
+            else:
+                raise ValueError(
+                    "kernel_options: expected name=0 or name=1 pairs separated by commas (matmul=<path>, e.g. "
+                    f"matmul=onednn), got {part!r}"
+                )
         return overrides
 
     @property

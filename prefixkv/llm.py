@@ -55,6 +55,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
     # one-time costs land here, at startup, never in a first request's TTFT: native kernels (built by
     # scripts/setup.sh, loaded here; built here if missing), weight packing, the pool
     on = [f.name for f in dataclasses.fields(runner.options) if getattr(runner.options, f.name) is True]
+    kernels = runner.kernel_report()
     logger.info(
         "engine ready in %.1f s (model load %.1f s; kernels, weight packing and KV pool %.1f s); kernel paths: %s",
         time.perf_counter() - start,
@@ -62,6 +63,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
         time.perf_counter() - loaded_at,
         ", ".join(on) or "plain torch",
     )
+    logger.info("%s", kernel_line(kernels, config.dtype))
     tier = None
     if config.kv_offload:
         manifest = TierManifest(
@@ -73,7 +75,15 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
             device=runner.device.type,
         )
         tier = create_kv_tier(config, manifest)
-    return Engine(config, runner, loaded.tokenizer, loaded.config, loaded.name, kv_tier=tier)
+    return Engine(config, runner, loaded.tokenizer, loaded.config, loaded.name, kv_tier=tier, kernels=kernels)
+
+
+def kernel_line(kernels: dict[str, str], dtype: str) -> str:
+    """The start log line naming the machine and the kernel paths (ModelRunner.kernel_report)."""
+    return (
+        f"{kernels['device']} {kernels['cpu']}: kernels {kernels['isa_path']} (matmul {kernels['matmul']}, attention "
+        f"{kernels['attention']}), {dtype}, cache invariance {kernels['cache_invariant']}"
+    )
 
 
 class LLM:

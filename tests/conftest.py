@@ -143,6 +143,17 @@ def _free_dropped_engines():
     gc.collect()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "kernel_missing(why): the CPU has the instructions, the build lacks the kernel")
+
+
+def pytest_runtest_setup(item):
+    """tests/kernels.py's marks: a kernel the CPU could run but the build lacks fails its tests, never skips them."""
+    mark = item.get_closest_marker("kernel_missing")
+    if mark is not None:
+        pytest.fail(mark.args[0], pytrace=False)
+
+
 def pytest_terminal_summary(terminalreporter):
     """The two numbers the suite is held to: its wall time and the peak resident memory of this process."""
     gib = 1 << 20  # ru_maxrss is in KiB on Linux

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from prefixkv.bench import common
 from prefixkv.kvcache.radix_tree import common_prefix_len
+from prefixkv.model import cpu_features
 
 _SUBJECTS = [
     "the moon", "a bicycle", "photosynthesis", "the Roman empire", "volcanoes", "a compiler", "honey bees",
@@ -142,6 +143,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
     factory = common.factory_for(args, llm_factory)
     caches = [c.strip() for c in args.caches.split(",") if c.strip()]
     cold_llm = factory(prefix_cache="off")
+    kernels_and_cpu = {"cpu": cpu_features.describe(), "kernels": dict(cold_llm.llm_engine.kernels)}
     prompts = invariance_prompts(
         cold_llm.get_tokenizer(), args.num_short, args.num_system, args.num_turns, seed=args.seed or 0
     )
@@ -154,28 +156,40 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
         alone = answer(cold_llm, [prompts[i] for i in picked], args.output_len, sequential=True)
         flipped = [picked[k] for k in flips([cold[i] for i in picked], alone)]
         results["alone_vs_batch"] = {"prompts": picked, "flips": len(flipped), "flipped": flipped}
-        rows.append(["off", "alone vs batch", len(picked), 0, len(flipped), ""])
+        rows.append(["off", "alone vs batch", len(picked), 0, 0, len(flipped), ""])
     del cold_llm
     for cache in caches:
         llm = factory(prefix_cache=cache)
         start = time.perf_counter()
         warm = warm_runs(llm, prompts, args.output_len, args.sequential)
         entry: dict = {"warm_s": time.perf_counter() - start}
+        page_size = llm.llm_engine.kv.page_size
         for phase, outs in warm.items():
             flipped = flips(cold, outs)
             hit = sum(1 for o in outs if o.num_cached_tokens > 0)
+            # all of the prompt but its last page: what a full hit must reuse
+            near_full = sum(1 for o in outs if o.num_cached_tokens >= len(o.prompt_token_ids) - page_size)
             by_kind = {k: sum(1 for i in flipped if prompts[i].kind == k) for k in ("short", "system", "multi-turn")}
-            entry[phase] = {"flips": len(flipped), "flipped": flipped, "by_kind": by_kind, "prompts_hit": hit}
-            rows.append([cache, phase, len(prompts), hit, len(flipped), by_kind])
+            entry[phase] = {
+                "flips": len(flipped),
+                "flipped": flipped,
+                "by_kind": by_kind,
+                "prompts_hit": hit,
+                "prompts_hit_all_but_last_page": near_full,
+                "cached_tokens": sum(o.num_cached_tokens for o in outs),
+                "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+            }
+            rows.append([cache, phase, len(prompts), hit, near_full, len(flipped), by_kind])
         results["caches"][cache] = entry
         del llm
     mode = "sequential" if args.sequential else "batched"
     common.print_table(
-        ["cache", "run", "prompts", "hit", "flips", "flips by kind"],
+        ["cache", "run", "prompts", "hit", "hit all but the last page", "flips", "flips by kind"],
         rows,
         title=f"greedy {args.dtype} answers, cold (caching off) vs warm ({mode})",
     )
     results["config"] = {
+        **kernels_and_cpu,
         "num_prompts": len(prompts),
         "output_len": args.output_len,
         "sequential": args.sequential,

@@ -123,8 +123,12 @@ def run_config(args: argparse.Namespace, llm, **sizes) -> dict:
     """The settings a reader needs to reproduce or compare a result."""
     import torch
 
+    from prefixkv.model import cpu_features
+
     engine = llm.llm_engine
     return {
+        "cpu": cpu_features.describe(),
+        "kernels": dict(engine.kernels),
         "model": engine.model_name,
         "model_arg": args.model,
         "dtype": args.dtype,

@@ -8,6 +8,8 @@ import json
 import os
 import time
 
+from prefixkv.model import cpu_features
+
 BENCH_MODULES = [
     "throughput",
     "system_prompt",
@@ -48,6 +50,7 @@ def _writing_results(name: str, module, func):
             return 0
         results.setdefault("benchmark", name)
         results.setdefault("timestamp", time.strftime("%Y-%m-%dT%H:%M:%S"))
+        results.setdefault("cpu", cpu_features.describe())  # a number means little without the machine
         os.makedirs(args.output_dir, exist_ok=True)
         path = os.path.join(args.output_dir, f"{name}.json")
         with open(path, "w") as f:

@@ -107,10 +107,13 @@ class Engine:
         model_config: ModelShape,
         model_name: str = "",
         kv_tier: KVTier | None = None,
+        kernels: dict[str, str] | None = None,
     ) -> None:
         """runner: a model runner over a pool of runner.num_pages pages of config.page_size tokens (the KV
         manager gets the same pool); tokenizer and model_config: the model's. kv_tier: a second tier behind the
-        prefix cache (built from config.kv_offload_*; the engine owns it from here and closes it in close())."""
+        prefix cache (built from config.kv_offload_*; the engine owns it from here and closes it in close()).
+        kernels: labels of the hardware and kernel paths the runner computes with (ModelRunner.kernel_report),
+        passed through to /metrics and benchmark results."""
         if runner.page_size != config.page_size:
             raise ValueError(f"the runner's page size {runner.page_size} differs from page_size={config.page_size}")
         self.config = config
@@ -118,6 +121,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.model_name = model_name
+        self.kernels = dict(kernels or {})
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )

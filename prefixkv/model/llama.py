@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixkv.model import native, packed_linear
+from prefixkv.model import matmul, native
 from prefixkv.model.attention import StepPlan, paged_attention
 from prefixkv.model.config import ModelConfig
 from prefixkv.model.options import KernelOptions
@@ -25,15 +25,10 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN copy of weight (see packed_linear), set by use_kernels
-        self.pad_single_row = False  # a single row computed as two (cache-invariant bf16), set by use_kernels
+        self.packed: matmul.PackedWeight | None = None  # the weight as options.matmul reads it, set by use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            if self.pad_single_row:
-                return packed_linear.packed_linear_rows(x, self.packed, self.bias)
-            return packed_linear.packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return matmul.linear(x, self.weight, self.packed, self.bias)
 
 
 class Embedding(nn.Module):
@@ -140,42 +135,31 @@ class LlamaModel(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, kv_heads, slots, head_dim]
-        self.lm_head_packed: torch.Tensor | None = None
-        self.lm_head_pad_single_row = False  # as Linear.pad_single_row, for the lm_head (set by use_kernels)
+        self.lm_head_packed: matmul.PackedWeight | None = None  # as Linear.packed, for the lm_head
         self.kernel_options: KernelOptions | None = None  # what use_kernels last set up
 
     def use_kernels(self, options: KernelOptions) -> None:
-        """Set the fused-ops and packed-weights switches of every module from the runner's options, in one place.
+        """Set the fused-ops and matmul switches of every module from the runner's options, in one place.
 
-        Packed weights: every matmul weight gets a copy in oneDNN's blocked layout (bf16 CPU, see packed_linear).
-        The plain weights stay (a LoadedModel may be shared by several runners): packing costs one more copy of
-        the matmul weights in memory. The runner calls this after any dtype/device change, so a packed copy never
-        outlives its weight. Fused ops: RMSNorm, rotary embedding and SiLU-multiply run the native one-pass bf16
-        kernels (prefixkv.model.native) instead of torch's ops; options.check has made sure they fit the shapes.
+        Matmul: every weight gets the copy options.matmul reads (oneDNN's blocked layout or prefixkv's panels, see
+        prefixkv.model.matmul; none for F.linear). The plain weights stay (a LoadedModel may be shared by several
+        runners): packing costs one more copy of the matmul weights in memory. The runner calls this after any
+        dtype/device change, so a packed copy never outlives its weight. Fused ops: RMSNorm, rotary embedding and
+        SiLU-multiply run the native one-pass bf16 kernels (prefixkv.model.native) instead of torch's ops;
+        options.check has made sure they fit the shapes.
         """
-        packed_before = self.kernel_options is not None and self.kernel_options.packed_weights
-        lm_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if options.packed_weights or packed_before:  # (re)pack: the weights may have been cast since
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.packed = packed_linear.pack(module.weight) if options.packed_weights else None
-            self.lm_head_packed = packed_linear.pack(lm_weight) if options.packed_weights else None
-
-        def pad_single_row(weight: torch.Tensor, packed: torch.Tensor | None) -> bool:
-            """Where oneDNN's one-row kernel sums differently (see packed_linear)."""
-            return (
-                options.cache_invariant and packed is not None and not packed_linear.single_row_agrees(weight, packed)
-            )
-
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pad_single_row = pad_single_row(module.weight, module.packed)
-        self.lm_head_pad_single_row = pad_single_row(lm_weight, self.lm_head_packed)
+                module.packed = matmul.pack(module.weight, options.matmul)
+        self.lm_head_packed = matmul.pack(self._lm_weight(), options.matmul)
         kernels = native.fused_ops() if options.fused_ops else None
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.fused = kernels
         self.kernel_options = options
+
+    def _lm_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
@@ -192,12 +176,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]; call only on rows that sample."""
-        if self.lm_head_packed is not None:
-            pad = self.lm_head_pad_single_row
-            linear = packed_linear.packed_linear_rows if pad else packed_linear.packed_linear
-            return linear(hidden, self.lm_head_packed, None).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return matmul.linear(hidden, self._lm_weight(), self.lm_head_packed, None).float()
 
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:

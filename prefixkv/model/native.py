@@ -44,6 +44,7 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")))
 _FLAGS = {"extra_cflags": ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], "extra_ldflags": ["-fopenmp"]}
 _BUILT = "BUILT"  # written once the library is complete
+_AMX_VERDICT = "AMX_SELFTEST"  # "ok", or why the AMX kernels failed their self-test on this machine
 _OUR_LOCK = "prefixkv-build.lock"  # fcntl-locked while a prefixkv process builds here
 _TORCH_LOCK = "lock"  # torch's FileBaton: exists while torch builds here, or forever after a killed build
 _BUILD_SCRIPT = "import json, sys\nfrom torch.utils import cpp_extension\ncpp_extension.load(**json.loads(sys.argv[1]))"
@@ -77,6 +78,56 @@ def flash_attention():
     """The module when its bf16 prefill attention kernel is compiled in (AVX-512 BF16), else None."""
     m = module()
     return m if m is not None and m.has_flash_attention() else None
+
+
+def gemm():
+    """The module when its row-invariant bf16 matrix product is compiled in (AVX-512 BF16), else None."""
+    m = module()
+    return m if m is not None and m.has_gemm() else None
+
+
+@functools.lru_cache(maxsize=1)
+def amx_gemm():
+    """The module when its AMX matrix product runs here, else None: compiled in, the CPU has AMX tiles
+    (PREFIXKV_NO_AMX=1 says no), and the kernel passed its self-test on this machine (prefixkv.model.amx_selftest,
+    run once per build in a subprocess, so that a kernel that faults cannot take the engine down; the verdict is
+    kept in the build directory)."""
+    from prefixkv.model import cpu_features
+
+    m = gemm()
+    if m is None or not cpu_features.has_amx() or os.environ.get("PREFIXKV_NO_AMX") == "1":
+        return None
+    verdict = amx_verdict(build_directory())
+    if verdict != "ok":
+        warnings.warn(f"prefixkv: AMX kernels not used, their self-test failed: {verdict}", stacklevel=2)
+        return None
+    return m if m.has_amx() else None
+
+
+def amx_verdict(directory: str) -> str:
+    """ "ok" or why the AMX self-test failed, run once for the build in `directory` and kept in its AMX_SELFTEST."""
+    path = os.path.join(directory, _AMX_VERDICT)
+    with contextlib.suppress(OSError), open(path, encoding="utf-8") as f:
+        return f.read().strip()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "prefixkv.model.amx_selftest"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PREFIXKV_NO_AMX": "1"},  # the child never runs a self-test of its own
+        )
+        lines = proc.stdout.strip().splitlines()
+        verdict = (
+            "ok"
+            if proc.returncode == 0 and lines[-1:] == ["ok"]
+            else ((lines[-1] if lines else "") or f"the self-test process ended with status {proc.returncode}")
+        )
+    except subprocess.TimeoutExpired:
+        verdict = "the self-test did not finish within 300 s"
+    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
+        f.write(verdict + "\n")
+    return verdict
 
 
 # -- where -------------------------------------------------------------------------------------------------
@@ -245,3 +296,8 @@ if __name__ == "__main__":  # scripts/setup.sh: build now rather than at the fir
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     state = "ready" if module() is not None else "unavailable, the torch paths will be used"
     print(f"prefixkv native kernels: {state} ({build_directory()})")
+    if module() is not None:
+        from prefixkv.model import cpu_features
+
+        amx = "used" if amx_gemm() is not None else "not used"
+        print(f"{cpu_features.model_name()}: AMX tiles {'present' if cpu_features.has_amx() else 'absent'}, {amx}")

@@ -6,19 +6,22 @@ below the runner checks the device or reads a module global to pick a path: the 
 row groups once per step, and the model's fused / packed switches are set from them once (`LlamaModel.use_kernels`).
 
 Two kinds of paths, and why the defaults differ by dtype:
-- bit-exact ones (packed weights, in-place native decodes, fused elementwise ops): they compute what the plain
-  ops compute, so they are on wherever they can run;
+- bit-exact ones (oneDNN's packed weights, in-place native decodes, fused elementwise ops): they compute what
+  the plain ops compute, so they are on wherever they can run;
 - reordering ones (cascade decodes, split prefill, shared-prefix prefill): they merge softmax pieces by
   log-sum-exp, which changes the floating-point summation order. float32 must give token-identical output with
   prefix caching on and off, so they are on only below float32;
-- the native bf16 attention kernel (native_attention) rounds differently from torch's SDPA (its error on random
-  inputs is within torch's own, tests/model/test_native_attention.py); it exists for bfloat16 only.
-- cache_invariant (bf16, on with the native kernels and packed weights): every row is computed by one
-  arithmetic whatever the cache, the chunking or the batch: decodes run the prefill kernel's reduction order,
-  shared prefixes hand their softmax state over to each member's own keys instead of merging by log-sum-exp, and
-  a single row's matmul runs as two rows where oneDNN's one-row kernel was measured to sum differently (any 2+
-  rows agree, see packed_linear). Greedy bf16 answers then do not change on a cache hit, nor in a batch
+- the native bf16 attention kernel (native_attention) and matrix products (matmul "avx512_bf16" / "amx") round
+  differently from torch's SDPA and oneDNN (their error on random inputs is within torch's own,
+  tests/model/test_native_attention.py, test_gemm.py); they exist for bfloat16 only.
+- cache_invariant (bf16, on wherever the native kernels run): every row is computed by one arithmetic whatever
+  the cache, the chunking or the batch: decodes run the prefill kernel's reduction order, shared prefixes hand
+  their softmax state over to each member's own keys instead of merging by log-sum-exp, and every matrix product
+  runs prefixkv's own kernel (matmul "avx512_bf16" or "amx"), whose rows never depend on the row count, instead
+  of oneDNN, whose kernel choice does. Greedy bf16 answers then do not change on a cache hit, nor in a batch
   (tests/engine/test_cache_invariance.py).
+- matmul: which kernel computes the matrix products (prefixkv.model.matmul): the fastest row-invariant one when
+  cache_invariant is on, oneDNN with packed weights when it is off, F.linear for float32 and on GPUs.
 
 Tests parametrize these options (`dataclasses.replace(options, in_place_decodes=False)`) instead of patching.
 """
@@ -31,7 +34,7 @@ from typing import Any
 
 import torch
 
-from prefixkv.model import native, packed_linear
+from prefixkv.model import matmul, native
 from prefixkv.model.config import ModelConfig
 
 # torch's CPU flash-attention kernel that also returns each row's log-sum-exp (what SDPA runs on CPU); the
@@ -61,13 +64,15 @@ class KernelOptions:
     shared_prefill: bool = False
     # bf16 rows are computed the same whether their context is cached or fresh, however the step was cut and
     # batched: decodes use the prefill kernel's arithmetic (paged_flash_decode), shared-prefix groups (cut at a
-    # multiple of 64 keys) continue each row's softmax state instead of merging by log-sum-exp, and single-row
-    # matmuls run as two rows where needed (needs native_attention, in_place_decodes and packed_weights)
+    # multiple of 64 keys) continue each row's softmax state instead of merging by log-sum-exp, and matrix products
+    # run a kernel whose rows never depend on the batch (needs native_attention, in_place_decodes and a matmul in
+    # matmul.ROW_INVARIANT_PATHS)
     cache_invariant: bool = False
     # RMSNorm, rotary embedding and SiLU-multiply use the native one-pass bf16 kernels
     fused_ops: bool = False
-    # matmul weights are packed once into oneDNN's blocked layout (bf16 CPU)
-    packed_weights: bool = False
+    # which kernel computes the matrix products: "torch" (F.linear), "onednn" (weights packed once into oneDNN's
+    # blocked layout), "avx512_bf16" or "amx" (prefixkv's row-invariant kernels); see prefixkv.model.matmul
+    matmul: str = "torch"
     # padded decode groups: a group closes where the next context is longer than group_growth times the group's
     # shortest and than min_split_len (below that, padding is cheaper than another SDPA call per layer)
     group_growth: float = 2.0
@@ -100,15 +105,27 @@ class KernelOptions:
             and dtype == torch.bfloat16
             and native.fused_ops() is not None
             and (config is None or fused_ops_fit(config)),
-            packed_weights=packed_linear.can_pack(device, dtype),
+            matmul=matmul.best_row_invariant(device, dtype) or _library_matmul(device, dtype),
         )
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(KernelOptions)}
+        fields = {f.name: f for f in dataclasses.fields(KernelOptions)}
+        unknown = set(overrides) - set(fields)
         if unknown:
             raise ValueError(f"unknown kernel options {sorted(unknown)}")
+        for name, value in overrides.items():
+            kind = {"bool": bool, "str": str}.get(str(fields[name].type))
+            if kind is not None and type(value) is not kind:
+                raise ValueError(f"kernel option {name} takes a {kind.__name__}, got {value!r}")
+        if overrides.get("matmul", "torch") not in matmul.PATHS:
+            paths = ", ".join(matmul.PATHS)
+            raise ValueError(f"kernel option matmul must be one of {paths}, got {overrides['matmul']!r}")
         options = dataclasses.replace(options, **overrides)
         if "cache_invariant" not in overrides:  # on wherever its kernels run, also when an override turned them off
-            kernels = options.native_attention and options.in_place_decodes and options.packed_weights
-            options = dataclasses.replace(options, cache_invariant=kernels)
+            kernels = options.native_attention and options.in_place_decodes
+            options = dataclasses.replace(
+                options, cache_invariant=kernels and options.matmul in matmul.ROW_INVARIANT_PATHS
+            )
+        if not options.cache_invariant and "matmul" not in overrides:  # oneDNN where row invariance is not asked
+            options = dataclasses.replace(options, matmul=_library_matmul(device, dtype))
         options.check(device, dtype, config)
         return options
 
@@ -124,14 +141,38 @@ class KernelOptions:
             raise ValueError("native_attention needs bfloat16, head_dim 64 and a CPU with AVX-512 BF16 (native build)")
         if self.shared_prefill and not self.native_attention:
             raise ValueError("shared_prefill needs native_attention")
-        if self.cache_invariant and not (self.native_attention and self.in_place_decodes and self.packed_weights):
-            raise ValueError("cache_invariant needs native_attention, in_place_decodes and packed_weights")
+        if self.cache_invariant and not (
+            self.native_attention and self.in_place_decodes and self.matmul in matmul.ROW_INVARIANT_PATHS
+        ):
+            raise ValueError(
+                "cache_invariant needs native_attention, in_place_decodes and a row-invariant matmul "
+                f"({' or '.join(matmul.ROW_INVARIANT_PATHS)})"
+            )
         if self.fused_ops and not (cpu and dtype == torch.bfloat16 and native.fused_ops() is not None):
             raise ValueError("fused_ops needs bfloat16 on a CPU where the native fused kernels are built")
         if self.fused_ops and config is not None and not fused_ops_fit(config):
             raise ValueError("fused_ops needs hidden and intermediate sizes divisible by 16 and head_dim by 32")
-        if self.packed_weights and not packed_linear.can_pack(device, dtype):
-            raise ValueError("packed_weights needs bfloat16 on a CPU where oneDNN supports it")
+        if self.matmul not in matmul.available(device, dtype):
+            raise ValueError(
+                f"matmul {self.matmul!r} cannot run here (bfloat16 {device.type}); available: "
+                f"{', '.join(matmul.available(device, dtype))} (oneDNN needs bf16 support, avx512_bf16 the native "
+                "build on an AVX-512 BF16 CPU, amx a CPU with AMX tiles)"
+            )
+
+    @property
+    def isa_path(self) -> str:
+        """Which instruction set prefixkv's own kernels run on: "amx", "avx512_bf16", or "torch" (none of ours:
+        torch's and oneDNN's kernels only)."""
+        if self.matmul == "amx":
+            return "amx"
+        if self.native_attention or self.matmul == "avx512_bf16":
+            return "avx512_bf16"
+        return "torch"
+
+
+def _library_matmul(device: torch.device, dtype: torch.dtype) -> str:
+    """oneDNN with packed weights where it runs (bf16 CPU), else F.linear."""
+    return "onednn" if "onednn" in matmul.available(device, dtype) else "torch"
 
 
 def native_attention_fits(config: ModelConfig | None) -> bool:

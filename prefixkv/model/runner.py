@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from prefixkv.batch import BatchItem, Sample
+from prefixkv.model import cpu_features
 from prefixkv.model.attention import StepPlanner
 from prefixkv.model.config import ModelConfig
 from prefixkv.model.huge_pages import zeros_on_huge_pages
@@ -65,6 +66,19 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_cache)
         self.sampler = Sampler(seed)
         self.planner = StepPlanner(options, page_size, self.dtype, 2 * c.num_kv_heads * c.head_dim, self.device)
+
+    def kernel_report(self) -> dict[str, str]:
+        """Which hardware and kernels compute here, as labels: the start log line, /metrics' prefixkv:kernel_info
+        and every benchmark's JSON carry it (a number means little without the CPU and path it came from)."""
+        cpu = self.device.type == "cpu"
+        return {
+            "device": self.device.type,
+            "cpu": cpu_features.model_name(),
+            "isa_path": self.options.isa_path if cpu else "torch",
+            "matmul": self.options.matmul,
+            "attention": "native" if self.options.native_attention else "torch",
+            "cache_invariant": "on" if self.options.cache_invariant else "off",
+        }
 
     @staticmethod
     def kv_bytes_per_token(config: ModelConfig, dtype: str = "float32") -> int:

@@ -43,7 +43,7 @@ def build_app(
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{option} must be an integer >= 1, got {value!r}")
     name = served_model_name or engine.model_name
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, getattr(engine, "kernels", None))
     limits = limits or ServerLimits()
     async_engine = AsyncEngine(
         engine,

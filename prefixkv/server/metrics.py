@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from prefixkv.server.async_engine import FinishedRequest
@@ -158,7 +158,9 @@ class _EngineStatsCollector:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, kernels: dict[str, str] | None = None) -> None:
+        """kernels: the engine's hardware and kernel labels (ModelRunner.kernel_report), exported as the info
+        series prefixkv:kernel_info (value 1), as vLLM exports its cache config."""
         disable_created_metrics()  # no `_created` twin per series (process-wide, as vLLM does)
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
@@ -196,6 +198,15 @@ class ServerMetrics:
             labels,
             registry=self.registry,
         ).labels(model_name)
+        if kernels:
+            names = sorted(kernels)
+            Gauge(
+                "prefixkv:kernel_info",
+                "The device, CPU model, ISA path (amx, avx512_bf16 or torch), matmul and attention kernels and "
+                "whether bf16 cache invariance is on; always 1.",
+                ["model_name", *names],
+                registry=self.registry,
+            ).labels(model_name, *(kernels[k] for k in names)).set(1)
         self._stats = _EngineStatsCollector(model_name)
         self.registry.register(self._stats)
 

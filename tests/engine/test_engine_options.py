@@ -104,6 +104,10 @@ def test_kernel_options_parse_and_reach_the_command_line():
     config = engine_config(parse(["--kernel-options", "native_attention=0, cascade_decodes=on"]))
     assert config.kernel_overrides() == {"native_attention": False, "cascade_decodes": True}
     assert EngineConfig().kernel_overrides() == {}
-    for bad in ("native_attention", "native_attention=maybe", "=1"):
+    assert EngineConfig(kernel_options="cache_invariant=0,matmul=onednn").kernel_overrides() == {
+        "cache_invariant": False,
+        "matmul": "onednn",
+    }
+    for bad in ("native_attention", "native_attention=maybe", "=1", "matmul=", "matmul=one dnn"):
         with pytest.raises(ValueError, match="kernel_options"):
             EngineConfig(kernel_options=bad)

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 
 from prefixkv.model import native
 from prefixkv.model.rope import apply_rotary
+from tests import kernels as kernel_marks
 
+pytestmark = kernel_marks.FUSED_OPS
 kernels = native.fused_ops()
-pytestmark = pytest.mark.skipif(kernels is None, reason="fused kernels need the native module and AVX-512")
 BF16 = torch.bfloat16
 
 

@@ -5,8 +5,7 @@ A token's attention output must not depend on how its context reached the pool o
 - a decode (paged_flash_decode, own pages, any page size, shuffled page tables) == that row of flash_attention;
 - attention over keys [0, P) handing its state to [P, L) == one pass over [0, L), for P a multiple of 64
   (how shared prefixes are attended once), for both kernels;
-- the matrix products: a row's result does not depend on how many rows are in the batch or where (oneDNN's bf16
-  path, measured here rather than assumed; a single row runs as two, see packed_linear).
+(the matrix products' row invariance is tests/model/test_gemm.py's).
 """
 
 from __future__ import annotations
@@ -14,12 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixkv.model import native, packed_linear
+from prefixkv.model import native
 from prefixkv.model.attention import NativeCascadeDecodes, SharedPrefixChunks, StepPlanner, paged_attention
 from prefixkv.model.options import KernelOptions
+from tests import kernels
 from tests.model.helpers import PagePool, shared_prefix_step
 
-pytestmark = pytest.mark.skipif(native.flash_attention() is None, reason="needs AVX-512 BF16 (native build)")
+pytestmark = kernels.AVX512_BF16
 
 KVH, GROUP, D = 3, 3, 64
 SCALE = D**-0.5
@@ -169,25 +169,3 @@ def test_state_shape_is_checked():
         native.module().flash_attention(
             q, pool, torch.arange(8), torch.tensor([7, 7]), SCALE, torch.zeros(2, KVH * GROUP, 64)
         )
-
-
-@pytest.mark.skipif(not packed_linear.can_pack(torch.device("cpu"), torch.bfloat16), reason="needs oneDNN bf16")
-@pytest.mark.parametrize("out_features, in_features", [(960, 576), (3072, 576), (576, 1536), (49152, 576)])
-def test_matmul_rows_do_not_depend_on_the_batch(out_features, in_features):
-    """SmolLM2's projections (qkv, gate_up, down, lm_head): a row's result is the same in any batch of 2+ rows, at
-    any index; a single row gets that result from packed_linear where single_row_agrees measured so, else from
-    packed_linear_rows."""
-    gen = torch.Generator().manual_seed(out_features)
-    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
-    packed = packed_linear.pack(weight)
-    x = torch.randn(200, in_features, generator=gen).to(torch.bfloat16)
-    full = packed_linear.packed_linear(x, packed, None)
-    for first, m in ((0, 2), (0, 33), (5, 2), (7, 64), (60, 129)):
-        assert torch.equal(
-            packed_linear.packed_linear(x[first : first + m].clone(), packed, None), full[first : first + m]
-        )
-    agrees = packed_linear.single_row_agrees(weight, packed)
-    linear = packed_linear.packed_linear if agrees else packed_linear.packed_linear_rows
-    for i in (0, 5, 199):
-        assert torch.equal(linear(x[i : i + 1].clone(), packed, None)[0], full[i])
-        assert torch.equal(packed_linear.packed_linear_rows(x[i : i + 1].clone(), packed, None)[0], full[i])

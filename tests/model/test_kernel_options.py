@@ -1,5 +1,5 @@
 """KernelOptions: the defaults follow device / dtype / build, impossible choices are refused up front, and the
-model's fused-ops and packed-weights switches follow the runner's options."""
+model's fused-ops and matmul switches follow the runner's options."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from prefixkv.model import native, packed_linear
+from prefixkv.model import matmul, native
 from prefixkv.model.options import KernelOptions
 
 CPU = torch.device("cpu")
@@ -17,12 +17,17 @@ CPU = torch.device("cpu")
 def test_defaults_follow_dtype_and_build(smol):
     fp32 = KernelOptions.choose(CPU, torch.float32, smol.config)
     # float32: only bit-exact fast paths; the sum-reordering ones (cascade, split) stay off
-    assert (fp32.cascade_decodes, fp32.split_prefill, fp32.fused_ops, fp32.packed_weights) == (False,) * 4
+    assert (fp32.cascade_decodes, fp32.split_prefill, fp32.fused_ops) == (False,) * 3
+    assert fp32.matmul == "torch" and not fp32.cache_invariant
     assert fp32.in_place_decodes == (native.module() is not None)
     bf16 = KernelOptions.choose(CPU, torch.bfloat16, smol.config)
     assert bf16.cascade_decodes and bf16.split_prefill
     assert bf16.fused_ops == (native.fused_ops() is not None)
-    assert bf16.packed_weights == packed_linear.can_pack(CPU, torch.bfloat16)
+    # the fastest row-invariant matmul where the kernels run (cache invariance on), else oneDNN's packed weights
+    assert bf16.matmul == (matmul.best_row_invariant(CPU, torch.bfloat16) or "onednn")
+    assert bf16.cache_invariant == (bf16.matmul in matmul.ROW_INVARIANT_PATHS and bf16.native_attention)
+    variant = KernelOptions.choose(CPU, torch.bfloat16, smol.config, cache_invariant=False)
+    assert variant.matmul == ("onednn" if "onednn" in matmul.available(CPU, torch.bfloat16) else "torch")
     assert KernelOptions.choose(CPU, torch.float16).cascade_decodes
     assert KernelOptions.choose(CPU, torch.bfloat16, smol.config, cascade_decodes=False).cascade_decodes is False
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -37,8 +42,15 @@ def test_impossible_options_are_refused(tiny_checkpoint):
         KernelOptions.choose(CPU, torch.float32, cascade=True)
     with pytest.raises(ValueError, match="fused_ops"):
         KernelOptions.choose(CPU, torch.float32, fused_ops=True)
-    with pytest.raises(ValueError, match="packed_weights"):
-        KernelOptions.choose(CPU, torch.float32, packed_weights=True)
+    with pytest.raises(ValueError, match="matmul 'onednn' cannot run here"):
+        KernelOptions.choose(CPU, torch.float32, matmul="onednn")
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        KernelOptions.choose(CPU, torch.bfloat16, matmul="mkl")
+    with pytest.raises(ValueError, match="cascade_decodes takes a bool"):
+        KernelOptions.choose(CPU, torch.bfloat16, cascade_decodes="onednn")
+    if native.flash_attention() is not None:
+        with pytest.raises(ValueError, match="cache_invariant needs .* row-invariant matmul"):
+            KernelOptions.choose(CPU, torch.bfloat16, cache_invariant=True, matmul="onednn")
     loaded = load_model(tiny_checkpoint("qwen2")[0])  # head_dim 16: the fused kernels do not cover it
     assert not KernelOptions.choose(CPU, torch.bfloat16, loaded.config).fused_ops
     if native.fused_ops() is not None:
@@ -48,7 +60,7 @@ def test_impossible_options_are_refused(tiny_checkpoint):
         ModelRunner(loaded, num_pages=4, page_size=16, options=KernelOptions(fused_ops=True))
 
 
-@pytest.mark.skipif(not packed_linear.can_pack(CPU, torch.bfloat16), reason="oneDNN bf16 matmul not supported")
+@pytest.mark.skipif("onednn" not in matmul.available(CPU, torch.bfloat16), reason="oneDNN bf16 matmul not supported")
 def test_model_switches_follow_the_runner_options(tiny_checkpoint):
     from prefixkv.model.loader import load_model
     from prefixkv.model.runner import ModelRunner
@@ -56,9 +68,9 @@ def test_model_switches_follow_the_runner_options(tiny_checkpoint):
     loaded = load_model(tiny_checkpoint("llama")[0])
     runner = ModelRunner(loaded, num_pages=4, page_size=16, dtype="bfloat16")
     mlp = runner.model.layers[0].mlp
-    assert runner.model.kernel_options is runner.options and runner.options.packed_weights
-    assert mlp.gate_up_proj.packed is not None and runner.model.lm_head_packed is not None
-    plain = dataclasses.replace(runner.options, packed_weights=False, cache_invariant=False)
+    assert runner.model.kernel_options is runner.options and runner.options.matmul != "torch"
+    assert mlp.gate_up_proj.packed.path == runner.options.matmul == runner.model.lm_head_packed.path
+    plain = dataclasses.replace(runner.options, matmul="torch", cache_invariant=False)
     runner = ModelRunner(loaded, num_pages=4, page_size=16, options=plain)
     assert mlp.gate_up_proj.packed is None and runner.model.lm_head_packed is None
     assert runner.model.kernel_options is plain

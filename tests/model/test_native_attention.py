@@ -23,9 +23,10 @@ from prefixkv.model.attention import (
     paged_attention,
 )
 from prefixkv.model.options import KernelOptions
+from tests import kernels
 from tests.model.helpers import shared_prefix_step
 
-pytestmark = pytest.mark.skipif(native.flash_attention() is None, reason="needs AVX-512 BF16 (native build)")
+pytestmark = kernels.AVX512_BF16
 
 KVH, GROUP, D = 3, 3, 64
 

@@ -52,8 +52,8 @@ def test_bf16_is_sane(smol_bf16, smol_prompts):
     assert runner.kv_cache.dtype == torch.bfloat16
     tok = smol_bf16.tokenizer
     assert "Paris" in tok.decode(greedy_generate(runner, tok.encode("The capital of France is"), 4))
-    # the chat prompt's first answer token ("The" in fp32) is an exact tie in bf16 with the native attention
-    # kernel ("L" and "The" both at logit 25.375): whichever wins, the two lead by at most one bf16 step
+    # the chat prompt's first answer token ("The" in fp32) is a near-tie with "L" in bf16 (both at logit ~25.4,
+    # where one bf16 step is 0.125; with oneDNN's matmuls they tied exactly): "L" may win only by that one step
     item = Sequence("chat", smol_prompts[0], PagePool(16), 16, params=SamplingParams(temperature=0, logprobs=2))
     (first, second) = runner.execute([item.next_item()])[0].top_logprobs
-    assert tok.decode([first[0]]) in ("The", "L") and first[1] - second[1] <= 0.125
+    assert tok.decode([first[0]]) == "The" or (tok.decode([first[0]]) == "L" and first[1] - second[1] <= 0.125)

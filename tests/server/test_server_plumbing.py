@@ -195,6 +195,13 @@ def test_metrics_names_and_values(server, client, engine):
         assert delta(f"prefixkv:{hist}_count{lbl}") == 1, hist
         assert delta(f"prefixkv:{hist}_sum{lbl}") > 0, hist
         assert f'prefixkv:{hist}_bucket{{le="+Inf",model_name="{model}"}}' in after, hist
+    # the machine and kernels the numbers come from: one info series (as vLLM's cache_config_info)
+    (info,) = [key for key in after if key.startswith("prefixkv:kernel_info{")]
+    assert after[info] == 1.0
+    kernels = engine.kernels  # fp32 here: torch's matmul and attention, no cache invariance
+    assert (kernels["matmul"], kernels["cache_invariant"]) == ("torch", "off")
+    for label, value in kernels.items():
+        assert f'{label}="{value}"' in info, label
 
 
 def test_engine_step_failure_fails_requests_not_server(server, engine, reference, monkeypatch):

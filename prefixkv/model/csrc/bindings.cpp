@@ -15,6 +15,12 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
                                            int64_t page_size, double scale, c10::optional<at::Tensor> state_in,
                                            bool return_state);
 bool has_flash_attention();
+at::Tensor gemm_pack(at::Tensor weight);
+at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
+bool has_gemm();
+at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
+at::Tensor amx_gemm_emulated(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
+bool has_amx();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
@@ -32,5 +38,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("kv"), py::arg("table"), py::arg("lens"), py::arg("page_size"), py::arg("scale"),
         py::arg("state_in") = py::none(), py::arg("return_state") = false);
   m.def("has_flash_attention", &has_flash_attention, "whether flash_attention is compiled in (AVX-512 BF16)");
+  m.def("gemm_pack", &gemm_pack, "bf16 weight [N, K] -> the panel layout gemm reads", py::arg("weight"));
+  m.def("gemm", &gemm, "x [M, K] bf16 @ packed weight^T (+ bias) -> [M, N] bf16; a row's bits never depend on M",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("has_gemm", &has_gemm, "whether gemm is compiled in (AVX-512 BF16)");
+  m.def("amx_gemm", &amx_gemm, "gemm on AMX tiles (same packed weights, same row invariance)", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("amx_gemm_emulated", &amx_gemm_emulated, "amx_gemm's kernels on emulated tiles (tests)", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("has_amx", &has_amx, "whether this CPU and OS offer AMX tiles (and the kernels are compiled in)");
   m.def("rotary", &rotary, "rotate_half rotary embedding of [T, heads, d] by [T, 1, d] cos/sin, one pass");
 }

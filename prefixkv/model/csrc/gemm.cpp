@@ -1,0 +1,173 @@
+// bf16 matrix products y = x W^T (+ bias) whose every row is computed by one fixed sequence of instructions,
+// whatever the number of rows in the call, the row's index in it or the thread count: the projections of
+// cache-invariant bf16 (KernelOptions.cache_invariant, matmul path "avx512_bf16").
+//
+// Why our own: oneDNN picks its kernel, blocking and K split by the shape of the call, so a row can sum its
+// products in another order inside a 2-row, a 33-row or a 200-row product (measured on Intel Xeon with AMX; on
+// AMD Zen a one-row product differs). Then a token computed in a decode, a warm prefill or a cold one gets other
+// bits, and a greedy answer can change on a cache hit. Here each output element is one chain of AVX512_BF16 dot
+// products (vdpbf16ps) over the K pairs in order 0, 1, 2, ... into one float32 accumulator, then bias, then one
+// rounding to bf16: no split K, no second accumulator, and the row tail is computed by the same per-row
+// instructions as a full tile (a tile is only several independent chains side by side).
+//
+// Weight layout (gemm_pack, once at load): panels of 64 output columns, [panel][K pair][64 columns x 2 bf16], so
+// one K pair of a panel is 4 vectors, 256 contiguous bytes; the last panel is zero-padded to 64 columns and an odd
+// K to a whole pair. The AMX kernel (gemm_amx.cpp) reads the same layout: a B tile is 16 K pairs of one vector at
+// a 256-byte stride. Tiles here are up to 6 rows x 64 columns (24 accumulators); with fewer rows a tile spans more
+// panels, so that enough independent chains hide the dot-product latency.
+#include "gemm.h"
+
+#include <cstring>
+
+namespace prefixkv::gemm {
+
+Call prepare(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, name, ": x must be bf16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kShort && packed.dim() == 3 && packed.size(0) == panels_of(n) &&
+                  packed.size(2) == kPairRow && packed.is_contiguous(),
+              name, ": packed must come from gemm_pack of an [n, K] weight");
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1);
+  TORCH_CHECK((k + 1) / 2 == pairs, name, ": x has ", k, " columns, the weight ", 2 * pairs);
+  if (x.stride(1) != 1 || k % 2 != 0 || (x.stride(0) % 2 != 0 && m > 1)) {
+    // a whole K pair per 32-bit load, from 4-byte aligned rows: an odd K gets a zero column (the weight's padding
+    // pair is zero too), so the chain is the same as for the unpadded row
+    x = k % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1});
+  }
+  Call call;
+  call.x = x;
+  if (bias.has_value()) {
+    call.bias = bias->contiguous();
+    TORCH_CHECK(call.bias.scalar_type() == at::kBFloat16 && call.bias.numel() == n, name, ": bias must be bf16 [N]");
+  }
+  call.y = at::empty({m, n}, x.options());
+  call.pb = Problem{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                    x.stride(0),
+                    reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>()),
+                    pairs,
+                    m,
+                    n,
+                    call.bias.defined() ? reinterpret_cast<const uint16_t*>(call.bias.data_ptr<at::BFloat16>()) : nullptr,
+                    reinterpret_cast<uint16_t*>(call.y.data_ptr<at::BFloat16>()),
+                    n};
+  return call;
+}
+
+}  // namespace prefixkv::gemm
+
+using namespace prefixkv::gemm;
+
+// weight [N, K] bf16 -> packed [panels, ceil(K / 2), 128] bf16 (int16 storage)
+at::Tensor gemm_pack(at::Tensor weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
+              "gemm_pack: expected a bf16 CPU weight [out, in]");
+  weight = weight.contiguous();
+  const int64_t n = weight.size(0), k = weight.size(1), pairs = (k + 1) / 2, panels = panels_of(n);
+  auto packed = at::zeros({panels, pairs, kPairRow}, weight.options().dtype(at::kShort));
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  uint16_t* p = reinterpret_cast<uint16_t*>(packed.data_ptr<int16_t>());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      for (int64_t c = 0; c < kPanel && panel * kPanel + c < n; ++c) {
+        const uint16_t* src = w + (panel * kPanel + c) * k;
+        uint16_t* dst = p + panel * pairs * kPairRow + 2 * c;
+        for (int64_t kk = 0; kk < k; ++kk) dst[(kk / 2) * kPairRow + (kk % 2)] = src[kk];
+      }
+    }
+  });
+  return packed;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+// R rows x P panels from row m0 and panel p0: the chains of R * P * 4 output vectors over every K pair
+template <int R, int P>
+__attribute__((noinline)) void tile(const Problem& pb, int64_t m0, int64_t p0) {
+  __m512 acc[R][P * kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < P * kVecs; ++j) acc[r][j] = _mm512_setzero_ps();
+  const uint32_t* a[R];
+  for (int r = 0; r < R; ++r) a[r] = reinterpret_cast<const uint32_t*>(pb.x + (m0 + r) * pb.lda);
+  const uint16_t* b[P];
+  for (int q = 0; q < P; ++q) b[q] = pb.panel(p0 + q);
+  for (int64_t kp = 0; kp < pb.pairs; ++kp) {
+    __m512i bv[P * kVecs];
+    for (int q = 0; q < P; ++q)
+      for (int v = 0; v < kVecs; ++v) bv[q * kVecs + v] = _mm512_loadu_si512(b[q] + kp * kPairRow + v * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = as_bh(_mm512_set1_epi32(static_cast<int>(a[r][kp])));
+      for (int j = 0; j < P * kVecs; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], as_bh(bv[j]), av);
+    }
+  }
+  for (int q = 0; q < P; ++q) {
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t col = (p0 + q) * kPanel + v * 16;
+      if (col >= pb.n) break;
+      const __mmask16 mask = pb.n - col >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (pb.n - col)) - 1);
+      __m512 bias = _mm512_setzero_ps();
+      if (pb.bias != nullptr) {
+        const __m256i raw = _mm256_maskz_loadu_epi16(mask, pb.bias + col);
+        bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      }
+      for (int r = 0; r < R; ++r) {
+        __m512 out = acc[r][q * kVecs + v];
+        if (pb.bias != nullptr) out = _mm512_add_ps(out, bias);
+        _mm256_mask_storeu_epi16(pb.y + (m0 + r) * pb.ldy + col, mask, (__m256i)_mm512_cvtneps_pbh(out));
+      }
+    }
+  }
+}
+
+// Panels [pa, pz) of rows [m0, m0 + R): P panels per tile while at least P remain, then one at a time
+template <int R, int P>
+void panels(const Problem& pb, int64_t m0, int64_t pa, int64_t pz) {
+  int64_t p = pa;
+  if constexpr (P > 1)
+    for (; p + P <= pz; p += P) tile<R, P>(pb, m0, p);
+  for (; p < pz; ++p) tile<R, 1>(pb, m0, p);
+}
+
+}  // namespace
+
+namespace prefixkv::gemm {
+
+// Rows [ma, mz) x panels [pa, pz): 6-row tiles, then the row tail by the tile of its size (the same chains)
+void avx512_block(const Problem& pb, int64_t ma, int64_t mz, int64_t pa, int64_t pz) {
+  int64_t m = ma;
+  for (; m + 6 <= mz; m += 6) panels<6, 1>(pb, m, pa, pz);
+  switch (mz - m) {
+    case 5: panels<5, 1>(pb, m, pa, pz); break;
+    case 4: panels<4, 1>(pb, m, pa, pz); break;
+    case 3: panels<3, 2>(pb, m, pa, pz); break;
+    case 2: panels<2, 3>(pb, m, pa, pz); break;
+    case 1: panels<1, 4>(pb, m, pa, pz); break;
+    default: break;
+  }
+}
+
+}  // namespace prefixkv::gemm
+
+// x [M, K] bf16 (last dim contiguous), packed from gemm_pack of a [N, K] weight, bias [N] bf16 or none -> [M, N]
+at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias) {
+  Call call = prepare("gemm", std::move(x), packed, n, bias);
+  for_each_block(call.pb, 6, [&](int64_t ma, int64_t mz, int64_t pa, int64_t pz) {
+    avx512_block(call.pb, ma, mz, pa, pz);
+  });
+  return call.y;
+}
+
+bool has_gemm() { return true; }
+
+#else
+
+at::Tensor gemm(at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>) {
+  TORCH_CHECK(false, "gemm needs AVX-512 BF16 (not compiled in)");
+}
+
+bool has_gemm() { return false; }
+
+#endif

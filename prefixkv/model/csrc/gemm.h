@@ -1,0 +1,63 @@
+// What prefixkv's two row-invariant matrix products share (gemm.cpp: AVX512_BF16; gemm_amx.cpp: AMX tiles): the
+// packed weight layout, the checked problem, how rows and panels are shared out to threads, and the epilogue.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace prefixkv::gemm {
+
+constexpr int64_t kPanel = 64;            // output columns per panel
+constexpr int64_t kVecs = kPanel / 16;    // 16-column vectors per panel
+constexpr int64_t kPairRow = kPanel * 2;  // bf16 per K pair of a panel: 256 bytes
+
+inline int64_t panels_of(int64_t out_features) { return (out_features + kPanel - 1) / kPanel; }
+
+struct Problem {
+  const uint16_t* x;     // [M, K] bf16 rows at stride lda (elements), 4-byte aligned pairs
+  int64_t lda;
+  const uint16_t* w;     // packed [panels][pairs][kPairRow]
+  int64_t pairs;         // K pairs (K rounded up to even)
+  int64_t m, n;          // rows, output columns
+  const uint16_t* bias;  // [N] bf16 or nullptr
+  uint16_t* y;           // [M, N] bf16, rows at stride ldy
+  int64_t ldy;
+
+  const uint16_t* panel(int64_t p) const { return w + p * pairs * kPairRow; }
+};
+
+// A checked call: the tensors it keeps alive and the Problem over them (defined in gemm.cpp)
+struct Call {
+  at::Tensor x, bias, y;
+  Problem pb;
+};
+Call prepare(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias);
+
+// Work items are (row block, group of panels); fn(ma, mz, pa, pz) is called for each, in parallel. A thread's
+// items share their row block, so its x rows stay in L2 while it walks the panels. Row blocks are whole row_tile
+// tiles of about 192 KB of x, equal in size; groups are 4 panels (their weights stay in L2 across the block's
+// tiles) when there are items enough for every thread, else one panel each. Only speed depends on this split:
+// every output element is computed by the same chain whatever block or group it falls in.
+template <class Fn>
+void for_each_block(const Problem& pb, int64_t row_tile, const Fn& fn) {
+  const int64_t total_panels = panels_of(pb.n);
+  const int64_t fit = (192 * 1024) / (4 * pb.pairs) / row_tile * row_tile;
+  const int64_t max_rows = std::max<int64_t>(row_tile, fit);
+  const int64_t row_blocks = (pb.m + max_rows - 1) / max_rows;
+  const int64_t row_block = ((pb.m + row_blocks - 1) / row_blocks + row_tile - 1) / row_tile * row_tile;
+  const int64_t threads = at::get_num_threads();
+  const int64_t group = row_blocks * ((total_panels + 3) / 4) >= 8 * threads ? 4 : 1;
+  const int64_t groups = (total_panels + group - 1) / group;
+  at::parallel_for(0, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t rb = item / groups, g = item % groups;
+      const int64_t ma = rb * row_block, mz = std::min(pb.m, ma + row_block);
+      if (ma < mz) fn(ma, mz, g * group, std::min(total_panels, (g + 1) * group));
+    }
+  });
+}
+
+}  // namespace prefixkv::gemm

@@ -1,0 +1,79 @@
+"""Which kernel computes the model's matrix products, and the weight copy each one reads.
+
+Paths (KernelOptions.matmul):
+- "torch": F.linear on the plain weight (float32, GPUs, CPUs without bf16 support);
+- "onednn": oneDNN with the weight packed once into its blocked layout (packed_linear: same results as F.linear,
+  without a reorder per call); fast, but which kernel and summation order it runs depends on the row count, so a
+  row's bits can change with its batch;
+- "avx512_bf16": prefixkv's own kernel (csrc/gemm.cpp): every output element is one chain of vdpbf16ps over K in
+  order, so a row's bits never depend on how many rows the call has (needed by cache-invariant bf16);
+- "amx": the same contract on Intel's AMX tiles (csrc/gemm_amx.cpp), where the CPU has them and the kernel passed
+  its self-test on this machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prefixkv.model import native, packed_linear
+
+PATHS = ("torch", "onednn", "avx512_bf16", "amx")
+# paths whose row results do not depend on the batch, by construction
+ROW_INVARIANT_PATHS = ("avx512_bf16", "amx")
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A weight [out, in] in the layout one path reads (the plain weight stays with its module)."""
+
+    path: str
+    data: torch.Tensor
+    out_features: int
+
+
+def available(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
+    """The paths that can run here, slowest-to-build first ("torch" always)."""
+    device = torch.device(device)
+    paths = ["torch"]
+    if packed_linear.can_pack(device, dtype):
+        paths.append("onednn")
+    if device.type == "cpu" and dtype == torch.bfloat16 and native.gemm() is not None:
+        paths.append("avx512_bf16")
+        if native.amx_gemm() is not None:
+            paths.append("amx")
+    return tuple(paths)
+
+
+def best_row_invariant(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """The fastest row-invariant path here (AMX where it runs, else AVX512_BF16), or None."""
+    paths = available(device, dtype)
+    return next((p for p in ("amx", "avx512_bf16") if p in paths), None)
+
+
+def pack(weight: torch.Tensor, path: str) -> PackedWeight | None:
+    """The copy of `weight` that `path` reads; None for "torch", which reads the plain weight."""
+    if path == "torch":
+        return None
+    w = weight.detach()
+    if path == "onednn":
+        data = packed_linear.pack(w)
+    elif path in ROW_INVARIANT_PATHS:  # one panel layout for both (csrc/gemm.cpp)
+        data = native.gemm().gemm_pack(w.contiguous())
+    else:
+        raise ValueError(f"unknown matmul path {path!r}; one of {PATHS}")
+    return PackedWeight(path, data, w.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None):
+    """x [..., in] @ weight.T (+ bias) by the path `packed` was made for (F.linear when None)."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if packed.path == "onednn":
+        return packed_linear.packed_linear(x, packed.data, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    kernel = native.gemm().gemm if packed.path == "avx512_bf16" else native.amx_gemm().amx_gemm
+    out = kernel(rows, packed.data, packed.out_features, bias)
+    return out.view(*x.shape[:-1], packed.out_features)

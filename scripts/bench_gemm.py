@@ -1,0 +1,120 @@
+"""The bf16 matrix products side by side: oneDNN (packed weights) against prefixkv's row-invariant kernels
+(avx512_bf16, and amx where the CPU has it) on SmolLM2's weight shapes, for the row counts the engine issues
+(1: one decode; 16, 64: decode batches and warm prefills; 256, 2048: prefill chunks).
+
+Paths alternate within every round (so a busy machine slows each alike) and every sample is kept; the table shows
+medians over rounds, GFLOPS and each path's time relative to oneDNN's. The JSON (--out) holds the raw samples, the
+CPU and the thread count, so an A/B claim can be checked later.
+
+    .venv/bin/python scripts/bench_gemm.py [--threads 2] [--rounds 5] [--rows 1,16,64,256,2048] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import statistics
+import time
+
+import torch
+
+from prefixkv.model import cpu_features, matmul
+
+SHAPES = {  # name: (out_features, in_features), SmolLM2-135M
+    "qkv": (960, 576),
+    "o_proj": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
+
+
+def time_call(fn, budget_s: float = 0.15) -> float:
+    """Seconds per call: warm up, then repeat for about budget_s and take the mean."""
+    fn()
+    fn()
+    start = time.perf_counter()
+    calls = 0
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= budget_s and calls >= 3:
+            return elapsed / calls
+
+
+def run(threads: int, rounds: int, rows: list[int], shapes: list[str]) -> dict:
+    torch.set_num_threads(threads)
+    paths = [p for p in ("onednn", "avx512_bf16", "amx") if p in matmul.available("cpu", torch.bfloat16)]
+    gen = torch.Generator().manual_seed(0)
+    samples: dict = {}
+    for name in shapes:
+        n, k = SHAPES[name]
+        weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
+        packed = {p: matmul.pack(weight, p) for p in paths}
+        for m in rows:
+            if name == "lm_head" and m > 256:
+                continue  # the engine applies the lm_head to sampled rows only
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            key = f"{name} M={m}"
+            samples[key] = {"n": n, "k": k, "m": m, **{p: [] for p in paths}}
+            for r in range(rounds):
+                order = paths if r % 2 == 0 else list(reversed(paths))
+                for p in order:
+                    call = functools.partial(matmul.linear, x, weight, packed[p], None)
+                    samples[key][p].append(time_call(call))
+    return {"paths": paths, "samples": samples}
+
+
+def summarize(result: dict) -> list[dict]:
+    rows = []
+    for key, s in result["samples"].items():
+        flops = 2 * s["m"] * s["n"] * s["k"]
+        row = {"shape": key}
+        base = statistics.median(s["onednn"]) if "onednn" in s else None
+        for p in result["paths"]:
+            t = statistics.median(s[p])
+            row[f"{p}_ms"] = t * 1e3
+            row[f"{p}_gflops"] = flops / t / 1e9
+            if base is not None and p != "onednn":
+                row[f"{p}_time_vs_onednn"] = t / base
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rows", default="1,16,64,256,2048", help="row counts M, comma-separated")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"weights, of {','.join(SHAPES)}")
+    parser.add_argument("--out", default=None, help="write the raw samples and the summary as JSON here")
+    args = parser.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    shapes = [s for s in args.shapes.split(",") if s]
+    if "avx512_bf16" not in matmul.available("cpu", torch.bfloat16):
+        raise SystemExit("prefixkv's matrix product is not built here (needs AVX-512 BF16)")
+    cpu = cpu_features.describe()
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    result = run(args.threads, args.rounds, rows, shapes)
+    summary = summarize(result)
+    print(f"{cpu['model']} ({', '.join(cpu['flags'])}), {args.threads} threads, median of {args.rounds} rounds")
+    header = f"{'shape':18s}" + "".join(f"{p + ' ms':>14s}{'GFLOPS':>8s}" for p in result["paths"])
+    print(header + "".join(f"{p + '/onednn':>18s}" for p in result["paths"] if p != "onednn"))
+    for row in summary:
+        line = f"{row['shape']:18s}" + "".join(
+            f"{row[p + '_ms']:14.3f}{row[p + '_gflops']:8.0f}" for p in result["paths"]
+        )
+        print(line + "".join(f"{row[p + '_time_vs_onednn']:18.2f}" for p in result["paths"] if p != "onednn"))
+    if args.out:
+        with open(args.out, "w") as f:
+            config = {"date_utc": started, "cpu": cpu, "threads": args.threads, "rounds": args.rounds}
+            json.dump({"config": config, "summary": summary, **result}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""Marks for tests that need prefixkv's native CPU kernels: skip only where the CPU lacks the instructions.
+
+A plain `skipif(kernel is None)` also skips when the CPU has the instructions but the build lost the kernel (a
+compile error, a changed flag): dozens of tests would pass as skips. `requires` asks /proc/cpuinfo instead: no
+instruction set, skip naming it and the CPU; instruction set present but kernel missing, the tests fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from prefixkv.model import cpu_features, native
+
+
+def requires(flag: str, kernel: Callable[[], object], what: str) -> pytest.MarkDecorator:
+    """Module or test mark for a test of `what`, which the native build compiles where the CPU has `flag`
+    (/proc/cpuinfo's spelling) and which `kernel()` returns (None when not compiled in)."""
+    if not cpu_features.has(flag):
+        return pytest.mark.skip(reason=f"{what} needs {flag}, which this CPU ({cpu_features.model_name()}) lacks")
+    if kernel() is None:
+        return pytest.mark.kernel_missing(
+            f"this CPU ({cpu_features.model_name()}) has {flag} but the native build has no {what} "
+            f"(see the warning above, or run python -m prefixkv.model.native)"
+        )
+    return pytest.mark.skipif(False, reason=f"{what} present")
+
+
+# the kernels of cache-invariant bf16 and the rest of the native fast paths
+AVX512_BF16 = requires(cpu_features.AVX512_BF16, native.flash_attention, "the AVX-512 BF16 attention kernels")
+GEMM = requires(cpu_features.AVX512_BF16, native.gemm, "the AVX-512 BF16 matrix product")
+FUSED_OPS = requires("avx512f", native.fused_ops, "the AVX-512 fused elementwise kernels")
+AMX = requires(cpu_features.AMX_BF16, native.amx_gemm, "the AMX matrix product")
