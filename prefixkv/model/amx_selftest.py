@@ -2,11 +2,12 @@
 
 Why a subprocess: AMX needs the OS to grant the tile state and a correct tile configuration; a kernel that gets
 either wrong faults (SIGSEGV, SIGILL) instead of raising, and that must not take an engine down. So before the
-"amx" matmul path is offered, `python -m prefixkv.model.amx_selftest` runs the hardware kernel on SmolLM2's
-shapes and on shapes with every kind of tail, and checks that (1) it agrees with the same kernels on emulated
-tiles and with the AVX512_BF16 product to within bf16 rounding, and (2) every row's bits are the same in any
-batch (the property cache-invariant bf16 relies on). Exit status 0 and "ok" on stdout when all holds; the caller
-(native.amx_gemm) keeps the verdict in the build directory.
+"amx" paths are offered (matmul and attention), `python -m prefixkv.model.amx_selftest` runs the hardware kernels
+and checks that (1) they agree with the same kernels on emulated tiles and with the AVX512_BF16 ones to within
+bf16 rounding, and (2) every row's bits are the same in any batch, and a decode's are those of the same row in a
+prefill (the properties cache-invariant bf16 relies on): the matrix product on SmolLM2's shapes and on shapes
+with every kind of tail, attention on rows and decodes around its 16-row tiles and 64-key chunks. Exit status 0
+and "ok" on stdout when all holds; the caller (native.amx_gemm) keeps the verdict in the build directory.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ SHAPES = ((960, 576), (576, 1536), (130, 64), (72, 40))  # qkv, down, a column t
 ROWS = (1, 5, 16, 17, 33, 70)
 
 
-def check(module, kernel=None) -> str | None:
-    """None when `kernel` (default: the hardware module.amx_gemm) passes, else what failed."""
+def check(module, kernel=None, attention_isa: int = 1) -> str | None:
+    """None when the matrix product `kernel` (default: the hardware module.amx_gemm) and attention with
+    `attention_isa` (1: the hardware, 2: emulated tiles) pass, else what failed."""
     if kernel is None:
         if not module.has_amx():
             return "the CPU or the OS does not offer AMX tiles (cpuid / arch_prctl)"

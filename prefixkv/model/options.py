@@ -59,6 +59,9 @@ class KernelOptions:
     # prefill chunks attend with the native bf16 kernel (prefixkv.model.native.flash_attention: K/V read from the
     # pool by slot, no gather, no GQA expansion), and cascade decodes attend to their shared prefix with it
     native_attention: bool = False
+    # the native attention kernels compute their two products on AMX tiles instead of AVX512_BF16 dot products
+    # (needs native_attention and a CPU whose AMX kernels passed their self-test, see native.amx_gemm)
+    amx_attention: bool = False
     # prefill chunks behind the same cached leading pages attend to that prefix once, stacked (needs
     # native_attention; reorders the softmax sum like cascade decodes)
     shared_prefill: bool = False
@@ -100,6 +103,7 @@ class KernelOptions:
             split_prefill=below_fp32,
             flash_lse=cpu and FLASH_WITH_LSE is not None,
             native_attention=native_attention,
+            amx_attention=native_attention and native.amx_gemm() is not None,
             shared_prefill=native_attention,
             fused_ops=cpu
             and dtype == torch.bfloat16
@@ -119,6 +123,8 @@ class KernelOptions:
             paths = ", ".join(matmul.PATHS)
             raise ValueError(f"kernel option matmul must be one of {paths}, got {overrides['matmul']!r}")
         options = dataclasses.replace(options, **overrides)
+        if "amx_attention" not in overrides:  # follows native_attention when an override turned that off
+            options = dataclasses.replace(options, amx_attention=options.amx_attention and options.native_attention)
         if "cache_invariant" not in overrides:  # on wherever its kernels run, also when an override turned them off
             kernels = options.native_attention and options.in_place_decodes
             options = dataclasses.replace(
@@ -141,6 +147,8 @@ class KernelOptions:
             raise ValueError("native_attention needs bfloat16, head_dim 64 and a CPU with AVX-512 BF16 (native build)")
         if self.shared_prefill and not self.native_attention:
             raise ValueError("shared_prefill needs native_attention")
+        if self.amx_attention and not (self.native_attention and native.amx_gemm() is not None):
+            raise ValueError("amx_attention needs native_attention and a CPU with AMX tiles (their self-test passed)")
         if self.cache_invariant and not (
             self.native_attention and self.in_place_decodes and self.matmul in matmul.ROW_INVARIANT_PATHS
         ):
@@ -163,7 +171,7 @@ class KernelOptions:
     def isa_path(self) -> str:
         """Which instruction set prefixkv's own kernels run on: "amx", "avx512_bf16", or "torch" (none of ours:
         torch's and oneDNN's kernels only)."""
-        if self.matmul == "amx":
+        if self.matmul == "amx" or self.amx_attention:
             return "amx"
         if self.native_attention or self.matmul == "avx512_bf16":
             return "avx512_bf16"

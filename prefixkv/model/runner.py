@@ -76,7 +76,9 @@ class ModelRunner:
             "cpu": cpu_features.model_name(),
             "isa_path": self.options.isa_path if cpu else "torch",
             "matmul": self.options.matmul,
-            "attention": "native" if self.options.native_attention else "torch",
+            "attention": ("amx" if self.options.amx_attention else "avx512_bf16")
+            if self.options.native_attention
+            else "torch",
             "cache_invariant": "on" if self.options.cache_invariant else "off",
         }
 

@@ -50,6 +50,7 @@ def test_emulated_tiles_are_accurate_and_k_tails_take_the_avx512_chains():
     got = native.module().amx_gemm_emulated(x, packed, n, bias).float()
     want = F.linear(x.float(), weight.float(), bias.float())
     assert torch.allclose(got, want, rtol=2**-8, atol=1e-5 * k)
+    assert native.module().amx_gemm_emulated(x[:0], packed, n).shape == (0, n)
     n, k = SHAPES["k_not_a_tile"]  # K = 40: no whole 32-value tile, so gemm.cpp's chains, bit for bit
     weight, packed, x = _case(n, k, 40, 3)
     assert torch.equal(native.module().amx_gemm_emulated(x, packed, n), native.gemm().gemm(x, packed, n))
@@ -59,9 +60,9 @@ def test_emulated_tiles_are_accurate_and_k_tails_take_the_avx512_chains():
 def test_the_self_test_passes_the_emulated_kernel():
     """The checks the hardware kernel must pass before the "amx" path is offered (amx_selftest), run here on the
     emulated kernel: the self-test's own logic is exercised on every machine."""
-    assert amx_selftest.check(native.module(), native.module().amx_gemm_emulated) is None
+    assert amx_selftest.check(native.module(), native.module().amx_gemm_emulated, attention_isa=2) is None
     broken = lambda x, packed, n: native.module().amx_gemm_emulated(x, packed, n) * 1.01
-    assert "differs from emulated tiles" in amx_selftest.check(native.module(), broken)
+    assert "differs from emulated tiles" in amx_selftest.check(native.module(), broken, attention_isa=2)
 
 
 @kernels.GEMM

@@ -6,9 +6,13 @@ A token's attention output must not depend on how its context reached the pool o
 - attention over keys [0, P) handing its state to [P, L) == one pass over [0, L), for P a multiple of 64
   (how shared prefixes are attended once), for both kernels;
 (the matrix products' row invariance is tests/model/test_gemm.py's).
+Each holds for both ways the kernels compute their products (`isa`): AVX512_BF16 dot products and AMX tiles, the
+latter on the hardware where the CPU has AMX and on emulated tiles everywhere (csrc/amx.h).
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -23,6 +27,12 @@ pytestmark = kernels.AVX512_BF16
 
 KVH, GROUP, D = 3, 3, 64
 SCALE = D**-0.5
+# the kernels' isa argument: AVX512_BF16, AMX tiles (where the CPU has them), AMX on emulated tiles
+ISAS = [
+    pytest.param(0, id="avx512_bf16"),
+    pytest.param(1, id="amx", marks=kernels.AMX),
+    pytest.param(2, id="amx_emulated"),
+]
 
 
 def _pool(seed: int, num_slots: int = 2048) -> tuple[torch.Generator, torch.Tensor]:
@@ -42,22 +52,24 @@ def _paged(gen, length: int, page_size: int, num_slots: int) -> tuple[list[int],
     return pages, slots
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("length, first, n", [(300, 0, 300), (300, 137, 1), (300, 64, 100), (1000, 999, 1)])
-def test_a_row_does_not_depend_on_its_chunk(length, first, n):
+def test_a_row_does_not_depend_on_its_chunk(length, first, n, isa):
     """Rows [first, first + n) computed as their own chunk == the same rows of a call over the whole prompt."""
     gen, pool = _pool(length + first)
     slots = torch.randperm(pool.shape[2], generator=gen)[:length]
     q = _q(gen, length)
-    whole, whole_lse = native.module().flash_attention(q, pool, slots, torch.arange(length), SCALE)
+    whole, whole_lse = native.module().flash_attention(q, pool, slots, torch.arange(length), SCALE, isa=isa)
     part, part_lse = native.module().flash_attention(
-        q[first : first + n], pool, slots[: first + n], torch.arange(first, first + n), SCALE
+        q[first : first + n], pool, slots[: first + n], torch.arange(first, first + n), SCALE, isa=isa
     )
     assert torch.equal(part, whole[first : first + n])
     assert torch.equal(part_lse, whole_lse[first : first + n])
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_decodes_equal_the_prefill_kernel(page_size):
+def test_decodes_equal_the_prefill_kernel(page_size, isa):
     """Each decode of a batch (lengths around the 16- and 64-key blocks) == its row computed by flash_attention."""
     gen, pool = _pool(page_size)
     lens = [1, 2, 15, 16, 17, 63, 64, 65, 129, 500]
@@ -65,22 +77,25 @@ def test_decodes_equal_the_prefill_kernel(page_size):
     tables, slot_lists = zip(*(_paged(gen, n, page_size, pool.shape[2]) for n in lens))
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    out, lse = native.module().paged_flash_decode(q, pool, table, torch.tensor(lens), page_size, SCALE)
+    out, lse = native.module().paged_flash_decode(q, pool, table, torch.tensor(lens), page_size, SCALE, isa=isa)
     for b, (n, slots) in enumerate(zip(lens, slot_lists)):
-        want, want_lse = native.module().flash_attention(q[b : b + 1], pool, slots, torch.tensor([n - 1]), SCALE)
+        want, want_lse = native.module().flash_attention(
+            q[b : b + 1], pool, slots, torch.tensor([n - 1]), SCALE, isa=isa
+        )
         assert torch.equal(out[b], want[0]), f"length {n}"
         assert torch.equal(lse[b], want_lse[0])
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("prefix", [64, 128, 512])
-def test_state_handover_equals_one_pass(prefix):
+def test_state_handover_equals_one_pass(prefix, isa):
     """Keys [0, prefix) then the rest from the handed-over state == one call over all keys (prefill rows)."""
     gen, pool = _pool(prefix)
     length, n = prefix + 90, 40
     slots = torch.randperm(pool.shape[2], generator=gen)[:length]
     q = _q(gen, n)
     q_pos = torch.arange(length - n, length)
-    kernel = native.module().flash_attention
+    kernel = functools.partial(native.module().flash_attention, isa=isa)
     whole, whole_lse = kernel(q, pool, slots, q_pos, SCALE)
     _, _, state = kernel(q, pool, slots[:prefix], torch.full((n,), prefix - 1), SCALE, return_state=True)
     out, lse = kernel(q, pool, slots[prefix:], q_pos - prefix, SCALE, state)
@@ -88,7 +103,8 @@ def test_state_handover_equals_one_pass(prefix):
     assert torch.equal(lse, whole_lse)
 
 
-def test_decode_state_handover_equals_one_pass():
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_state_handover_equals_one_pass(isa):
     """A shared prefix attended by flash_attention, each decode's own pages after it: == one decode pass."""
     page_size, prefix = 16, 128
     gen, pool = _pool(7)
@@ -105,13 +121,15 @@ def test_decode_state_handover_equals_one_pass():
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     kernels = native.module()
-    whole, whole_lse = kernels.paged_flash_decode(q, pool, table, torch.tensor(lens), page_size, SCALE)
+    whole, whole_lse = kernels.paged_flash_decode(q, pool, table, torch.tensor(lens), page_size, SCALE, isa=isa)
     prefix_slots = (torch.tensor(shared_pages)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
     _, _, state = kernels.flash_attention(
-        q, pool, prefix_slots, torch.full((len(lens),), prefix - 1), SCALE, return_state=True
+        q, pool, prefix_slots, torch.full((len(lens),), prefix - 1), SCALE, return_state=True, isa=isa
     )
     suffix_table = table[:, prefix // page_size :].contiguous()
-    out, lse = kernels.paged_flash_decode(q, pool, suffix_table, torch.tensor(lens) - prefix, page_size, SCALE, state)
+    out, lse = kernels.paged_flash_decode(
+        q, pool, suffix_table, torch.tensor(lens) - prefix, page_size, SCALE, state, isa=isa
+    )
     assert torch.equal(out, whole)
     assert torch.equal(lse, whole_lse)
 
@@ -160,6 +178,20 @@ def test_cascade_decodes_equal_each_decode_alone():
     (group,) = plan.groups_of(NativeCascadeDecodes)
     assert len(group.prefix_slots) == 192
     assert torch.equal(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("isa", [pytest.param(1, id="amx", marks=kernels.AMX), pytest.param(2, id="amx_emulated")])
+def test_amx_products_are_as_accurate_as_the_avx512_ones(isa):
+    """The AMX path rounds differently from the AVX-512 one (another order of the same float32 sums), by no more
+    than bf16's own rounding of the output."""
+    gen, pool = _pool(11)
+    length = 200
+    slots = torch.randperm(pool.shape[2], generator=gen)[:length]
+    q = _q(gen, length)
+    avx, avx_lse = native.module().flash_attention(q, pool, slots, torch.arange(length), SCALE)
+    amx, amx_lse = native.module().flash_attention(q, pool, slots, torch.arange(length), SCALE, isa=isa)
+    assert torch.allclose(amx.float(), avx.float(), rtol=2**-7, atol=2**-8)
+    assert torch.allclose(amx_lse, avx_lse, atol=1e-4)
 
 
 def test_state_shape_is_checked():

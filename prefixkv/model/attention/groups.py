@@ -21,10 +21,13 @@ them from the frozen KernelOptions).
 - SharedPrefixChunks: chunks behind the same cached pages attend to them once, stacked, then to their own parts
   (merged by log-sum-exp, or, cache-invariant, continuing each row's softmax state).
 Gathered K/V go into one workspace reused by every layer: fresh large allocations are slow on CPU.
+The native groups carry `isa`, which products the kernels run (AVX512_BF16 dot products or AMX tiles): one value
+for every group of an engine, so each row is computed alike in a decode and in a prefill.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +38,8 @@ from prefixkv.model.attention.merge import merge_by_lse, merge_unnormalised
 from prefixkv.model.options import FLASH_WITH_LSE
 
 Rows = slice | torch.Tensor  # the step rows a group answers for (a tensor: row indices, in the group's order)
+# the native attention kernels' isa argument (csrc/flash_attention.cpp)
+NATIVE_AVX512, NATIVE_AMX = 0, 1
 
 
 def take_rows(t: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -79,6 +84,7 @@ class InPlaceDecodes:
     context_lens: torch.Tensor  # [B] int64: positions [0, start_pos + 1) are attended
     page_size: int
     invariant: bool  # bf16: the prefill kernel's arithmetic (paged_flash_decode), else the plain decode kernel
+    isa: int = NATIVE_AVX512  # which products paged_flash_decode runs (KernelOptions.amx_attention)
 
     workspace_slots = 0
 
@@ -86,7 +92,7 @@ class InPlaceDecodes:
         kernels, qd = native.module(), take_rows(q, self.rows)
         args = (qd, kv_layer, self.page_table, self.context_lens, self.page_size, scale)
         if self.invariant:
-            return kernels.paged_flash_decode(*args)[0]
+            return kernels.paged_flash_decode(*args, isa=self.isa)[0]
         return kernels.paged_decode_attention(*args)
 
 
@@ -209,6 +215,7 @@ class NativeCascadeDecodes:
     suffix_lens: torch.Tensor  # [B] start_pos + 1 - prefix_len
     page_size: int
     invariant: bool
+    isa: int = NATIVE_AVX512
 
     workspace_slots = 0
 
@@ -217,12 +224,12 @@ class NativeCascadeDecodes:
         qc = take_rows(q, self.rows).contiguous()
         if self.invariant:
             state = kernels.flash_attention(
-                qc, kv_layer, self.prefix_slots, self.prefix_q_pos, scale, return_state=True
+                qc, kv_layer, self.prefix_slots, self.prefix_q_pos, scale, return_state=True, isa=self.isa
             )[2]
             return kernels.paged_flash_decode(
-                qc, kv_layer, self.suffix_table, self.suffix_lens, self.page_size, scale, state
+                qc, kv_layer, self.suffix_table, self.suffix_lens, self.page_size, scale, state, isa=self.isa
             )[0]
-        o1, lse1 = kernels.flash_attention(qc, kv_layer, self.prefix_slots, self.prefix_q_pos, scale)
+        o1, lse1 = kernels.flash_attention(qc, kv_layer, self.prefix_slots, self.prefix_q_pos, scale, isa=self.isa)
         o2, lse2 = kernels.paged_decode_attention_lse(
             qc, kv_layer, self.suffix_table, self.suffix_lens, self.page_size, scale
         )
@@ -313,11 +320,12 @@ class NativeChunk:
     rows: slice
     slots: torch.Tensor  # [start_pos + n] slot of each position
     q_pos: torch.Tensor  # [n] the rows' positions
+    isa: int = NATIVE_AVX512
 
     workspace_slots = 0
 
     def attend(self, q, kv, kv_layer, workspace, scale) -> torch.Tensor:
-        out, _ = native.module().flash_attention(q[self.rows], kv_layer, self.slots, self.q_pos, scale)
+        out, _ = native.module().flash_attention(q[self.rows], kv_layer, self.slots, self.q_pos, scale, isa=self.isa)
         return out
 
 
@@ -338,11 +346,12 @@ class SharedPrefixChunks:
     prefix_q_pos: torch.Tensor  # [rows] prefix_len - 1: every row sees the whole prefix
     members: list[tuple[slice, torch.Tensor, torch.Tensor]]  # (rows within the group, own slots, positions - prefix)
     invariant: bool
+    isa: int = NATIVE_AVX512
 
     workspace_slots = 0
 
     def attend(self, q, kv, kv_layer, workspace, scale) -> torch.Tensor:
-        kernel = native.module().flash_attention
+        kernel = functools.partial(native.module().flash_attention, isa=self.isa)
         qg = take_rows(q, self.rows)
         if self.invariant:
             state = kernel(qg, kv_layer, self.prefix_slots, self.prefix_q_pos, scale, return_state=True)[2]

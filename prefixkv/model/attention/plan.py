@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from prefixkv.model.attention.groups import (
+    NATIVE_AMX,
+    NATIVE_AVX512,
     CascadeDecodes,
     InPlaceDecodes,
     NativeCascadeDecodes,
@@ -148,7 +150,12 @@ class StepPlanner:
         lens = np.asarray([start_positions[i] + 1 for i in members], dtype=np.int64)
         table = _page_table(members, page_tables, lens, 0, self.page_size)
         return InPlaceDecodes(
-            self._rows(members), self._tensor(table), self._tensor(lens), self.page_size, self.options.cache_invariant
+            self._rows(members),
+            self._tensor(table),
+            self._tensor(lens),
+            self.page_size,
+            self.options.cache_invariant,
+            self._native_isa,
         )
 
     def _padded_group(self, members, start_positions, page_tables) -> PaddedDecodes:
@@ -194,6 +201,7 @@ class StepPlanner:
             self._tensor(lens),
             ps,
             self.options.cache_invariant,
+            self._native_isa,
         )
 
     # -- prefill chunks ----------------------------------------------------------------------------------------
@@ -228,7 +236,12 @@ class StepPlanner:
             torch.full((offset,), prefix_len - 1, dtype=torch.long, device=self.device),
             parts,
             self.options.cache_invariant,
+            self._native_isa,
         )
+
+    @property
+    def _native_isa(self) -> int:
+        return NATIVE_AMX if self.options.amx_attention else NATIVE_AVX512
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
@@ -237,7 +250,7 @@ class StepPlanner:
         """slots: those of positions [0, start + n) of the chunk's request."""
         if self.options.native_attention:
             positions = np.arange(start, start + rows.stop - rows.start, dtype=np.int64)
-            return NativeChunk(rows, self._tensor(slots), self._tensor(positions))
+            return NativeChunk(rows, self._tensor(slots), self._tensor(positions), self._native_isa)
         if start == 0:  # no cached context: the chunk's own K/V suffice
             return PrefillChunk(rows, 0, None, None)
         if self.options.split_prefill:

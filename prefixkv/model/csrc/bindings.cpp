@@ -10,10 +10,11 @@ bool has_fused_ops();
 std::vector<at::Tensor> paged_decode_attention_lse(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
                                                    int64_t page_size, double scale);
 std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor slots, at::Tensor q_pos,
-                                        double scale, c10::optional<at::Tensor> state_in, bool return_state);
+                                        double scale, c10::optional<at::Tensor> state_in, bool return_state,
+                                        int64_t isa);
 std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
                                            int64_t page_size, double scale, c10::optional<at::Tensor> state_in,
-                                           bool return_state);
+                                           bool return_state, int64_t isa);
 bool has_flash_attention();
 at::Tensor gemm_pack(at::Tensor weight);
 at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
@@ -32,11 +33,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_attention", &flash_attention,
         "bf16 attention of many query rows over pool slots with per-row causal limits; returns (out, lse[, state])",
         py::arg("q"), py::arg("kv"), py::arg("slots"), py::arg("q_pos"), py::arg("scale"),
-        py::arg("state_in") = py::none(), py::arg("return_state") = false);
+        py::arg("state_in") = py::none(), py::arg("return_state") = false, py::arg("isa") = 0);
   m.def("paged_flash_decode", &paged_flash_decode,
         "decode attention over each sequence's pages, bit for bit flash_attention's arithmetic; (out, lse[, state])",
         py::arg("q"), py::arg("kv"), py::arg("table"), py::arg("lens"), py::arg("page_size"), py::arg("scale"),
-        py::arg("state_in") = py::none(), py::arg("return_state") = false);
+        py::arg("state_in") = py::none(), py::arg("return_state") = false, py::arg("isa") = 0);
   m.def("has_flash_attention", &has_flash_attention, "whether flash_attention is compiled in (AVX-512 BF16)");
   m.def("gemm_pack", &gemm_pack, "bf16 weight [N, K] -> the panel layout gemm reads", py::arg("weight"));
   m.def("gemm", &gemm, "x [M, K] bf16 @ packed weight^T (+ bias) -> [M, N] bf16; a row's bits never depend on M",

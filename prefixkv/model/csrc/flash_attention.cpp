@@ -21,6 +21,14 @@
 // positions) or (sequence, kv head); the query heads of a kv head share its packed K/V (GQA without expanding).
 // Online softmax in float32; probabilities are rounded to bfloat16 for the value product, and the row sums use
 // the rounded values so the weights stay normalised.
+//
+// On AMX (isa kAmx; kAmxEmulated runs the same code on amx.h's emulated tiles, for tests anywhere) a tile of 16
+// rows does the two products on tiles: scores as Q [16 x 64] . K^T per 16-key group (two tdpbf16ps over the head
+// dim's halves), values as O [16 x 16 dims] += P [16 x 32 keys] . V twice per chunk, read from the same packed K/V
+// (a B tile is 16 rows of the packing at a 64- or 256-byte stride). The softmax between them is the AVX-512 code
+// above, row by row. Every row still walks its keys from key 0 in 64-key chunks, so decodes and prefills, cached
+// or fresh, compute a row alike on one CPU; the AMX and AVX-512 paths round differently from each other, and an
+// engine uses one of them throughout (KernelOptions.amx_attention).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -34,9 +42,14 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "amx.h"
 #include "simd.h"
 
 namespace {
+
+// which instructions do the two products: AVX512_BF16 dot products, AMX tiles, or AMX on emulated tiles (tests)
+enum Isa : int64_t { kAvx512 = 0, kAmx = 1, kAmxEmulated = 2 };
+constexpr int64_t kAmxTile = 16;  // query rows per AMX tile
 
 constexpr int64_t kDim = 64;        // head_dim this kernel covers
 constexpr int64_t kPairs = kDim / 2;  // bf16 pairs per row
@@ -164,6 +177,10 @@ struct Rows {
   float* m;            // running max of scaled scores
   float* l;            // running sum of exp(score - m), of the bf16-rounded probabilities
   float* o;            // unnormalised output, 64 floats per row, 64-byte aligned
+  // AMX only: the queries copied row after row (A tiles need one stride), a tile's scores and probabilities
+  uint16_t* q_rows;    // [rows][64] bf16
+  float* scores;       // [16][64]
+  uint32_t* probs;     // [16][32] bf16 pairs
 };
 
 void init_row(const Rows& rows, int64_t r, const float* state) {
@@ -191,17 +208,69 @@ __attribute__((noinline)) void finish_row(const Rows& rows, int64_t r, c10::BFlo
   }
 }
 
+// Row r's scores s[0..nvec) of the chunk from key c0 (dot products, not yet scaled): scale, mask, online
+// softmax; probabilities -> bf16 pairs in key order (prob_pairs, 32 of them); the row's max, sum and output
+// rescaled. Both the AVX-512 and the AMX chunk routines inline this one definition.
+__attribute__((always_inline)) inline void softmax_row(const Rows& rows, int64_t r, int64_t c0, int64_t nvec,
+                                                       __m512* s, uint32_t* prob_pairs, float scale) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i ones = _mm512_set1_epi16(0x3F80);  // bf16 1.0 pairs: a dot product with them sums a pair
+  float* orow = rows.o + r * kDim;
+  __m512 vmax = _mm512_set1_ps(neg_inf);
+  __mmask16 visible[4];
+  if (c0 + kKeysPerVec * nvec - 1 <= rows.see[r]) {  // every key of the chunk visible (most of a prefill)
+    for (int64_t j = 0; j < nvec; ++j) {
+      visible[j] = 0xFFFF;
+      s[j] = _mm512_mul_ps(s[j], vscale);
+      vmax = _mm512_max_ps(vmax, s[j]);
+    }
+  } else {
+    for (int64_t j = 0; j < nvec; ++j) {
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(c0 + 16 * j)));
+      visible[j] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(rows.see[r])));
+      s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(neg_inf), visible[j], s[j], vscale);
+      vmax = _mm512_max_ps(vmax, s[j]);
+    }
+  }
+  const float chunk_max = _mm512_reduce_max_ps(vmax);
+  if (chunk_max == neg_inf) {  // nothing visible in this chunk for this row
+    for (int64_t j = 0; j < kChunk / 2; ++j) prob_pairs[j] = 0;
+    return;
+  }
+  const float m_new = std::max(rows.m[r], chunk_max);
+  const float alpha = rows.m[r] == neg_inf ? 0.f : rows.m[r] == m_new ? 1.f : std::exp(rows.m[r] - m_new);
+  const __m512 vm = _mm512_set1_ps(m_new);
+  __m512 e[4];
+  for (int64_t j = 0; j < 4; ++j) {
+    // exp16_bf16 clamps its argument, so masked lanes are zeroed explicitly
+    e[j] = j < nvec ? _mm512_maskz_mov_ps(visible[j], prefixkv::exp16_bf16(_mm512_sub_ps(s[j], vm)))
+                    : _mm512_setzero_ps();
+  }
+  // bf16 probabilities in key order are exactly the (key 2j, key 2j + 1) pairs the value product reads; their
+  // sum (of the rounded values, so the weights stay normalised) is two dot products with ones
+  const __m512bh p01 = _mm512_cvtne2ps_pbh(e[1], e[0]), p23 = _mm512_cvtne2ps_pbh(e[3], e[2]);
+  _mm512_store_si512(prob_pairs, (__m512i)p01);
+  _mm512_store_si512(prob_pairs + 16, (__m512i)p23);
+  __m512 vsum = _mm512_dpbf16_ps(_mm512_setzero_ps(), p01, as_bh(ones));
+  if (nvec > 2) vsum = _mm512_dpbf16_ps(vsum, p23, as_bh(ones));
+  rows.l[r] = rows.l[r] * alpha + _mm512_reduce_add_ps(vsum);
+  rows.m[r] = m_new;
+  if (alpha != 1.f) {
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int64_t d = 0; d < kDim; d += 16) _mm512_store_ps(orow + d, _mm512_mul_ps(va, _mm512_load_ps(orow + d)));
+  }
+}
+
 // Rows [t0, t0 + kTile) against the kChunk keys from key c0, packed at kc (pack_keys layout, this chunk's groups)
 // and vc (pack_values layout, this chunk's pairs). Not inlined: both entry points run this one compiled copy, so
 // a row's arithmetic cannot depend on its caller (the compiler may not contract or reorder it differently).
 __attribute__((noinline)) void attend_chunk(const uint16_t* kc, const uint16_t* vc, int64_t c0, int64_t t0,
                                             const Rows& rows, float scale) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   int64_t tile_see = 0;
   for (int64_t i = 0; i < kTile; ++i) tile_see = std::max(tile_see, rows.see[t0 + i]);
   if (tile_see < c0) return;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512 vscale = _mm512_set1_ps(scale);
   alignas(64) uint32_t probs[kTile][kChunk / 2];
   const int64_t nvec = std::min<int64_t>(4, (tile_see - c0) / kKeysPerVec + 1);
   __m512 s[kTile][4];
@@ -231,55 +300,7 @@ __attribute__((noinline)) void attend_chunk(const uint16_t* kc, const uint16_t* 
       }
     }
   }
-  // scale, mask, online softmax; probabilities -> bf16 pairs
-  const __m512i ones = _mm512_set1_epi16(0x3F80);  // bf16 1.0 pairs: a dot product with them sums a pair
-  for (int64_t i = 0; i < kTile; ++i) {
-    const int64_t r = t0 + i;
-    float* orow = rows.o + r * kDim;
-    __m512 vmax = _mm512_set1_ps(neg_inf);
-    __mmask16 visible[4];
-    if (c0 + kKeysPerVec * nvec - 1 <= rows.see[r]) {  // every key of the chunk visible (most of a prefill)
-      for (int64_t j = 0; j < nvec; ++j) {
-        visible[j] = 0xFFFF;
-        s[i][j] = _mm512_mul_ps(s[i][j], vscale);
-        vmax = _mm512_max_ps(vmax, s[i][j]);
-      }
-    } else {
-      for (int64_t j = 0; j < nvec; ++j) {
-        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(c0 + 16 * j)));
-        visible[j] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(rows.see[r])));
-        s[i][j] = _mm512_mask_mul_ps(_mm512_set1_ps(neg_inf), visible[j], s[i][j], vscale);
-        vmax = _mm512_max_ps(vmax, s[i][j]);
-      }
-    }
-    const float chunk_max = _mm512_reduce_max_ps(vmax);
-    if (chunk_max == neg_inf) {  // nothing visible in this chunk for this row
-      for (int64_t j = 0; j < kChunk / 2; ++j) probs[i][j] = 0;
-      continue;
-    }
-    const float m_new = std::max(rows.m[r], chunk_max);
-    const float alpha = rows.m[r] == neg_inf ? 0.f : rows.m[r] == m_new ? 1.f : std::exp(rows.m[r] - m_new);
-    const __m512 vm = _mm512_set1_ps(m_new);
-    __m512 e[4];
-    for (int64_t j = 0; j < 4; ++j) {
-      // exp16_bf16 clamps its argument, so masked lanes are zeroed explicitly
-      e[j] = j < nvec ? _mm512_maskz_mov_ps(visible[j], prefixkv::exp16_bf16(_mm512_sub_ps(s[i][j], vm)))
-                      : _mm512_setzero_ps();
-    }
-    // bf16 probabilities in key order are exactly the (key 2j, key 2j + 1) pairs the value product reads; their
-    // sum (of the rounded values, so the weights stay normalised) is two dot products with ones
-    const __m512bh p01 = _mm512_cvtne2ps_pbh(e[1], e[0]), p23 = _mm512_cvtne2ps_pbh(e[3], e[2]);
-    _mm512_store_si512(probs[i], (__m512i)p01);
-    _mm512_store_si512(probs[i] + 16, (__m512i)p23);
-    __m512 vsum = _mm512_dpbf16_ps(_mm512_setzero_ps(), p01, as_bh(ones));
-    if (nvec > 2) vsum = _mm512_dpbf16_ps(vsum, p23, as_bh(ones));
-    rows.l[r] = rows.l[r] * alpha + _mm512_reduce_add_ps(vsum);
-    rows.m[r] = m_new;
-    if (alpha != 1.f) {
-      const __m512 va = _mm512_set1_ps(alpha);
-      for (int64_t d = 0; d < kDim; d += 16) _mm512_store_ps(orow + d, _mm512_mul_ps(va, _mm512_load_ps(orow + d)));
-    }
-  }
+  for (int64_t i = 0; i < kTile; ++i) softmax_row(rows, t0 + i, c0, nvec, s[i], probs[i], scale);
   // values: o += p @ V over this chunk's key pairs
   __m512 o[kTile][4];
   for (int64_t i = 0; i < kTile; ++i)
@@ -302,17 +323,110 @@ __attribute__((noinline)) void attend_chunk(const uint16_t* kc, const uint16_t* 
     for (int64_t j = 0; j < 4; ++j) _mm512_store_ps(rows.o + (t0 + i) * kDim + 16 * j, o[i][j]);
 }
 
+// attend_chunk on AMX tiles (Tiles: prefixkv::HwTiles or EmuTiles) for rows [t0, t0 + 16): the scores of the
+// chunk's nvec 16-key groups in tmm0-3 (Q halves in tmm4-5, K halves in tmm6-7), the softmax row by row, then each
+// 16-dim block of the output (tmm0-3, loaded from and stored back to the rows' float32 state) += P . V over the
+// chunk's first 32 keys and, when the chunk has more, its last 32 (P halves in tmm4-5, V in tmm6-7). The chunk's K
+// and V must be packed for all 64 keys (zeros past the sequence). Not inlined, for the reason attend_chunk is not.
+template <class Tiles>
+__attribute__((noinline)) void attend_chunk_amx(const uint16_t* kc, const uint16_t* vc, int64_t c0, int64_t t0,
+                                                const Rows& rows, float scale) {
+  int64_t tile_see = 0;
+  for (int64_t i = 0; i < kAmxTile; ++i) tile_see = std::max(tile_see, rows.see[t0 + i]);
+  if (tile_see < c0) return;
+  const int64_t nvec = std::min<int64_t>(4, (tile_see - c0) / kKeysPerVec + 1);
+  constexpr int64_t kQStride = kDim * 2, kKStride = 64, kVStride = 2 * kDim * 2, kSStride = kChunk * 4;
+  const uint16_t* q = rows.q_rows + t0 * kDim;
+  Tiles::template load<4>(q, kQStride);
+  Tiles::template load<5>(q + kPairs, kQStride);
+  auto scores = [&]<int G>() {
+    Tiles::template zero<G>();
+    Tiles::template load<6>(kc + G * kPairs * 32, kKStride);
+    Tiles::template load<7>(kc + G * kPairs * 32 + 16 * 32, kKStride);
+    Tiles::template dot<G, 4, 6>();
+    Tiles::template dot<G, 5, 7>();
+    Tiles::template store<G>(rows.scores + G * kKeysPerVec, kSStride);
+  };
+  scores.template operator()<0>();
+  if (nvec > 1) scores.template operator()<1>();
+  if (nvec > 2) scores.template operator()<2>();
+  if (nvec > 3) scores.template operator()<3>();
+  for (int64_t i = 0; i < kAmxTile; ++i) {
+    __m512 s[4];
+    for (int64_t j = 0; j < 4; ++j) s[j] = _mm512_load_ps(rows.scores + i * kChunk + j * kKeysPerVec);
+    softmax_row(rows, t0 + i, c0, nvec, s, rows.probs + i * (kChunk / 2), scale);
+  }
+  constexpr int64_t kPStride = kChunk * 2, kOStride = kDim * 4;
+  float* o = rows.o + t0 * kDim;
+  Tiles::template load<4>(rows.probs, kPStride);
+  if (nvec > 2) Tiles::template load<5>(rows.probs + kChunk / 4, kPStride);
+  auto values = [&]<int D>() {
+    Tiles::template load<D>(o + D * 16, kOStride);
+    Tiles::template load<6>(vc + D * 32, kVStride);
+    Tiles::template dot<D, 4, 6>();
+    if (nvec > 2) {
+      Tiles::template load<7>(vc + 16 * 2 * kDim + D * 32, kVStride);
+      Tiles::template dot<D, 5, 7>();
+    }
+    Tiles::template store<D>(o + D * 16, kOStride);
+  };
+  values.template operator()<0>();
+  values.template operator()<1>();
+  values.template operator()<2>();
+  values.template operator()<3>();
+}
+
+using ChunkFn = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, const Rows&, float);
+
+// The chunk routine, its rows per tile, and the tile set-up of one thread's work, for an isa
+struct Path {
+  ChunkFn attend;
+  int64_t tile;
+  void (*begin)();
+  void (*end)();
+
+  static Path of(int64_t isa) {
+    switch (isa) {
+      case kAmx:
+        TORCH_CHECK(prefixkv::amx_supported(), "native attention: this CPU or OS does not offer AMX tiles");
+        return {&attend_chunk_amx<prefixkv::HwTiles>, kAmxTile, [] { prefixkv::HwTiles::configure(prefixkv::full_tiles()); },
+                [] { prefixkv::HwTiles::release(); }};
+      case kAmxEmulated:
+        return {&attend_chunk_amx<prefixkv::EmuTiles>, kAmxTile,
+                [] { prefixkv::EmuTiles::configure(prefixkv::full_tiles()); }, [] {}};
+      default:
+        TORCH_CHECK(isa == kAvx512, "native attention: isa must be 0 (AVX-512), 1 (AMX) or 2 (emulated AMX)");
+        return {&attend_chunk, kTile, [] {}, [] {}};
+    }
+  }
+};
+
 // Per-thread storage of a work item's row state
 struct RowStorage {
-  std::vector<float> o_state, m, l;
+  std::vector<float> o_state, m, l, scores;
   std::vector<int64_t> see;
   std::vector<const uint32_t*> q;
+  std::vector<uint16_t> q_rows;
+  std::vector<uint32_t> probs;
   Rows rows;
 
-  explicit RowStorage(int64_t max_rows)
-      : o_state(max_rows * kDim + 16), m(max_rows), l(max_rows), see(max_rows), q(max_rows) {
-    float* o = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(o_state.data()) + 63) & ~uintptr_t(63));
-    rows = Rows{q.data(), see.data(), m.data(), l.data(), o};
+  template <class T>
+  static T* aligned(std::vector<T>& v) {
+    return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+  }
+
+  // amx: also the AMX buffers (queries copied, a tile's scores and probabilities)
+  RowStorage(int64_t max_rows, bool amx)
+      : o_state(max_rows * kDim + 16), m(max_rows), l(max_rows), scores(amx ? kAmxTile * kChunk + 16 : 0),
+        see(max_rows), q(max_rows), q_rows(amx ? max_rows * kDim + 32 : 0), probs(amx ? kAmxTile * kChunk / 2 + 16 : 0) {
+    rows = Rows{q.data(), see.data(), m.data(), l.data(), aligned(o_state),
+                amx ? aligned(q_rows) : nullptr, amx ? aligned(scores) : nullptr, amx ? aligned(probs) : nullptr};
+  }
+
+  // row r's query: pointed to, and for AMX copied into the row-after-row block
+  void set_query(int64_t r, const uint16_t* query) {
+    rows.q[r] = reinterpret_cast<const uint32_t*>(query);
+    if (rows.q_rows != nullptr) std::memcpy(rows.q_rows + r * kDim, query, kDim * sizeof(uint16_t));
   }
 };
 
@@ -340,10 +454,12 @@ void check_inputs(const at::Tensor& q, const at::Tensor& kv) {
 // int64: row r sees keys j <= q_pos[r] (and j < L). Every row must see key 0. state_in [R, H, 66] float32: start
 // from this state (keys before these L, as returned with return_state) instead of from nothing. Returns {out
 // [R, H, 64] bf16, lse [R, H] float32 (natural log of the sum of exp(scale * score))} and, with return_state,
-// the state [R, H, 66].
+// the state [R, H, 66]. isa: 0 AVX512_BF16 dot products, 1 AMX tiles, 2 AMX kernels on emulated tiles (tests).
 std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor slots, at::Tensor q_pos,
-                                        double scale, c10::optional<at::Tensor> state_in, bool return_state) {
+                                        double scale, c10::optional<at::Tensor> state_in, bool return_state,
+                                        int64_t isa) {
   check_inputs(q, kv);
+  const Path path = Path::of(isa);
   TORCH_CHECK(slots.scalar_type() == at::kLong && q_pos.scalar_type() == at::kLong, "slots / q_pos must be int64");
   TORCH_CHECK(q_pos.size(0) == q.size(0), "one q_pos per query row");
   q = q.contiguous();
@@ -353,8 +469,10 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
   const at::Tensor state0 = checked_state(state_in, rows, heads);
   const int64_t length = slots.size(0);
   TORCH_CHECK(length >= 1, "flash_attention needs at least one key");
-  const int64_t groups16 = (length + kKeysPerVec - 1) / kKeysPerVec;
-  const int64_t padded = groups16 * kKeysPerVec;  // keys rounded up to whole vectors (and to even pairs)
+  // keys rounded up to whole vectors (and to even pairs); to whole 64-key chunks for AMX, whose tiles read them
+  const int64_t key_unit = isa == kAvx512 ? kKeysPerVec : kChunk;
+  const int64_t padded = (length + key_unit - 1) / key_unit * key_unit;
+  const int64_t groups16 = padded / kKeysPerVec;
   auto out = at::empty_like(q);
   auto lse = at::empty({rows, heads}, q.options().dtype(at::kFloat));
   auto state = return_state ? at::empty({rows, heads, kStateWidth}, q.options().dtype(at::kFloat)) : at::Tensor();
@@ -388,20 +506,21 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    RowStorage storage(kBlockPositions * group + kTile);
+    RowStorage storage(kBlockPositions * group + path.tile, isa != kAvx512);
     const Rows& st = storage.rows;
+    path.begin();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / blocks, block = item % blocks;
       const int64_t first = block * kBlockPositions, last = std::min(rows, first + kBlockPositions);
       const int64_t item_rows = (last - first) * group;  // rows (position, query head of this kv head)
-      const int64_t padded_rows = (item_rows + kTile - 1) / kTile * kTile;
+      const int64_t padded_rows = (item_rows + path.tile - 1) / path.tile * path.tile;
       const uint16_t* khead = kp_ptr + h * kp_head;
       const uint16_t* vhead = vp_ptr + h * vp_head;
       int64_t see_max = 0;
       for (int64_t r = 0; r < padded_rows; ++r) {
         const int64_t rr = std::min(r, item_rows - 1);  // padding rows repeat the last real one
         const int64_t pos = first + rr / group, head = h * group + rr % group;
-        st.q[r] = reinterpret_cast<const uint32_t*>(q_ptr + (pos * heads + head) * kDim);
+        storage.set_query(r, q_ptr + (pos * heads + head) * kDim);
         st.see[r] = std::min(pos_ptr[pos], length - 1);
         see_max = std::max(see_max, st.see[r]);
         init_row(st, r, state_in_ptr == nullptr ? nullptr : state_in_ptr + (pos * heads + head) * kStateWidth);
@@ -409,7 +528,7 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
       for (int64_t c0 = 0; c0 <= see_max; c0 += kChunk) {
         const uint16_t* kc = khead + (c0 / kKeysPerVec) * kPairs * 32;
         const uint16_t* vc = vhead + (c0 / 2) * 2 * kDim;
-        for (int64_t t0 = 0; t0 < padded_rows; t0 += kTile) attend_chunk(kc, vc, c0, t0, st, fscale);
+        for (int64_t t0 = 0; t0 < padded_rows; t0 += path.tile) path.attend(kc, vc, c0, t0, st, fscale);
       }
       for (int64_t r = 0; r < item_rows; ++r) {
         const int64_t idx = (first + r / group) * heads + h * group + r % group;
@@ -417,6 +536,7 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
         finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, row_state);
       }
     }
+    path.end();
   });
   if (return_state) return {out, lse, state};
   return {out, lse};
@@ -428,8 +548,9 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
 // return_state as for flash_attention.
 std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
                                            int64_t page_size, double scale, c10::optional<at::Tensor> state_in,
-                                           bool return_state) {
+                                           bool return_state, int64_t isa) {
   check_inputs(q, kv);
+  const Path path = Path::of(isa);
   TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "table / lens must be int64");
   TORCH_CHECK(table.dim() == 2 && table.size(0) == q.size(0) && lens.size(0) == q.size(0),
               "one table row and length per sequence");
@@ -458,9 +579,10 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
                 "each length must be in [1, pages * page_size]");
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    const int64_t padded_rows = (group + kTile - 1) / kTile * kTile;
-    RowStorage storage(padded_rows);
+    const int64_t padded_rows = (group + path.tile - 1) / path.tile * path.tile;
+    RowStorage storage(padded_rows, isa != kAvx512);
     const Rows& st = storage.rows;
+    path.begin();
     std::vector<uint16_t> buffers(4 * kPairs * 32 + kChunk / 2 * 2 * kDim + 32);
     uint16_t* kc = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffers.data()) + 63) & ~uintptr_t(63));
     uint16_t* vc = kc + 4 * kPairs * 32;
@@ -469,15 +591,16 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
       const int64_t* pages = table_ptr + b * max_pages;
       for (int64_t r = 0; r < padded_rows; ++r) {
         const int64_t head = h * group + std::min(r, group - 1);  // padding rows repeat the last real one
-        st.q[r] = reinterpret_cast<const uint32_t*>(q_ptr + (b * heads + head) * kDim);
+        storage.set_query(r, q_ptr + (b * heads + head) * kDim);
         st.see[r] = len - 1;
         init_row(st, r, state_in_ptr == nullptr ? nullptr : state_in_ptr + (b * heads + head) * kStateWidth);
       }
       for (int64_t c0 = 0; c0 < len; c0 += kChunk) {
-        const int64_t nvec = std::min<int64_t>(4, (len - 1 - c0) / kKeysPerVec + 1);
+        // the vectors holding keys; AMX tiles read the whole chunk (zeros past the sequence)
+        const int64_t nvec = isa == kAvx512 ? std::min<int64_t>(4, (len - 1 - c0) / kKeysPerVec + 1) : 4;
         pack_chunk_keys(kv_ptr + h * head_stride, slot_stride, pages, page_size, c0, len, nvec, kc);
         pack_chunk_values(kv_ptr + kv_stride + h * head_stride, slot_stride, pages, page_size, c0, len, nvec * 8, vc);
-        for (int64_t t0 = 0; t0 < padded_rows; t0 += kTile) attend_chunk(kc, vc, c0, t0, st, fscale);
+        for (int64_t t0 = 0; t0 < padded_rows; t0 += path.tile) path.attend(kc, vc, c0, t0, st, fscale);
       }
       for (int64_t r = 0; r < group; ++r) {
         const int64_t idx = b * heads + h * group + r;
@@ -485,6 +608,7 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
         finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, row_state);
       }
     }
+    path.end();
   });
   if (return_state) return {out, lse, state};
   return {out, lse};
@@ -495,12 +619,12 @@ bool has_flash_attention() { return true; }
 #else
 
 std::vector<at::Tensor> flash_attention(at::Tensor, at::Tensor, at::Tensor, at::Tensor, double,
-                                        c10::optional<at::Tensor>, bool) {
+                                        c10::optional<at::Tensor>, bool, int64_t) {
   TORCH_CHECK(false, "flash_attention needs AVX-512 BF16 (not compiled in)");
 }
 
 std::vector<at::Tensor> paged_flash_decode(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
-                                           c10::optional<at::Tensor>, bool) {
+                                           c10::optional<at::Tensor>, bool, int64_t) {
   TORCH_CHECK(false, "paged_flash_decode needs AVX-512 BF16 (not compiled in)");
 }
 

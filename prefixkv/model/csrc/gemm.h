@@ -43,6 +43,7 @@ Call prepare(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n
 // every output element is computed by the same chain whatever block or group it falls in.
 template <class Fn>
 void for_each_block(const Problem& pb, int64_t row_tile, const Fn& fn) {
+  if (pb.m == 0) return;
   const int64_t total_panels = panels_of(pb.n);
   const int64_t fit = (192 * 1024) / (4 * pb.pairs) / row_tile * row_tile;
   const int64_t max_rows = std::max<int64_t>(row_tile, fit);
