@@ -73,6 +73,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
             bytes_per_token=ModelRunner.kv_bytes_per_token(loaded.config, config.dtype),
             hash_algo=config.prefix_caching_hash_algo,
             device=runner.device.type,
+            kernels=f"matmul {kernels['matmul']}, attention {kernels['attention']}",
         )
         tier = create_kv_tier(config, manifest)
     return Engine(config, runner, loaded.tokenizer, loaded.config, loaded.name, kv_tier=tier, kernels=kernels)

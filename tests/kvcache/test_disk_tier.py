@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -103,6 +104,10 @@ def test_manifest_mismatch_is_refused_naming_every_field(tmp_path):
     message = str(refused.value)
     assert str(tmp_path) in message and "model_digest" in message and "dtype" in message and "delete" in message
     assert "chunk_tokens" not in message and isinstance(refused.value, ValueError)
+    # KV from other kernels (an AMX machine's directory on an AVX-512 one) is not what a recompute here gives
+    amx = dataclasses.replace(MANIFEST, kernels="matmul amx, attention amx")
+    with pytest.raises(TierMismatchError, match="kernels: 'matmul amx, attention amx' != ''"):
+        DiskTier(tmp_path, 1 << 20, amx)
 
 
 @pytest.mark.parametrize(

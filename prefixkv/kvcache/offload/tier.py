@@ -26,6 +26,9 @@ class TierManifest:
     bytes_per_token: int  # K and V of one token over all layers
     hash_algo: str  # the chain's hash function ("sha256" | "xxhash")
     device: str = "cpu"  # device type the KV is computed on: other kernels give other bits than a recompute here
+    # the kernels that compute it (ModelRunner.kernel_report's matmul and attention paths): an AMX machine's KV is
+    # not bit for bit an AVX-512 one's, so a directory carried between them is refused like another model's
+    kernels: str = ""
     layout: str = "layers,kv,kv_heads,tokens,head_dim"  # payload tensor order, C-contiguous
     layout_version: int = LAYOUT_VERSION
 
