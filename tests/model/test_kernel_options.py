@@ -4,6 +4,9 @@ model's fused-ops and matmul switches follow the runner's options."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -74,3 +77,16 @@ def test_model_switches_follow_the_runner_options(tiny_checkpoint):
     runner = ModelRunner(loaded, num_pages=4, page_size=16, options=plain)
     assert mlp.gate_up_proj.packed is None and runner.model.lm_head_packed is None
     assert runner.model.kernel_options is plain
+
+
+def test_without_the_native_kernels_torch_paths_run_and_invariance_is_reported_off():
+    """Where the native kernels do not run (a CPU with neither AMX nor AVX512_BF16; forced here in a process of its
+    own with PREFIXKV_NO_NATIVE=1), bf16 runs torch's and oneDNN's kernels, and says so."""
+    code = (
+        "import torch; from prefixkv.model.options import KernelOptions; "
+        "o = KernelOptions.choose('cpu', torch.bfloat16); print(o.isa_path, o.matmul, o.cache_invariant)"
+    )
+    env = {**os.environ, "PREFIXKV_NO_NATIVE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    library = "onednn" if "onednn" in matmul.available(CPU, torch.bfloat16) else "torch"
+    assert out.stdout.split() == ["torch", library, "False"]
