@@ -21,7 +21,7 @@ from collections import OrderedDict
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before anything imports torch (see prefixkv/__init__.py)
+import prefixkv  # noqa: E402,F401 - before anything imports torch: it sets how OpenMP workers wait
 
 MAX_CACHED_ENGINES = 2  # llm_factory keeps this many engines alive; older ones are dropped and rebuilt on demand
 _SESSION_START = time.monotonic()

@@ -33,7 +33,7 @@ import sys
 import time
 
 # the environment the children inherit, taken before anything imports prefixkv (whose import sets
-# OMP_WAIT_POLICY for its own process: vLLM's processes must not inherit it)
+# GOMP_SPINCOUNT for its own process: vLLM's processes must not inherit it)
 LAUNCH_ENV = dict(os.environ)
 
 from compare_vllm import limits as machine_limits  # noqa: E402

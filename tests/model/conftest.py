@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see prefixkv/model/__init__.py
-
 import pytest
 import torch
 
