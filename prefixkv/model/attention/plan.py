@@ -124,7 +124,13 @@ class StepPlanner:
         if self.options.cascade_decodes and num_decodes >= 2:
             taken: set[int] = set()
             for members, prefix_pages in _cascade_members(
-                rest, start_positions, page_tables, self.page_size, self.options, self.options.cascade_max_gather
+                rest,
+                start_positions,
+                page_tables,
+                self.page_size,
+                self.options,
+                self.options.cascade_max_gather,
+                self.options.cascade_min_members,
             ):
                 groups.append(self._cascade_group(members, prefix_pages, start_positions, page_tables))
                 taken.update(members)
@@ -326,8 +332,11 @@ def _length_groups(members: list[int], start_positions, options: KernelOptions) 
     return groups
 
 
-def _cascade_members(candidates, start_positions, page_tables, page_size, options: KernelOptions, max_gather):
-    """[(members, shared_pages)]: rows whose page tables share >= options.cascade_min_prefix leading tokens.
+def _cascade_members(
+    candidates, start_positions, page_tables, page_size, options: KernelOptions, max_gather, min_members: int = 2
+):
+    """[(members, shared_pages)]: >= min_members rows whose page tables share >= options.cascade_min_prefix leading
+    tokens.
 
     Candidates are decodes, or prefill chunks after cached tokens (their start positions are then their first new
     positions). Only pages lying entirely before every member's start position count (the current token's slot
@@ -347,7 +356,7 @@ def _cascade_members(candidates, start_positions, page_tables, page_size, option
         for i in members:
             by_page.setdefault(page_tables[i][depth], []).append(i)
         for sub in by_page.values():
-            if len(sub) < 2:
+            if len(sub) < min_members:
                 continue
             limit = min(start_positions[i] for i in sub) // page_size  # pages wholly before every position
             table = np.asarray([page_tables[i][:limit] for i in sub], dtype=np.int64)

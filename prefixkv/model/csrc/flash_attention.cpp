@@ -43,6 +43,7 @@
 #include <immintrin.h>
 
 #include "amx.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -430,6 +431,24 @@ struct RowStorage {
   }
 };
 
+// One thread's scratch for the items it takes: row state and buffers, a chunk of packed K and V (decodes), and
+// the tiles set up for the path
+struct Scratch {
+  RowStorage storage;
+  const Path& path;
+  std::vector<uint16_t> chunk;
+
+  Scratch(int64_t max_rows, const Path& p, bool amx, bool decode = false)
+      : storage(max_rows, amx), path(p), chunk(decode ? 4 * kPairs * 32 + kChunk / 2 * 2 * kDim + 32 : 0) {
+    path.begin();
+  }
+  uint16_t* keys() { return RowStorage::aligned(chunk); }
+  uint16_t* values() { return keys() + 4 * kPairs * 32; }
+  ~Scratch() { path.end(); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
 at::Tensor checked_state(const c10::optional<at::Tensor>& state, int64_t rows, int64_t heads) {
   if (!state.has_value()) return at::Tensor();
   const at::Tensor& s = *state;
@@ -486,13 +505,11 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
   uint16_t* vp_ptr = reinterpret_cast<uint16_t*>(vp.data_ptr<int16_t>());
   const int64_t kp_head = groups16 * kPairs * 32, vp_head = padded / 2 * 2 * kDim;
 
-  at::parallel_for(0, kv_heads * groups16, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / groups16, g16 = item % groups16;
-      pack_keys(kv_ptr + h * head_stride, slot_stride, slot_ptr, length, g16, kp_ptr + h * kp_head);
-      for (int64_t pair = g16 * 8; pair < g16 * 8 + 8; ++pair)
-        pack_values(kv_ptr + kv_stride + h * head_stride, slot_stride, slot_ptr, length, pair, vp_ptr + h * vp_head);
-    }
+  prefixkv::parallel_items(kv_heads * groups16, [&](int64_t item) {
+    const int64_t h = item / groups16, g16 = item % groups16;
+    pack_keys(kv_ptr + h * head_stride, slot_stride, slot_ptr, length, g16, kp_ptr + h * kp_head);
+    for (int64_t pair = g16 * 8; pair < g16 * 8 + 8; ++pair)
+      pack_values(kv_ptr + kv_stride + h * head_stride, slot_stride, slot_ptr, length, pair, vp_ptr + h * vp_head);
   });
 
   const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -505,38 +522,39 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
   const int64_t blocks = (rows + kBlockPositions - 1) / kBlockPositions;
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    RowStorage storage(kBlockPositions * group + path.tile, isa != kAvx512);
+  // items are taken from the end: each head's last blocks, which see the most keys, first, so that no thread is
+  // left with a long one at the end
+  const int64_t items = kv_heads * blocks;
+  auto scratch = [&] { return Scratch(kBlockPositions * group + path.tile, path, isa != kAvx512); };
+  prefixkv::parallel_items(items, scratch, [&](Scratch& thread, int64_t i) {
+    RowStorage& storage = thread.storage;
     const Rows& st = storage.rows;
-    path.begin();
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / blocks, block = item % blocks;
-      const int64_t first = block * kBlockPositions, last = std::min(rows, first + kBlockPositions);
-      const int64_t item_rows = (last - first) * group;  // rows (position, query head of this kv head)
-      const int64_t padded_rows = (item_rows + path.tile - 1) / path.tile * path.tile;
-      const uint16_t* khead = kp_ptr + h * kp_head;
-      const uint16_t* vhead = vp_ptr + h * vp_head;
-      int64_t see_max = 0;
-      for (int64_t r = 0; r < padded_rows; ++r) {
-        const int64_t rr = std::min(r, item_rows - 1);  // padding rows repeat the last real one
-        const int64_t pos = first + rr / group, head = h * group + rr % group;
-        storage.set_query(r, q_ptr + (pos * heads + head) * kDim);
-        st.see[r] = std::min(pos_ptr[pos], length - 1);
-        see_max = std::max(see_max, st.see[r]);
-        init_row(st, r, state_in_ptr == nullptr ? nullptr : state_in_ptr + (pos * heads + head) * kStateWidth);
-      }
-      for (int64_t c0 = 0; c0 <= see_max; c0 += kChunk) {
-        const uint16_t* kc = khead + (c0 / kKeysPerVec) * kPairs * 32;
-        const uint16_t* vc = vhead + (c0 / 2) * 2 * kDim;
-        for (int64_t t0 = 0; t0 < padded_rows; t0 += path.tile) path.attend(kc, vc, c0, t0, st, fscale);
-      }
-      for (int64_t r = 0; r < item_rows; ++r) {
-        const int64_t idx = (first + r / group) * heads + h * group + r % group;
-        float* row_state = state_ptr == nullptr ? nullptr : state_ptr + idx * kStateWidth;
-        finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, row_state);
-      }
+    const int64_t item = items - 1 - i;
+    const int64_t h = item / blocks, block = item % blocks;
+    const int64_t first = block * kBlockPositions, last = std::min(rows, first + kBlockPositions);
+    const int64_t item_rows = (last - first) * group;  // rows (position, query head of this kv head)
+    const int64_t padded_rows = (item_rows + path.tile - 1) / path.tile * path.tile;
+    const uint16_t* khead = kp_ptr + h * kp_head;
+    const uint16_t* vhead = vp_ptr + h * vp_head;
+    int64_t see_max = 0;
+    for (int64_t r = 0; r < padded_rows; ++r) {
+      const int64_t rr = std::min(r, item_rows - 1);  // padding rows repeat the last real one
+      const int64_t pos = first + rr / group, head = h * group + rr % group;
+      storage.set_query(r, q_ptr + (pos * heads + head) * kDim);
+      st.see[r] = std::min(pos_ptr[pos], length - 1);
+      see_max = std::max(see_max, st.see[r]);
+      init_row(st, r, state_in_ptr == nullptr ? nullptr : state_in_ptr + (pos * heads + head) * kStateWidth);
     }
-    path.end();
+    for (int64_t c0 = 0; c0 <= see_max; c0 += kChunk) {
+      const uint16_t* kc = khead + (c0 / kKeysPerVec) * kPairs * 32;
+      const uint16_t* vc = vhead + (c0 / 2) * 2 * kDim;
+      for (int64_t t0 = 0; t0 < padded_rows; t0 += path.tile) path.attend(kc, vc, c0, t0, st, fscale);
+    }
+    for (int64_t r = 0; r < item_rows; ++r) {
+      const int64_t idx = (first + r / group) * heads + h * group + r % group;
+      float* row_state = state_ptr == nullptr ? nullptr : state_ptr + idx * kStateWidth;
+      finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, row_state);
+    }
   });
   if (return_state) return {out, lse, state};
   return {out, lse};
@@ -578,37 +596,35 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
     TORCH_CHECK(len_ptr[b] >= 1 && len_ptr[b] <= max_pages * page_size,
                 "each length must be in [1, pages * page_size]");
 
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    const int64_t padded_rows = (group + path.tile - 1) / path.tile * path.tile;
-    RowStorage storage(padded_rows, isa != kAvx512);
+  // sequences come shortest first (the planner sorts decodes by length): taken from the end, longest first
+  const int64_t items = batch * kv_heads;
+  const int64_t padded_rows = (group + path.tile - 1) / path.tile * path.tile;
+  auto scratch = [&] { return Scratch(padded_rows, path, isa != kAvx512, /*decode=*/true); };
+  prefixkv::parallel_items(items, scratch, [&](Scratch& thread, int64_t i) {
+    RowStorage& storage = thread.storage;
     const Rows& st = storage.rows;
-    path.begin();
-    std::vector<uint16_t> buffers(4 * kPairs * 32 + kChunk / 2 * 2 * kDim + 32);
-    uint16_t* kc = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffers.data()) + 63) & ~uintptr_t(63));
-    uint16_t* vc = kc + 4 * kPairs * 32;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads, len = len_ptr[b];
-      const int64_t* pages = table_ptr + b * max_pages;
-      for (int64_t r = 0; r < padded_rows; ++r) {
-        const int64_t head = h * group + std::min(r, group - 1);  // padding rows repeat the last real one
-        storage.set_query(r, q_ptr + (b * heads + head) * kDim);
-        st.see[r] = len - 1;
-        init_row(st, r, state_in_ptr == nullptr ? nullptr : state_in_ptr + (b * heads + head) * kStateWidth);
-      }
-      for (int64_t c0 = 0; c0 < len; c0 += kChunk) {
-        // the vectors holding keys; AMX tiles read the whole chunk (zeros past the sequence)
-        const int64_t nvec = isa == kAvx512 ? std::min<int64_t>(4, (len - 1 - c0) / kKeysPerVec + 1) : 4;
-        pack_chunk_keys(kv_ptr + h * head_stride, slot_stride, pages, page_size, c0, len, nvec, kc);
-        pack_chunk_values(kv_ptr + kv_stride + h * head_stride, slot_stride, pages, page_size, c0, len, nvec * 8, vc);
-        for (int64_t t0 = 0; t0 < padded_rows; t0 += path.tile) path.attend(kc, vc, c0, t0, st, fscale);
-      }
-      for (int64_t r = 0; r < group; ++r) {
-        const int64_t idx = b * heads + h * group + r;
-        float* row_state = state_ptr == nullptr ? nullptr : state_ptr + idx * kStateWidth;
-        finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, row_state);
-      }
+    uint16_t *kc = thread.keys(), *vc = thread.values();
+    const int64_t item = items - 1 - i;
+    const int64_t b = item / kv_heads, h = item % kv_heads, len = len_ptr[b];
+    const int64_t* pages = table_ptr + b * max_pages;
+    for (int64_t r = 0; r < padded_rows; ++r) {
+      const int64_t head = h * group + std::min(r, group - 1);  // padding rows repeat the last real one
+      storage.set_query(r, q_ptr + (b * heads + head) * kDim);
+      st.see[r] = len - 1;
+      init_row(st, r, state_in_ptr == nullptr ? nullptr : state_in_ptr + (b * heads + head) * kStateWidth);
     }
-    path.end();
+    for (int64_t c0 = 0; c0 < len; c0 += kChunk) {
+      // the vectors holding keys; AMX tiles read the whole chunk (zeros past the sequence)
+      const int64_t nvec = isa == kAvx512 ? std::min<int64_t>(4, (len - 1 - c0) / kKeysPerVec + 1) : 4;
+      pack_chunk_keys(kv_ptr + h * head_stride, slot_stride, pages, page_size, c0, len, nvec, kc);
+      pack_chunk_values(kv_ptr + kv_stride + h * head_stride, slot_stride, pages, page_size, c0, len, nvec * 8, vc);
+      for (int64_t t0 = 0; t0 < padded_rows; t0 += path.tile) path.attend(kc, vc, c0, t0, st, fscale);
+    }
+    for (int64_t r = 0; r < group; ++r) {
+      const int64_t idx = b * heads + h * group + r;
+      float* row_state = state_ptr == nullptr ? nullptr : state_ptr + idx * kStateWidth;
+      finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, row_state);
+    }
   });
   if (return_state) return {out, lse, state};
   return {out, lse};

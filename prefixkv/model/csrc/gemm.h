@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "parallel.h"
+
 namespace prefixkv::gemm {
 
 constexpr int64_t kPanel = 64;            // output columns per panel
@@ -36,11 +38,12 @@ struct Call {
 };
 Call prepare(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias);
 
-// Work items are (row block, group of panels); fn(ma, mz, pa, pz) is called for each, in parallel. A thread's
-// items share their row block, so its x rows stay in L2 while it walks the panels. Row blocks are whole row_tile
-// tiles of about 192 KB of x, equal in size; groups are 4 panels (their weights stay in L2 across the block's
-// tiles) when there are items enough for every thread, else one panel each. Only speed depends on this split:
-// every output element is computed by the same chain whatever block or group it falls in.
+// Work items are (row block, group of panels); fn(ma, mz, pa, pz) is called for each, in parallel (parallel.h:
+// handed out one at a time). Items follow each other by panel within a row block, so the x rows of a block stay
+// in L2 while the threads walk its panels. Row blocks are whole row_tile tiles of about 192 KB of x, equal in
+// size; groups are 4 panels (their weights stay in L2 across the block's tiles) when there are items enough for
+// every thread, else one panel each. Only speed depends on this split: every output element is computed by the
+// same chain whatever block or group it falls in.
 template <class Fn>
 void for_each_block(const Problem& pb, int64_t row_tile, const Fn& fn) {
   if (pb.m == 0) return;
@@ -52,12 +55,10 @@ void for_each_block(const Problem& pb, int64_t row_tile, const Fn& fn) {
   const int64_t threads = at::get_num_threads();
   const int64_t group = row_blocks * ((total_panels + 3) / 4) >= 8 * threads ? 4 : 1;
   const int64_t groups = (total_panels + group - 1) / group;
-  at::parallel_for(0, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t rb = item / groups, g = item % groups;
-      const int64_t ma = rb * row_block, mz = std::min(pb.m, ma + row_block);
-      if (ma < mz) fn(ma, mz, g * group, std::min(total_panels, (g + 1) * group));
-    }
+  parallel_items(row_blocks * groups, [&](int64_t item) {
+    const int64_t rb = item / groups, g = item % groups;
+    const int64_t ma = rb * row_block, mz = std::min(pb.m, ma + row_block);
+    if (ma < mz) fn(ma, mz, g * group, std::min(total_panels, (g + 1) * group));
   });
 }
 
