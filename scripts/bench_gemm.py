@@ -101,11 +101,11 @@ def main() -> int:
     result = run(args.threads, args.rounds, rows, shapes)
     summary = summarize(result)
     print(f"{cpu['model']} ({', '.join(cpu['flags'])}), {args.threads} threads, median of {args.rounds} rounds")
-    header = f"{'shape':18s}" + "".join(f"{p + ' ms':>14s}{'GFLOPS':>8s}" for p in result["paths"])
+    header = f"{'shape':18s}" + "".join(f"{p + ' ms':>17s}{'GFLOPS':>8s}" for p in result["paths"])
     print(header + "".join(f"{p + '/onednn':>18s}" for p in result["paths"] if p != "onednn"))
     for row in summary:
         line = f"{row['shape']:18s}" + "".join(
-            f"{row[p + '_ms']:14.3f}{row[p + '_gflops']:8.0f}" for p in result["paths"]
+            f"{row[p + '_ms']:17.3f}{row[p + '_gflops']:8.0f}" for p in result["paths"]
         )
         print(line + "".join(f"{row[p + '_time_vs_onednn']:18.2f}" for p in result["paths"] if p != "onednn"))
     if args.out:
