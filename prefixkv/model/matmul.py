@@ -35,7 +35,7 @@ class PackedWeight:
 
 
 def available(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
-    """The paths that can run here, slowest-to-build first ("torch" always)."""
+    """The paths that can run here for this device and dtype ("torch" always)."""
     device = torch.device(device)
     paths = ["torch"]
     if packed_linear.can_pack(device, dtype):

@@ -168,7 +168,7 @@ class KernelOptions:
             raise ValueError("fused_ops needs hidden and intermediate sizes divisible by 16 and head_dim by 32")
         if self.matmul not in matmul.available(device, dtype):
             raise ValueError(
-                f"matmul {self.matmul!r} cannot run here (bfloat16 {device.type}); available: "
+                f"matmul {self.matmul!r} cannot run here ({dtype} on {device.type}); available: "
                 f"{', '.join(matmul.available(device, dtype))} (oneDNN needs bf16 support, avx512_bf16 the native "
                 "build on an AVX-512 BF16 CPU, amx a CPU with AMX tiles)"
             )

@@ -390,8 +390,8 @@ struct Path {
     switch (isa) {
       case kAmx:
         TORCH_CHECK(prefixkv::amx_supported(), "native attention: this CPU or OS does not offer AMX tiles");
-        return {&attend_chunk_amx<prefixkv::HwTiles>, kAmxTile, [] { prefixkv::HwTiles::configure(prefixkv::full_tiles()); },
-                [] { prefixkv::HwTiles::release(); }};
+        return {&attend_chunk_amx<prefixkv::HwTiles>, kAmxTile,
+                [] { prefixkv::HwTiles::configure(prefixkv::full_tiles()); }, [] { prefixkv::HwTiles::release(); }};
       case kAmxEmulated:
         return {&attend_chunk_amx<prefixkv::EmuTiles>, kAmxTile,
                 [] { prefixkv::EmuTiles::configure(prefixkv::full_tiles()); }, [] {}};
@@ -418,8 +418,14 @@ struct RowStorage {
 
   // amx: also the AMX buffers (queries copied, a tile's scores and probabilities)
   RowStorage(int64_t max_rows, bool amx)
-      : o_state(max_rows * kDim + 16), m(max_rows), l(max_rows), scores(amx ? kAmxTile * kChunk + 16 : 0),
-        see(max_rows), q(max_rows), q_rows(amx ? max_rows * kDim + 32 : 0), probs(amx ? kAmxTile * kChunk / 2 + 16 : 0) {
+      : o_state(max_rows * kDim + 16),
+        m(max_rows),
+        l(max_rows),
+        scores(amx ? kAmxTile * kChunk + 16 : 0),
+        see(max_rows),
+        q(max_rows),
+        q_rows(amx ? max_rows * kDim + 32 : 0),
+        probs(amx ? kAmxTile * kChunk / 2 + 16 : 0) {
     rows = Rows{q.data(), see.data(), m.data(), l.data(), aligned(o_state),
                 amx ? aligned(q_rows) : nullptr, amx ? aligned(scores) : nullptr, amx ? aligned(probs) : nullptr};
   }

@@ -21,7 +21,8 @@
 
 namespace prefixkv::gemm {
 
-Call prepare(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+Call prepare(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n,
+             const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, name, ": x must be bf16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == at::kShort && packed.dim() == 3 && packed.size(0) == panels_of(n) &&
                   packed.size(2) == kPairRow && packed.is_contiguous(),
@@ -40,13 +41,14 @@ Call prepare(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n
     TORCH_CHECK(call.bias.scalar_type() == at::kBFloat16 && call.bias.numel() == n, name, ": bias must be bf16 [N]");
   }
   call.y = at::empty({m, n}, x.options());
+  const at::BFloat16* bias_ptr = call.bias.defined() ? call.bias.data_ptr<at::BFloat16>() : nullptr;
   call.pb = Problem{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
                     x.stride(0),
                     reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>()),
                     pairs,
                     m,
                     n,
-                    call.bias.defined() ? reinterpret_cast<const uint16_t*>(call.bias.data_ptr<at::BFloat16>()) : nullptr,
+                    reinterpret_cast<const uint16_t*>(bias_ptr),
                     reinterpret_cast<uint16_t*>(call.y.data_ptr<at::BFloat16>()),
                     n};
   return call;

@@ -36,7 +36,8 @@ struct Call {
   at::Tensor x, bias, y;
   Problem pb;
 };
-Call prepare(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias);
+Call prepare(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n,
+             const c10::optional<at::Tensor>& bias);
 
 // Work items are (row block, group of panels); fn(ma, mz, pa, pz) is called for each, in parallel (parallel.h:
 // handed out one at a time). Items follow each other by panel within a row block, so the x rows of a block stay

@@ -59,8 +59,10 @@ void store_rows(const Problem& pb, const float* c, int64_t ldc, int64_t m0, int6
     if (col >= pb.n) break;
     const __mmask16 mask = pb.n - col >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (pb.n - col)) - 1);
     __m512 bias = _mm512_setzero_ps();
-    if (pb.bias != nullptr)
-      bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, pb.bias + col)), 16));
+    if (pb.bias != nullptr) {
+      const __m256i raw = _mm256_maskz_loadu_epi16(mask, pb.bias + col);
+      bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
     for (int64_t r = 0; r < rows; ++r) {
       __m512 out = _mm512_loadu_ps(c + r * ldc + j);
       if (pb.bias != nullptr) out = _mm512_add_ps(out, bias);
