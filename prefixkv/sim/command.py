@@ -22,8 +22,22 @@ from prefixkv.sim.replicas import POOLED, ROUTERS, simulate_replicas, summarize_
 from prefixkv.sim.simulator import simulate_trace, summarize_trace
 from prefixkv.sim.traces import FORMATS, ScaledRequest, TraceScaling, load_trace, scale_trace
 
-# EngineConfig fields that only matter with a model; every other field (cache, pool, policies, eviction...) is a flag
+# EngineConfig fields the simulator does not model: the model's own take no flag; the second KV tier's and KV
+# events' flags are refused with an error that says so (a flag that is recorded and does nothing would be a bug);
+# every other field (cache, pool, policies, eviction, retention cap...) is a flag the simulator honours
 _MODEL_ONLY = ("model", "dtype", "device", "kv_cache_memory", "num_threads", "seed", "kernel_options")
+_NOT_SIMULATED = (
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
+    "kv_events_topic",
+    "kv_events_format",
+    "kv_offload_dir",
+    "kv_offload_size",
+    "kv_offload_host_size",
+    "kv_offload_chunk_tokens",
+    "kv_offload_write_policy",
+    "kv_offload_on_mismatch",
+)
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +56,10 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--start-s", type=float, default=0.0, help="slice: start at this trace second")
     t.add_argument("--duration-s", type=float, default=None, help="slice: this many trace seconds")
     t.add_argument("--trace-seed", type=int, default=0, help="seed of the hash id -> token ids mapping")
-    add_engine_args(p, exclude=_MODEL_ONLY, aliases={"prefix_cache": ("--cache",)})
+    add_engine_args(p, exclude=_MODEL_ONLY + _NOT_SIMULATED, aliases={"prefix_cache": ("--cache",)})
+    for name in _NOT_SIMULATED:
+        flag = f"--{name.replace('_', '-')}"
+        p.add_argument(flag, action=_NotSimulated, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     s = p.add_argument_group("simulation")
     s.add_argument(
         "--kv-cache-fraction",
@@ -79,6 +96,14 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--output-dir", default="sim_results", help="where the JSON results and the plot go")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("--no-plot", action="store_true", help="write the JSON only")
+
+
+class _NotSimulated(argparse.Action):
+    """A flag of the engine the simulator does not model: an error naming it, never a silent no-op."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        what = "KV events" if "events" in self.dest else "second KV tier"
+        parser.error(f"{option_string}: the simulator models no {what} (the engine's flag is not accepted here)")
 
 
 def register(sub) -> argparse.ArgumentParser:

@@ -135,3 +135,17 @@ def test_router_options_reach_the_policy_that_takes_them(trace_file, tmp_path, c
     assert "routing policy 'precise' has no option max_tree_tokens" in capsys.readouterr().err
     assert main(one + ["--router-option", "decode_weight"]) == 2
     assert "expects KEY=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag", [["--kv-offload-dir", "tier"], ["--kv-offload-host-size", "1GB"], ["--kv-events-endpoint", "tcp://*:5557"]]
+)
+def test_flags_of_what_the_simulator_does_not_model_are_refused(trace_file, tmp_path, capsys, flag):
+    """No second KV tier and no KV events in the simulator: their flags are refused, not recorded and ignored."""
+    out = tmp_path / "out"
+    argv = ["simulate", "--trace", trace_file, "--kv-cache-tokens", "64", "--output-dir", str(out), *flag]
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2
+    assert f"{flag[0]}: the simulator models no" in capsys.readouterr().err
+    assert not (tmp_path / "tier").exists() and not out.exists()
