@@ -73,10 +73,11 @@ class SamplingParams:
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
-        for s in self.stop:
+        # __post_init__ made both lists; None (set afterwards) means none, as the engine reads it
+        for s in self.stop or ():
             if not isinstance(s, str) or not s:
                 raise bad("stop", f"must be non-empty strings, got {s!r}")
-        for t in self.stop_token_ids:
+        for t in self.stop_token_ids or ():
             if not _is_int(t) or t < 0:
                 raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
 

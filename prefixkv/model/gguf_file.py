@@ -49,7 +49,7 @@ class GGUFFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self._buf = np.memmap(path, dtype=np.uint8, mode="r")
-        self._mv = memoryview(self._buf)
+        self._mv = self._buf.data  # the memmap's buffer (numpy's stubs declare ndarray a Buffer only on 3.12+)
         self._pos = 0
         if bytes(self._mv[:4]) != _MAGIC:
             raise ValueError(f"{path} is not a GGUF file (bad magic)")
@@ -72,7 +72,10 @@ class GGUFFile:
             qtype = GGMLQuantizationType(self._scalar(4))
             offset = self._scalar(10)
             infos.append((name, dims, qtype, offset))
-        alignment = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        alignment_value = self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if not isinstance(alignment_value, (int, float)):
+            raise ValueError(f"{path}: general.alignment is {alignment_value!r}, not a number")
+        alignment = int(alignment_value)
         data_start = -(-self._pos // alignment) * alignment
         self.tensors: dict[str, GGUFTensor] = {}
         for name, dims, qtype, offset in infos:

@@ -7,6 +7,8 @@ whole step. q/k/v and gate/up projections are fused into single matmuls. The lm_
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,7 +54,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
-    fused = None  # the native module when its one-pass bf16 kernels are in use (set by LlamaModel.use_kernels)
+    fused: ModuleType | None = None  # the native module when its one-pass bf16 kernels are in use (set by use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and x.dim() == 2:
@@ -71,13 +73,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
-        self.fused = None  # the native module when its one-pass bf16 kernels are in use (set by use_kernels)
+        self.fused: ModuleType | None = None  # the native module when its one-pass bf16 kernels run (use_kernels)
 
     def forward(self, x, cos, sin, kv_layer, plan: StepPlan) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:  # q and k heads are adjacent columns: rotate them in one pass
+        if self.q_norm is None or self.k_norm is None:  # q and k heads are adjacent columns: rotate them in one pass
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             qk = apply_rotary(qk, cos, sin) if self.fused is None else self.fused.rotary(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -96,7 +98,7 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.fused = None  # the native module when its one-pass bf16 kernels are in use (set by use_kernels)
+        self.fused: ModuleType | None = None  # the native module when its one-pass bf16 kernels run (use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -28,7 +28,7 @@ _DTYPES = {
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: LlamaModel
     config: ModelConfig
     tokenizer: Tokenizer
     name: str

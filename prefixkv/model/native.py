@@ -200,6 +200,8 @@ def load(directory: str | None = None):
                 _build(directory, lock_fd, _seconds("PREFIXKV_NATIVE_BUILD_TIMEOUT"))
     name = module_name(directory)
     spec = importlib.util.spec_from_file_location(name, _library(directory))
+    if spec is None or spec.loader is None:  # the library's suffix is not one this Python imports
+        raise ImportError(f"cannot import {_library(directory)} as an extension module")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -74,7 +74,9 @@ class Tokenizer:
         return list(self.hf(text).input_ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)  # one sequence decodes to one string (transformers types the batch case too)
+        return text
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render a chat as prompt text. A malformed message list is a ValueError, not a template crash."""
@@ -85,6 +87,7 @@ class Tokenizer:
             text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja errors (raise_exception in templates, bad types) are the caller's fault
             raise ValueError(f"cannot render chat template: {e}") from e
+        assert isinstance(text, str)  # tokenize=False renders text (transformers types the token-id results too)
         return text
 
     def encode_chat(
@@ -186,7 +189,9 @@ class Tokenizer:
             for match in self._special_pattern.finditer(piece):
                 plain.append(piece[last : match.start()])
                 flush()
-                ids.append(self.hf.convert_tokens_to_ids(match.group()))
+                token_id = self.hf.convert_tokens_to_ids(match.group())
+                assert isinstance(token_id, int)  # one token, one id (transformers types the list case too)
+                ids.append(token_id)
                 last = match.end()
             plain.append(piece[last:])
         flush()

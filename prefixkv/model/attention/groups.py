@@ -367,5 +367,12 @@ class SharedPrefixChunks:
 
 
 RowGroup = (
-    InPlaceDecodes | PaddedDecodes | CascadeDecodes | PrefillChunk | SplitChunk | NativeChunk | SharedPrefixChunks
+    InPlaceDecodes
+    | PaddedDecodes
+    | CascadeDecodes
+    | NativeCascadeDecodes
+    | PrefillChunk
+    | SplitChunk
+    | NativeChunk
+    | SharedPrefixChunks
 )

@@ -227,7 +227,9 @@ class StepPlanner:
         return groups
 
     def _shared_prefix_group(self, members, prefix_len, chunks, start_positions) -> SharedPrefixChunks:
-        row_ids, parts, offset = [], [], 0
+        row_ids: list[int] = []
+        parts: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
+        offset = 0
         for i in members:
             rows, slots = chunks[i]
             n, start = rows.stop - rows.start, start_positions[i]
