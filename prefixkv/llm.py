@@ -1,5 +1,7 @@
 """The offline Python API, shaped like vLLM's so users can switch without rereading docs; and the composition
-root: build_engine loads the model, builds its runner and hands both to the (model-free) Engine."""
+root: build_engine loads the model and builds its runner, the KV manager over the runner's pool (with a second
+tier behind it when configured) and the step components (the tier's copier, the KV event relay), and hands them
+all to the (model-free) Engine, which imports none of their classes."""
 
 from __future__ import annotations
 
@@ -11,9 +13,16 @@ from typing import TYPE_CHECKING
 
 from prefixkv import prewarm
 from prefixkv.config import EngineConfig
+from prefixkv.engine.core import StepComponent
 from prefixkv.engine.engine import Engine
+from prefixkv.kv_events.publisher import ZmqEventPublisher
+from prefixkv.kv_events.relay import EventRelay
+from prefixkv.kvcache.factory import create_kv_cache_manager
+from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.kvcache.offload.copier import TierCopier
 from prefixkv.kvcache.offload.factory import create_kv_tier
 from prefixkv.kvcache.offload.tier import TierManifest
+from prefixkv.kvcache.offload.tiered_cache import TieredKVCache
 from prefixkv.model import loader
 from prefixkv.model.loader import LoadedModel
 from prefixkv.model.options import KernelOptions
@@ -64,7 +73,26 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
         ", ".join(on) or "plain torch",
     )
     logger.info("%s", kernel_line(kernels, config.dtype))
-    tier = None
+    kv, components = _kv_and_components(config, runner, loaded, kernels)
+    return Engine(
+        config, runner, loaded.tokenizer, loaded.config, kv, components, model_name=loaded.name, kernels=kernels
+    )
+
+
+def _kv_and_components(
+    config: EngineConfig, runner: ModelRunner, loaded: LoadedModel, kernels: dict[str, str]
+) -> tuple[KVCacheManager, list[StepComponent]]:
+    """The KV manager over the runner's pool, behind it the second tier config names (whose directory must hold
+    KV this model, dtype and kernels computed), and the step components that serve them."""
+    kv: KVCacheManager = create_kv_cache_manager(
+        config.prefix_cache,
+        runner.num_pages,
+        runner.page_size,
+        config.prefix_caching_hash_algo,
+        config.eviction,
+        config.retained_pool_fraction,
+    )
+    components: list[StepComponent] = []
     if config.kv_offload:
         manifest = TierManifest(
             model_digest=loader.model_digest(runner.model),
@@ -76,7 +104,25 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
             kernels=f"matmul {kernels['matmul']}, attention {kernels['attention']}",
         )
         tier = create_kv_tier(config, manifest)
-    return Engine(config, runner, loaded.tokenizer, loaded.config, loaded.name, kv_tier=tier, kernels=kernels)
+        if tier is not None:
+            tiered = TieredKVCache(
+                kv,
+                tier,
+                config.kv_offload_chunk_tokens,
+                config.prefix_caching_hash_algo,
+                config.kv_offload_write_policy,
+            )
+            kv = tiered
+            components.append(TierCopier(tiered, tier, runner))
+    if config.kv_events_endpoint is not None:
+        publisher = ZmqEventPublisher(
+            config.kv_events_endpoint,
+            config.kv_events_replay_endpoint,
+            topic=config.kv_events_topic,
+            fmt=config.kv_events_format,
+        )
+        components.append(EventRelay(kv, publisher))
+    return kv, components
 
 
 def kernel_line(kernels: dict[str, str], dtype: str) -> str:

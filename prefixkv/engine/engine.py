@@ -1,11 +1,14 @@
-"""The engine loop: requests in, one scheduled forward pass per step(), outputs out.
+"""The engine: requests in, one step of the engine core per step(), outputs out.
 
 Synchronous and single-threaded on purpose: LLM.generate drives it in a loop, the HTTP server from its own
 thread. n > 1 is fanned out into n sibling requests (they share the prompt's pages through the prefix cache) and
 merged back into one RequestOutput.
 
-The engine is handed its model runner and tokenizer (prefixkv.llm.build_engine builds them), so this package
-loads neither torch nor the model package: the scheduler, the caches and the engine loop run without them.
+What a step computes is the engine core's (engine/core.py: schedule, execute, update, shared with the simulator);
+the engine adds what a sampled token means to a client: text, stop rules, logprobs and outputs. It is handed its
+model runner, tokenizer, KV manager and step components (a second KV tier, KV events) by the composition root
+(prefixkv.llm.build_engine), so this package imports no model, tier or event class, and loads neither torch nor
+the model package.
 """
 
 from __future__ import annotations
@@ -18,16 +21,12 @@ from typing import Protocol
 
 from prefixkv.batch import BatchItem, Sample
 from prefixkv.config import EngineConfig
+from prefixkv.engine.core import EngineCore, StepComponent
 from prefixkv.engine.detokenizer import IncrementalDetokenizer
 from prefixkv.engine.metrics import EngineStats
 from prefixkv.engine.policy_factory import create_policy
-from prefixkv.engine.scheduler import Scheduler
-from prefixkv.kv_events.publisher import ZmqEventPublisher
-from prefixkv.kvcache.factory import create_kv_cache_manager
+from prefixkv.engine.scheduler import Scheduler, SchedulerOutput
 from prefixkv.kvcache.manager import KVCacheManager
-from prefixkv.kvcache.offload.tier import KVTier
-from prefixkv.kvcache.offload.tiered_cache import TieredKVCache
-from prefixkv.kvcache.offload.writer import TierWriter
 from prefixkv.kvcache.retention import validate_retention
 from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from prefixkv.request import MultiModalHash, Request, RequestStatus
@@ -43,10 +42,36 @@ class ModelExecutor(Protocol):
 
     def execute(self, items: list[BatchItem]) -> Sequence[Sample | None]: ...
 
-    # used only with a KV offload tier: the pool's KV of some token slots as bytes, and back
-    def read_kv(self, slots: list[int]) -> bytes: ...
 
-    def write_kv(self, slots: list[int], payload: bytes, first_token: int = 0) -> None: ...
+class RunnerExecutor:
+    """The engine core's Executor over a model runner: each scheduled chunk as a BatchItem with its page table;
+    the runner's time is counted (what an engine does besides is its overhead, which prefix caching adds to)."""
+
+    def __init__(self, runner: ModelExecutor, kv: KVCacheManager) -> None:
+        self.runner, self.kv = runner, kv
+        self.seconds = 0.0
+
+    def execute(self, scheduled: SchedulerOutput) -> Sequence[Sample | None]:
+        if not scheduled.scheduled:
+            return []
+        items = []
+        for req, n in scheduled.scheduled:
+            start = req.num_computed_tokens
+            items.append(
+                BatchItem(
+                    req.request_id,
+                    req.token_ids[start : start + n],
+                    start,
+                    self.kv.page_table(req),
+                    start + n == req.num_tokens and not req.prefill_only,
+                    req.sampling_params,
+                    req.num_output_tokens,
+                )
+            )
+        started = time.perf_counter()
+        samples = self.runner.execute(items)
+        self.seconds += time.perf_counter() - started
+        return samples
 
 
 class EngineTokenizer(Protocol):
@@ -105,17 +130,23 @@ class Engine:
         runner: ModelExecutor,
         tokenizer: EngineTokenizer,
         model_config: ModelShape,
+        kv: KVCacheManager,
+        components: Sequence[StepComponent] = (),
         model_name: str = "",
-        kv_tier: KVTier | None = None,
         kernels: dict[str, str] | None = None,
     ) -> None:
-        """runner: a model runner over a pool of runner.num_pages pages of config.page_size tokens (the KV
-        manager gets the same pool); tokenizer and model_config: the model's. kv_tier: a second tier behind the
-        prefix cache (built from config.kv_offload_*; the engine owns it from here and closes it in close()).
-        kernels: labels of the hardware and kernel paths the runner computes with (ModelRunner.kernel_report),
-        passed through to /metrics and benchmark results."""
+        """runner: a model runner over a pool of runner.num_pages pages of config.page_size tokens, and kv the KV
+        manager over the same pool (prefixkv.kvcache.factory; a TieredKVCache with a second tier); components: what
+        else takes part in every step (engine/core.py: a tier's copier, the KV event relay), which the engine
+        closes in close(). tokenizer and model_config: the model's. kernels: labels of the hardware and kernel
+        paths the runner computes with (ModelRunner.kernel_report), passed through to /metrics and benchmarks."""
         if runner.page_size != config.page_size:
             raise ValueError(f"the runner's page size {runner.page_size} differs from page_size={config.page_size}")
+        if (kv.num_pages, kv.page_size) != (runner.num_pages, runner.page_size):
+            raise ValueError(
+                f"the KV manager's pool ({kv.num_pages} pages of {kv.page_size}) is not the runner's "
+                f"({runner.num_pages} pages of {runner.page_size})"
+            )
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -125,47 +156,22 @@ class Engine:
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
-        kv = create_kv_cache_manager(
-            config.prefix_cache,
-            runner.num_pages,
-            runner.page_size,
-            config.prefix_caching_hash_algo,
-            config.eviction,
-            config.retained_pool_fraction,
-        )
-        self.kv_tier = kv_tier
-        self.tiered: TieredKVCache | None = None  # the same object as self.kv when there is a tier
-        self._tier_writer: TierWriter | None = None
-        self._tier_write_seconds = 0.0  # loads copied into the pool (runner.write_kv)
-        if kv_tier is not None:
-            kv = self.tiered = TieredKVCache(
-                kv,
-                kv_tier,
-                config.kv_offload_chunk_tokens,
-                config.prefix_caching_hash_algo,
-                config.kv_offload_write_policy,
-            )
-            self._tier_writer = TierWriter(kv_tier)
-        self.kv: KVCacheManager = kv
-        self.kv_events: ZmqEventPublisher | None = None
-        if config.kv_events_endpoint is not None:
-            self.kv.enable_events()
-            self.kv_events = ZmqEventPublisher(
-                config.kv_events_endpoint,
-                config.kv_events_replay_endpoint,
-                topic=config.kv_events_topic,
-                fmt=config.kv_events_format,
-            )
+        self.kv = kv
         self.policy = create_policy(config)
         self.scheduler = Scheduler(config, self.kv, self.policy)
+        self._executor = RunnerExecutor(runner, kv)
+        self.core = EngineCore(self.scheduler, self._executor, components)
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Sequence] = {}  # by the scheduled request's id
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._computed_tokens = 0
-        self._model_seconds = 0.0  # everything else an engine does is its overhead (what prefix caching adds to)
         self._aborted_outputs: list[RequestOutput] = []
+
+    @property
+    def components(self) -> list[StepComponent]:
+        return self.core.components
 
     # -- requests in -----------------------------------------------------------------------------------------
     def add_request(
@@ -246,9 +252,7 @@ class Engine:
         self._parents[request_id] = parent
         for seq in sequences:
             self._seqs[seq.request.request_id] = seq
-            self.scheduler.add(seq.request)
-            if self.tiered is not None:
-                self.tiered.prefetch(seq.request)  # read its tier chunks while the engine steps
+            self.core.add(seq.request)
         self._prompt_tokens += len(token_ids) * params.n
         return request_id
 
@@ -331,92 +335,14 @@ class Engine:
         return bool(self._parents or self._aborted_outputs)  # aborted outputs are reported by the next step()
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._step()
-        if self.kv_events is not None:
-            self._publish_kv_events()
-        return outputs
-
-    def _publish_kv_events(self) -> None:
-        """One batch of what the cache stored and evicted since the last one (none when nothing changed)."""
-        assert self.kv_events is not None
-        events = self.kv.drain_events()
-        if events:
-            self.kv_events.publish(events)
-
-    def close(self) -> None:
-        """Stop publishing KV events; finish the queued tier writes and close the tier (a later engine on the
-        same directory, or the same host tier, finds what this one stored)."""
-        if self.kv_events is not None:
-            self._publish_kv_events()
-            self.kv_events.close()
-            self.kv_events = None
-        if self._tier_writer is not None and not self._tier_writer.closed:
-            assert self.tiered is not None
-            self.tiered.save_all_pending()  # write_back: what only the pool holds
-            self._save_to_tier()
-            self.tiered.close()
-            self._tier_writer.close()
-            assert self.kv_tier is not None
-            self.kv_tier.close()
-
-    def flush_kv_tier(self) -> None:
-        """Wait until every chunk saved so far is in the tier (a no-op without one)."""
-        if self._tier_writer is not None:
-            self._tier_writer.flush()
-
-    def _load_from_tier(self) -> None:
-        """Write the payloads the admissions of this step took from the tier into their pool slots."""
-        assert self.tiered is not None
-        loads = self.tiered.drain_loads()
-        if loads:
-            started = time.perf_counter()
-            for load in loads:
-                self.runner.write_kv(load.slots, load.payload, load.first_token)
-            self._tier_write_seconds += time.perf_counter() - started
-
-    def _save_to_tier(self) -> None:
-        """Read the chunks the cache asks to save out of the pool now, before a load or a forward pass can
-        overwrite their pages, and hand them to the writer thread (after close(), nothing more is stored)."""
-        assert self.tiered is not None
-        saves = self.tiered.drain_saves()
-        if self._tier_writer is None or self._tier_writer.closed:
-            return
-        for save in saves:
-            self._tier_writer.submit(save.key, self.runner.read_kv(save.slots))
-
-    def _step(self) -> list[RequestOutput]:
+        """One step of the engine core, then what its samples mean: tokens, text, stop rules, outputs (of the
+        requests this step touched, and of those aborted since the last step)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            return outputs
-        kv = self.kv
-        items = []
-        for req, n in sched.scheduled:
-            start = req.num_computed_tokens
-            items.append(
-                BatchItem(
-                    req.request_id,
-                    req.token_ids[start : start + n],
-                    start,
-                    kv.page_table(req),
-                    start + n == req.num_tokens and not req.prefill_only,
-                    req.sampling_params,
-                    req.num_output_tokens,
-                )
-            )
-        if self.tiered is not None:
-            self._save_to_tier()  # write_back: chunks whose pages this step's allocations reuse, before they change
-            self._load_from_tier()
-        started = time.perf_counter()
-        samples = self.runner.execute(items)
-        self._model_seconds += time.perf_counter() - started
-        self._computed_tokens += sched.num_batched_tokens
-        self.scheduler.update(sched, [None if s is None else s.token_id for s in samples])
-        if self.tiered is not None:
-            self._save_to_tier()
+        result = self.core.step()
+        self._computed_tokens += result.scheduled.num_batched_tokens
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
-        for (req, _), sample in zip(sched.scheduled, samples):
+        for (req, _), sample in zip(result.scheduled.scheduled, result.samples):
             if sample is None:
                 if req.prefill_only and req.num_computed_tokens == req.num_tokens:  # prewarmed: its KV is cached
                     seq = self._seqs[req.request_id]
@@ -433,6 +359,16 @@ class Engine:
             if finished:
                 del self._parents[parent.request_id]
         return outputs
+
+    def close(self) -> None:
+        """Close the step components (a tier's last writes, the KV event publisher); a later engine on the same
+        tier directory, or the same host tier, finds what this one stored."""
+        self.core.close()
+
+    def flush(self) -> None:
+        """Wait until the components' background work handed off so far is done (every chunk saved so far is in
+        the tier)."""
+        self.core.flush()
 
     def _on_token(self, seq: _Sequence, sample: Sample, now: float) -> None:
         """The scheduler has appended the sampled token: record its logprobs and text, and apply stop rules."""
@@ -537,30 +473,11 @@ class Engine:
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
             computed_tokens_total=self._computed_tokens,
-            model_seconds_total=self._model_seconds,
+            model_seconds_total=self._executor.seconds,
             prefix_cache_readmission_queries=kv.stats.readmission_queries,
             prefix_cache_readmission_hits=kv.stats.readmission_hits,
             num_cached_pages=kv.num_cached_pages(),
-            **self._tier_stats(),
-        )
-
-    def _tier_stats(self) -> dict:
-        if self.tiered is None or self.kv_tier is None:
-            return {}
-        hits, tier = self.tiered.tier_stats, self.kv_tier.stats
-        writer = self._tier_writer
-        return dict(
-            kv_tier=self.kv_tier.name,
-            kv_pool_hit_tokens=hits.pool_hit_tokens,
-            kv_tier_hit_tokens=hits.hit_tokens,
-            kv_tier_loaded_bytes=hits.loaded_bytes,
-            kv_tier_load_seconds=hits.read_seconds + self._tier_write_seconds,
-            kv_tier_entries=tier.entries,
-            kv_tier_bytes=tier.bytes,
-            kv_tier_capacity_bytes=self.kv_tier.capacity_bytes,
-            kv_tier_corrupt=tier.corrupt,
-            kv_tier_saved_chunks=writer.written if writer is not None else 0,
-            kv_tier_dropped_saves=writer.dropped if writer is not None else 0,
+            **self.core.stats(),
         )
 
     def cached_prompt_tokens(self, prompt: str | list[int] | dict, cache_salt: str | None = None) -> int:
@@ -583,8 +500,7 @@ class Engine:
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         """Drop cached KV no request holds; salt_filter limits it to the namespaces (tenants) it accepts."""
         done = self.kv.reset_prefix_cache(salt_filter)
-        if self.kv_events is not None:
-            self._publish_kv_events()
+        self.core.reset()
         return done
 
     def cache_summary(self) -> dict:

@@ -76,7 +76,6 @@ async def load(raw: Request) -> dict:
 
     def read(engine: Any) -> dict:
         stats = engine.get_stats()
-        publisher = getattr(engine, "kv_events", None)
         return {
             "num_requests_waiting": stats.num_waiting,
             "num_requests_running": stats.num_running,
@@ -85,7 +84,7 @@ async def load(raw: Request) -> dict:
             "num_pages_total": stats.num_pages_total,
             "num_cached_pages": stats.num_cached_pages,
             "page_size": engine.config.page_size,
-            "kv_events_endpoint": publisher.endpoint if publisher is not None else None,
+            "kv_events_endpoint": stats.kv_events_endpoint,
         }
 
     return await server_state(raw).engine.call(read)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 
+from prefixkv.kv_events.relay import EventRelay
 from prefixkv.kv_events.subscriber import KVEventSubscriber
 from prefixkv.kvcache.events import AllBlocksCleared, apply_events
 from prefixkv.kvcache.hashing import prompt_block_hashes
@@ -25,7 +26,8 @@ def test_engine_publishes_kv_events_and_load(new_engine):
         kv_events_replay_endpoint=LOCAL,
         kv_events_topic="kv",
     )
-    publisher = engine.kv_events
+    (relay,) = [c for c in engine.components if isinstance(c, EventRelay)]
+    publisher = relay.publisher
     sub = KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint, topic="kv")
     view: set[int] = set()
     try:

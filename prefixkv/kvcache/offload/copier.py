@@ -1,0 +1,96 @@
+"""The second KV tier's part in every engine step: KV copied between the tier and the pool at the right moments.
+
+TieredKVCache decides what a step loads from the tier and saves into it; the pool's bytes belong to the model
+runner. TierCopier joins them, as a step component of the engine core (prefixkv/engine/core.py):
+- when a request is queued, the cache starts reading its chunks (prefetch);
+- before the forward pass, chunks to save are read out of the pool first (write_back: pages this step's
+  allocations reuse), then the loads the step's admissions took are written into their pool slots;
+- after the step, what it completed is read out and handed to the writer thread, which puts it into the tier;
+- at close, what only the pool holds is saved, the writer drained and the tier closed.
+Built in the composition root (prefixkv.llm); the engine sees it only as a component.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from prefixkv.kvcache.offload.tier import KVTier
+from prefixkv.kvcache.offload.tiered_cache import TieredKVCache
+from prefixkv.kvcache.offload.writer import TierWriter
+from prefixkv.request import Request
+
+
+class KVPool(Protocol):
+    """The pool's KV of some token slots as bytes, and back (the model runner's read_kv / write_kv)."""
+
+    def read_kv(self, slots: list[int]) -> bytes: ...
+
+    def write_kv(self, slots: list[int], payload: bytes, first_token: int = 0) -> None: ...
+
+
+class TierCopier:
+    def __init__(self, cache: TieredKVCache, tier: KVTier, pool: KVPool) -> None:
+        """cache: the engine's KV manager over `tier`; pool: the runner that owns the KV tensors. The copier owns
+        the tier from here (and its writer thread) and closes them in close()."""
+        self.cache, self.tier, self.pool = cache, tier, pool
+        self.writer = TierWriter(tier)
+        self.write_seconds = 0.0  # loads copied into the pool
+
+    def on_add(self, request: Request) -> None:
+        self.cache.prefetch(request)  # read its tier chunks while the engine steps
+
+    def before_execute(self, scheduled: object) -> None:
+        self._save()  # write_back: chunks whose pages this step's allocations reuse, before they change
+        loads = self.cache.drain_loads()
+        if loads:
+            started = time.perf_counter()
+            for load in loads:
+                self.pool.write_kv(load.slots, load.payload, load.first_token)
+            self.write_seconds += time.perf_counter() - started
+
+    def after_update(self, scheduled: object) -> None:
+        self._save()
+
+    def on_reset(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        """Wait until every chunk saved so far is in the tier."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Save what only the pool holds (write_back), finish the queued writes, close the cache's prefetching
+        and the tier (a later engine on the same directory, or the same host tier, finds what this one stored)."""
+        if self.writer.closed:
+            return
+        self.cache.save_all_pending()
+        self._save()
+        self.cache.close()
+        self.writer.close()
+        self.tier.close()
+
+    def stats(self) -> dict[str, Any]:
+        hits, tier = self.cache.tier_stats, self.tier.stats
+        return dict(
+            kv_tier=self.tier.name,
+            kv_pool_hit_tokens=hits.pool_hit_tokens,
+            kv_tier_hit_tokens=hits.hit_tokens,
+            kv_tier_loaded_bytes=hits.loaded_bytes,
+            kv_tier_load_seconds=hits.read_seconds + self.write_seconds,
+            kv_tier_entries=tier.entries,
+            kv_tier_bytes=tier.bytes,
+            kv_tier_capacity_bytes=self.tier.capacity_bytes,
+            kv_tier_corrupt=tier.corrupt,
+            kv_tier_saved_chunks=self.writer.written,
+            kv_tier_dropped_saves=self.writer.dropped,
+        )
+
+    def _save(self) -> None:
+        """Read the chunks the cache asks to save out of the pool now, before a load or a forward pass can
+        overwrite their pages, and hand them to the writer thread (after close(), nothing more is stored)."""
+        saves = self.cache.drain_saves()
+        if self.writer.closed:
+            return
+        for save in saves:
+            self.writer.submit(save.key, self.pool.read_kv(save.slots))
