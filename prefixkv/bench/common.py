@@ -14,9 +14,13 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from prefixkv import engine_args
 from prefixkv.stats import ratio, summarize
+
+if TYPE_CHECKING:
+    from prefixkv.llm import LLM
 
 # Measured by the project with vLLM on CPU, same model, bf16, 2 threads, on this machine type. Printed beside our
 # numbers for orientation only: they were not measured by this run.
@@ -29,7 +33,7 @@ REFERENCE = {
 }
 REFERENCE_LABEL = "reference (vLLM CPU, not measured here)"
 
-LLMFactory = Callable[..., object]  # (prefix_cache=..., **engine overrides) -> LLM
+LLMFactory = Callable[..., "LLM"]  # (prefix_cache=..., **engine overrides) -> LLM
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     engine_args.add_engine_args(p)
 
 
-def make_llm(args: argparse.Namespace, prefix_cache: str | None = None, **overrides):
+def make_llm(args: argparse.Namespace, prefix_cache: str | None = None, **overrides) -> LLM:
     """An LLM from the command-line options, with prefix_cache and any other option overridden."""
     from prefixkv.llm import LLM
 
@@ -55,7 +59,7 @@ def factory_for(args: argparse.Namespace, llm_factory: LLMFactory | None) -> LLM
     return functools.partial(_make_llm_late, args)
 
 
-def _make_llm_late(args, *a, **kw):
+def _make_llm_late(args: argparse.Namespace, *a, **kw) -> LLM:
     return make_llm(args, *a, **kw)  # looked up at call time so tests can monkeypatch common.make_llm
 
 

@@ -9,6 +9,7 @@ greedy answers, so a hit on them needs the cache to keep generated tokens' KV, a
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from prefixkv.bench import common
 from prefixkv.bench.workloads import median, ratio, sampler_for
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
     for llm in llms.values():
         common.warmup(llm, sampler, prompt_len=args.turn_tokens)
 
-    per_mode = {mode: [] for mode in llms}  # mode -> one list of per-turn records per conversation
+    per_mode: dict[str, list[list[dict]]] = {mode: [] for mode in llms}  # one list of per-turn records per conversation
     for rep, messages in enumerate(conversations):
         for mode in [on_mode, "off"] if rep % 2 == 0 else ["off", on_mode]:  # alternate to cancel drift
             per_mode[mode].append(_converse(llms[mode], messages, args.output_len))
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
     answers_same = all(
         a["output"] == b["output"] for ca, cb in zip(per_mode[on_mode], per_mode["off"]) for a, b in zip(ca, cb)
     )
-    results = {
+    results: dict[str, Any] = {
         "config": common.run_config(
             args,
             llms[on_mode],

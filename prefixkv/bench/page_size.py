@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from typing import Any
 
 from prefixkv.bench.thrash import SIMULATED
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
@@ -73,7 +74,11 @@ def run(args: argparse.Namespace) -> dict:
         args.output_len,
         seed=args.seed,
     )
-    results = {"mode": SIMULATED, "config": {k: v for k, v in vars(args).items() if k != "func"}, "page_sizes": {}}
+    results: dict[str, Any] = {
+        "mode": SIMULATED,
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "page_sizes": {},
+    }
     rows = []
     for ps in [int(x) for x in args.page_sizes.split(",") if x.strip()]:
         kv = RadixPrefixCache(max(1, args.pool_tokens // ps), ps)

@@ -9,6 +9,7 @@ off, which must show no speed-up. TTFT = first_token_time - arrival_time of a ma
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from prefixkv.bench import common
 from prefixkv.bench.workloads import median, ratio, sampler_for
@@ -33,17 +34,19 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
     for llm in llms.values():  # warm-up at full length: the first long prefill pays for allocator growth
         common.warmup(llm, sampler, prompt_len=prompt_len)
 
-    samples = {mode: {"cold": [], "warm": [], "cold_cached": [], "warm_cached": []} for mode in llms}
+    samples: dict[str, dict[str, list[float]]] = {
+        mode: {"cold": [], "warm": [], "cold_cached": [], "warm_cached": []} for mode in llms
+    }
     for rep in range(repeats):
         for mode in [on_mode, "off"] if rep % 2 == 0 else ["off", on_mode]:  # alternate to cancel drift
             llm, s = llms[mode], samples[mode]
             llm.reset_prefix_cache()
             for phase, question in (("cold", questions[2 * rep]), ("warm", questions[2 * rep + 1])):
-                ttft, cached = _ttft(llm, system + question)
-                s[phase].append(ttft)
+                seconds, cached = _ttft(llm, system + question)
+                s[phase].append(seconds)
                 s[f"{phase}_cached"].append(cached)
 
-    ttft = {
+    ttft: dict[str, dict[str, Any]] = {
         mode: {
             "cold_s": median(s["cold"]),
             "warm_s": median(s["warm"]),

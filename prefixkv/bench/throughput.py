@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Any
 
 from prefixkv.bench import common
 from prefixkv.bench.workloads import median, random_prompts, ratio, sampler_for, shared_prefix_prompts
@@ -67,14 +68,14 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None, 
     prompts = random_prompts(sampler, args.num_prompts, args.input_len)
     common.warmup(llm, sampler)
     runs = [common.timed_generate(llm, prompts, args.output_len) for _ in range(max(1, args.repeats))]
-    ours = {k: median([r[k] for r in runs]) for k in ("elapsed_s", "output_tok_s", "total_tok_s")}
+    ours: dict[str, Any] = {k: median([r[k] for r in runs]) for k in ("elapsed_s", "output_tok_s", "total_tok_s")}
     ours.update(
         prompt_tokens=runs[0]["prompt_tokens"],
         output_tokens=runs[0]["output_tokens"],
         cached_tokens=runs[0]["cached_tokens"],
         runs=[common.drop_token_ids(r) for r in runs],
     )
-    results = {
+    results: dict[str, Any] = {
         "config": common.run_config(
             args,
             llm,
@@ -163,8 +164,8 @@ def load_hf_model(args: argparse.Namespace):
             try:
                 from transformers import GgufConfig
             except ImportError:  # older transformers: GGUF weights are always dequantised at load
-                GgufConfig = None
-            if GgufConfig is not None:
+                pass
+            else:
                 kwargs["quantization_config"] = GgufConfig(dequantize=True)
         model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), dtype=dtype, **kwargs
