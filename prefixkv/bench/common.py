@@ -8,15 +8,17 @@ Benchmarks always reset the prefix cache before a measurement, so a reused engin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from prefixkv import engine_args
+from prefixkv.config import EngineConfig
 from prefixkv.stats import ratio, summarize
 
 if TYPE_CHECKING:
@@ -36,9 +38,27 @@ REFERENCE_LABEL = "reference (vLLM CPU, not measured here)"
 LLMFactory = Callable[..., "LLM"]  # (prefix_cache=..., **engine overrides) -> LLM
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The same engine options as `prefixkv generate`; --seed also seeds the synthetic prompts."""
-    engine_args.add_engine_args(p)
+def add_engine_args(
+    p: argparse.ArgumentParser,
+    exclude: Collection[str] = (),
+    aliases: Mapping[str, Sequence[str]] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """The same engine options as `prefixkv generate`; --seed also seeds the synthetic prompts. `exclude` leaves
+    out the fields a benchmark sets itself, `aliases` adds its own names for a field (engine_args.add_engine_args),
+    `defaults` replaces the engine's defaults with the benchmark's (field name -> value), in --help too."""
+    engine_args.add_engine_args(p, exclude, aliases)
+    if not defaults:
+        return
+    p.set_defaults(**defaults)
+    engine_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    for action in p._actions:  # argparse has no public list of its actions
+        if action.dest not in defaults or action.dest not in engine_defaults or not action.help:
+            continue
+        engine_default = engine_defaults[action.dest]
+        shown = "" if engine_default is None else f" (default: {engine_default})"
+        if action.help.endswith(shown) and f"--{action.dest.replace('_', '-')}" in action.option_strings:
+            action.help = f"{action.help[: len(action.help) - len(shown)]} (default: {defaults[action.dest]})"
 
 
 def make_llm(args: argparse.Namespace, prefix_cache: str | None = None, **overrides) -> LLM:

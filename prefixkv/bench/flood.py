@@ -21,14 +21,28 @@ import argparse
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from prefixkv.bench import common
 from prefixkv.config import EngineConfig
 from prefixkv.engine.policy_factory import create_policy
 from prefixkv.sim.simulator import TOY_COST, Arrival, Simulation, create_kv
 from prefixkv.stats import ratio
 
+if TYPE_CHECKING:
+    from prefixkv.llm import LLM
+
 SIMULATED = "simulated: real scheduler and KV manager on simulated time, no model; step time = toy cost model"
+# engine options the simulation honours; the on-model replay gets the same, and every other engine option too
+SIMULATED_OPTIONS = (
+    "prefix_cache",
+    "page_size",
+    "eviction",
+    "kv_cache_tokens",
+    "retained_pool_fraction",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+)
 HOT = "hot"
 
 
@@ -76,32 +90,34 @@ def register(subparsers) -> None:
     p.add_argument("--retention-s", type=float, default=400.0, help="the hot prefix's retention")
     p.add_argument("--flood-retained", type=float, default=0.3, help="share of flood requests asking for retention")
     p.add_argument("--flood-retention-s", type=float, default=30.0)
-    p.add_argument("--retained-pool-fraction", type=float, default=0.2)
-    p.add_argument("--pool-tokens", type=int, default=16384)
-    p.add_argument("--cache", choices=("hash", "radix"), default="radix")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--eviction", choices=("lru", "lfu", "cost"), default="lru")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--on-model", action="store_true", help="also replay a shorter flood on the real engine")
     p.add_argument("--on-model-requests", type=int, default=300, help="with --on-model: requests on the engine")
     p.add_argument("--on-model-hot-every", type=int, default=10, help="with --on-model: --hot-every on the engine")
-    p.add_argument("--dtype", default="bfloat16", help="with --on-model")
-    p.add_argument("--num-threads", type=int, default=None, help="with --on-model")
+    common.add_engine_args(
+        p,
+        exclude=("kv_cache_memory",),  # the pool is --pool-tokens
+        aliases={"prefix_cache": ("--cache",), "kv_cache_tokens": ("--pool-tokens",)},
+        defaults={
+            "retained_pool_fraction": 0.2,
+            "kv_cache_tokens": 16384,
+            "prefix_cache": "radix",
+            "page_size": 16,
+            "eviction": "lru",
+            "max_num_seqs": 16,
+            "max_num_batched_tokens": 2048,
+            "seed": 0,
+            "dtype": "bfloat16",
+        },
+    )
     p.set_defaults(func=run)
 
 
+def _simulated_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in SIMULATED_OPTIONS}
+
+
 def _config(args: argparse.Namespace, fraction: float) -> EngineConfig:
-    return EngineConfig(
-        prefix_cache=args.cache,
-        page_size=args.page_size,
-        eviction=args.eviction,
-        kv_cache_tokens=args.pool_tokens,
-        retained_pool_fraction=fraction,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    return EngineConfig(**{**_simulated_options(args), "retained_pool_fraction": fraction})
 
 
 def simulate_flood(args: argparse.Namespace, workload: list[FloodSpec], retention: bool) -> dict:
@@ -180,9 +196,8 @@ def _summary(args, hot, *, finished, total, deadline, admitted_at, hit, max_reta
     }
 
 
-def run(args: argparse.Namespace) -> dict:
-    from prefixkv.bench.common import print_table
-
+def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) -> dict:
+    """The simulated runs, and with --on-model the replay on an engine from llm_factory (default: the options')."""
     workload = flood_workload(args)
     results: dict[str, Any] = {
         "mode": SIMULATED,
@@ -201,18 +216,18 @@ def run(args: argparse.Namespace) -> dict:
         ]
         for name, r in (("retention", results["retention"]), ("no retention", results["no_retention"]))
     ]
-    print_table(
+    common.print_table(
         ["run", "hot hit rate (retained)", "hot hit rate (after)", "max retained share", "all finished", "max wait s"],
         rows,
-        title=f"flood ({SIMULATED}); {args.num_requests} requests, {args.cache} cache, pool {args.pool_tokens} "
-        f"tokens, cap {args.retained_pool_fraction}",
+        title=f"flood ({SIMULATED}); {args.num_requests} requests, {args.prefix_cache} cache, "
+        f"pool {args.kv_cache_tokens} tokens, cap {args.retained_pool_fraction}",
     )
     if args.on_model:
         on_model = argparse.Namespace(**vars(args))
         on_model.num_requests, on_model.hot_every = args.on_model_requests, args.on_model_hot_every
-        results["on_model"] = run_on_model(on_model, flood_workload(on_model))
+        results["on_model"] = run_on_model(on_model, flood_workload(on_model), llm_factory=llm_factory)
         r = results["on_model"]
-        print_table(
+        common.print_table(
             ["on model", "hot hit rate (retained)", "max retained share", "all finished", "wall s"],
             [
                 [
@@ -228,24 +243,19 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
-def run_on_model(args: argparse.Namespace, workload: list[FloodSpec], llm=None) -> dict:
+def run_on_model(
+    args: argparse.Namespace,
+    workload: list[FloodSpec],
+    llm: LLM | None = None,
+    llm_factory: common.LLMFactory | None = None,
+) -> dict:
     """The arrivals on the real engine, in order, each added when the engine has run its arrival's share of
-    steps (one request per step); retention in wall-clock seconds. llm: an LLM to use (tests pass a small one)."""
-    from prefixkv.llm import LLM
+    steps (one request per step); retention in wall-clock seconds. llm: an LLM to use (tests pass a small one),
+    else one from llm_factory (default: the options')."""
     from prefixkv.sampling_params import SamplingParams
 
     if llm is None:
-        llm = LLM(
-            dtype=args.dtype,
-            num_threads=args.num_threads,
-            prefix_cache=args.cache,
-            page_size=args.page_size,
-            eviction=args.eviction,
-            kv_cache_tokens=args.pool_tokens,
-            retained_pool_fraction=args.retained_pool_fraction,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        )
+        llm = common.factory_for(args, llm_factory)(**_simulated_options(args))
     engine = llm.llm_engine
     kv = engine.kv
     hot: list[dict] = []

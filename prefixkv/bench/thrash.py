@@ -23,7 +23,9 @@ import argparse
 import random
 import time
 
+from prefixkv.bench import common
 from prefixkv.kvcache.factory import create_kv_cache_manager
+from prefixkv.outputs import RequestOutput
 from prefixkv.sim.simulator import SimRequest, make_policy, simulate, summarize_run
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "bounded-lpm", "k-lpm")
@@ -69,6 +71,13 @@ def pool_pages(prefix_len: int, suffix_len: int, output_len: int, max_num_seqs: 
     return -(-prefix_len // page_size) + max_num_seqs * per_request
 
 
+# engine options the simulation honours; the on-model runs get the same, and every other engine option too
+SIMULATED_OPTIONS = ("prefix_cache", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_wait_steps")
+# engine options the benchmark sets itself: the policy from --policies, the pool from the workload (one prefix
+# plus the running requests' pages), no FCFS fallback (the simulated policies have none)
+_SET_HERE = ("schedule_policy", "kv_cache_tokens", "kv_cache_memory", "lpm_fallback_threshold")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "thrash", help="two hot prefixes, a pool holding one: hit rate and waits per policy (simulated, no model)"
@@ -78,25 +87,31 @@ def register(subparsers) -> None:
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--arrival-every", type=int, default=3, help="steps between arrivals (groups alternate)")
-    p.add_argument("--cache", choices=("hash", "radix"), default="radix")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-wait-steps", type=int, default=128, help="bounded-lpm's bound")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--on-model",
         action="store_true",
         help="also run every policy on the real engine and model (same arrivals, same pool), timing it",
     )
-    p.add_argument("--dtype", default="bfloat16", help="with --on-model")
-    p.add_argument("--num-threads", type=int, default=None, help="with --on-model")
+    common.add_engine_args(
+        p,
+        exclude=_SET_HERE,
+        aliases={"prefix_cache": ("--cache",)},
+        defaults={
+            "prefix_cache": "radix",
+            "page_size": 16,
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 2048,
+            "max_wait_steps": 128,
+            "seed": 0,
+            "dtype": "bfloat16",
+        },
+    )
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> dict:
-    from prefixkv.bench.common import print_table
+def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) -> dict:
+    """The simulated runs, and with --on-model the same on engines from llm_factory (default: the options')."""
     from prefixkv.bench.workloads import ratio
 
     workload = thrash_workload(
@@ -118,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     rows = []
     for name in [s.strip() for s in args.policies.split(",") if s.strip()]:
-        kv = create_kv_cache_manager(args.cache, num_pages, args.page_size)
+        kv = create_kv_cache_manager(args.prefix_cache, num_pages, args.page_size)
         t0 = time.perf_counter()
         res = simulate(
             kv, make_policy(name, args.max_wait_steps), workload, args.max_num_seqs, args.max_num_batched_tokens
@@ -140,21 +155,22 @@ def run(args: argparse.Namespace) -> dict:
                 s["steps"],
             ]
         )
-    print_table(
+    common.print_table(
         ["policy", "hit rate", "of optimal", "sim out tok/s", "p99 wait (steps)", "max wait", "preempt", "steps"],
         rows,
-        title=f"thrash ({SIMULATED}); {args.cache} cache, page {args.page_size}, pool "
+        title=f"thrash ({SIMULATED}); {args.prefix_cache} cache, page {args.page_size}, pool "
         f"{num_pages * args.page_size} tokens; optimal hit rate {optimal_rate:.4f}",
     )
     if args.on_model:
+        factory = common.factory_for(args, llm_factory)
         results["on_model"] = {}
         rows = []
         for name in results["policies"]:
-            s = run_on_model(workload, name, args, num_pages)
+            s = run_on_model(workload, name, args, num_pages, factory)
             s["of_optimal"] = ratio(s["token_hit_rate"], optimal_rate)
             results["on_model"][name] = s
             rows.append([name, s["token_hit_rate"], s["of_optimal"], s["output_tok_s"], s["p99_wait_s"], s["wall_s"]])
-        print_table(
+        common.print_table(
             ["policy", "hit rate", "of optimal", "output tok/s", "p99 wait s", "wall s"],
             rows,
             title=f"thrash on the model ({args.dtype}); same arrivals (in engine steps) and pool",
@@ -162,22 +178,21 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
-def run_on_model(workload: list[SimRequest], policy: str, args: argparse.Namespace, num_pages: int) -> dict:
+def run_on_model(
+    workload: list[SimRequest],
+    policy: str,
+    args: argparse.Namespace,
+    num_pages: int,
+    llm_factory: common.LLMFactory | None = None,
+) -> dict:
     """The same arrivals on the real engine: a request arrives when the engine has taken its arrival step."""
     from prefixkv.bench.workloads import percentile, ratio
-    from prefixkv.llm import LLM
     from prefixkv.sampling_params import SamplingParams
 
-    llm = LLM(
-        dtype=args.dtype,
-        num_threads=args.num_threads,
-        prefix_cache=args.cache,
-        page_size=args.page_size,
+    llm = common.factory_for(args, llm_factory)(
+        **{name: getattr(args, name) for name in SIMULATED_OPTIONS},
         kv_cache_tokens=num_pages * args.page_size,
         schedule_policy=policy,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_wait_steps=args.max_wait_steps,
         lpm_fallback_threshold=None,
     )
     engine = llm.llm_engine
@@ -194,7 +209,7 @@ def run_on_model(workload: list[SimRequest], policy: str, args: argparse.Namespa
         finished += [out for out in engine.step() if out.finished]
     wall = time.perf_counter() - t0
     prompt = sum(len(o.prompt_token_ids) for o in finished)
-    waits = [o.metrics.first_scheduled_time - o.metrics.arrival_time for o in finished]
+    waits = [_wait_s(o) for o in finished]
     output = sum(len(o.outputs[0].token_ids) for o in finished)
     return {
         "token_hit_rate": ratio(sum(o.num_cached_tokens for o in finished), prompt),
@@ -204,6 +219,13 @@ def run_on_model(workload: list[SimRequest], policy: str, args: argparse.Namespa
         "requests": len(finished),
         "preemptions": engine.get_stats().num_preemptions,
     }
+
+
+def _wait_s(out: RequestOutput) -> float:
+    """Arrival to first scheduling: a finished request has been scheduled and carries its metrics."""
+    metrics = out.metrics
+    assert metrics is not None and metrics.first_scheduled_time is not None
+    return metrics.first_scheduled_time - metrics.arrival_time
 
 
 def plot(results: dict, path: str) -> None:

@@ -45,3 +45,11 @@ def test_flood_on_model_runs(llm_factory):
     assert r["all_finished"] and r["hot_requests"] == 2
     assert r["hot_full_hit_rate_while_retained"] == 1.0
     assert 0 < r["max_retained_pages"] <= r["retained_capacity_pages"]
+
+
+def test_flood_takes_the_engine_options_with_its_own_defaults():
+    args = parse(["flood"])
+    assert (args.prefix_cache, args.kv_cache_tokens, args.page_size, args.eviction) == ("radix", 16384, 16, "lru")
+    assert (args.retained_pool_fraction, args.max_num_seqs, args.dtype, args.seed) == (0.2, 16, "bfloat16", 0)
+    args = parse(["flood", "--cache", "hash", "--pool-tokens", "4096", "--kernel-options", "native_attention=0"])
+    assert (args.prefix_cache, args.kv_cache_tokens, args.kernel_options) == ("hash", 4096, "native_attention=0")

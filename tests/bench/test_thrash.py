@@ -30,6 +30,33 @@ def test_thrash_targets_hold_in_a_small_simulation(cache):
     assert p["bounded-lpm"]["max_wait_steps"] <= 24 + 60  # the bound, then the running hot requests drain
 
 
+def test_thrash_takes_the_engine_options_with_its_own_defaults():
+    args = parse(thrash, ["thrash"])
+    assert (args.prefix_cache, args.page_size, args.max_num_seqs, args.max_wait_steps) == ("radix", 16, 8, 128)
+    assert (args.dtype, args.seed, args.max_num_batched_tokens) == ("bfloat16", 0, 2048)
+    args = parse(thrash, ["thrash", "--cache", "hash", "--kernel-options", "native_attention=0"])
+    assert args.prefix_cache == "hash" and args.kernel_options == "native_attention=0"
+
+
+def test_thrash_on_model_runs_every_policy_on_engines_from_the_factory(llm_factory):
+    args = parse(
+        thrash,
+        "thrash --requests-per-group 3 --prefix-len 48 --suffix-len 4 --output-len 2 --policies fcfs,lpm "
+        "--on-model".split(),
+    )
+    asked = []
+
+    def factory(**options):
+        asked.append(options)
+        return llm_factory(**options)
+
+    r = thrash.run(args, llm_factory=factory)
+    assert [o["schedule_policy"] for o in asked] == ["fcfs", "lpm"]
+    assert all(o["prefix_cache"] == "radix" and o["page_size"] == 16 for o in asked)
+    for s in r["on_model"].values():
+        assert s["requests"] == 6 and s["token_hit_rate"] > 0
+
+
 def test_page_size_and_schedule_cost_run():
     r = page_size.run(
         parse(page_size, ["page-size", "--num-conversations", "4", "--turns", "3", "--system-len", "200"])
