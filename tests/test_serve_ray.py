@@ -1,6 +1,6 @@
 """Two engine replicas on a real local Ray Serve, behind the ingress, driven by the official openai client.
 
-One module-scoped Ray for both tests: starting Ray and loading the weights in each replica is most of the cost.
+One module-scoped Ray for both Ray tests: starting Ray and loading the weights in each replica is most of the cost.
 """
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import Counter
 
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -17,6 +19,7 @@ openai = pytest.importorskip("openai")
 
 from prefixkv.config import EngineConfig  # noqa: E402
 from prefixkv.serve_ray import build_application  # noqa: E402
+from prefixkv.serve_ray.ingress import RETRIES_HEADER, STATS_PATH  # noqa: E402
 from prefixkv.serve_ray.replica import REPLICA_HEADER  # noqa: E402
 
 PROMPT = "The capital of France is a city that many people visit every year, and its most famous sight is"
@@ -80,33 +83,74 @@ def test_precise_routing_follows_the_cache(base_url):
     assert bad.value.body["param"] == "max_tokens"
 
 
+def _ingress_stats(base_url: str) -> dict:
+    response = httpx.get(base_url.removesuffix("/v1") + STATS_PATH, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
 def test_replica_killed_under_load(base_url):
-    """In-flight requests on the killed replica are retried on the other one by the ingress: every request
-    succeeds; new requests succeed too; nothing hangs (the client's timeout is only a hang guard)."""
+    """A replica is killed while it is serving requests: each of them is lost with it and the ingress retries it
+    on the other replica, which answers it exactly as the victim would have; new requests succeed too; nothing
+    hangs (the client's timeout is only a hang guard). The proof is the ingress's: each answer names the replica
+    that gave it and how many replicas were lost under it, and its counters name the actor each attempt was lost
+    with."""
     client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=120, max_retries=0)
+    _, reference = _complete(client, max_tokens=24)
+    prefix = "SERVE_REPLICA::prefixkv#EngineReplica#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    actors = {name.removeprefix(prefix): ray.get_actor(name, namespace="serve") for name in names}
+    assert len(actors) == 2
+
+    def ongoing() -> dict[str, int]:
+        """Ray's own count of the requests each replica has accepted and not answered (its control thread
+        answers while the engine decodes)."""
+        return {rid: ray.get(actor.get_num_ongoing_requests.remote()) for rid, actor in actors.items()}
+
+    deadline = time.monotonic() + 60
+    while any(ongoing().values()):  # a finished request leaves the count a moment after its answer
+        assert time.monotonic() < deadline, "the replicas never went idle"
+        time.sleep(0.02)
+    before = _ingress_stats(base_url)
     results: list[object] = []
 
     def send():
         try:
-            results.append(_complete(client, max_tokens=48))
+            raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+            answer = raw.parse()
+            results.append((raw.headers[REPLICA_HEADER], int(raw.headers[RETRIES_HEADER]), answer.choices[0].text))
         except Exception as exc:  # noqa: BLE001 - recorded, asserted on below
             results.append(exc)
 
-    victim, _ = _complete(client)
     threads = [threading.Thread(target=send) for _ in range(6)]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # let the requests reach both replicas and start decoding
-    ray.kill(ray.get_actor(f"SERVE_REPLICA::prefixkv#EngineReplica#{victim}", namespace="serve"))
+    while not any((counts := ongoing()).values()):  # kill a replica only once requests are in flight there
+        assert time.monotonic() < deadline, "no request reached a replica"
+        time.sleep(0.02)
+    victim = max(counts, key=counts.__getitem__)
+    in_flight, actor = counts[victim], actors[victim]
+    victim_actor_id = actor._actor_id.hex()  # what the ingress's counters key lost attempts by
+    ray.kill(actor)
     for t in threads:
         t.join(timeout=180)
     assert not any(t.is_alive() for t in threads)
     failures = [r for r in results if isinstance(r, Exception)]
     assert not failures, failures
     assert len(results) == 6
+    answers: list[tuple[str, int, str]] = results  # type: ignore[assignment]
+    assert all(text == reference for _, _, text in answers)  # greedy: the same text whichever replica answered
+    retried = [(replica, retries) for replica, retries, _ in answers if retries]
+    assert len(retried) >= in_flight >= 1, f"{in_flight} in flight on the victim when it was killed: {answers}"
+    assert all(replica != victim for replica, _ in retried)  # the survivor answered every retried request
+    after = _ingress_stats(base_url)
+    lost = Counter(after["lost_attempts_by_replica_actor"]) - Counter(before["lost_attempts_by_replica_actor"])
+    assert set(lost) == {victim_actor_id}  # every lost attempt was lost with the killed replica
+    assert after["retries"] - before["retries"] == sum(retries for _, retries in retried) == lost.total()
+    assert after["unanswered"] == before["unanswered"] and after["requests"] - before["requests"] == 6
     for _ in range(3):
-        _, text = _complete(client)
-        assert text
+        replica, text = _complete(client)
+        assert text and replica != victim
 
 
 def test_route_request_tokens_and_session_key():
@@ -141,3 +185,21 @@ def test_route_request_keys_tenants_apart(tmp_path):
     assert routes[0].cache_salt == derive_cache_salt("api-key", Principal("acme", "user"), "k1", None, None)
     assert routes[0].block_hashes(16) == routes[1].block_hashes(16) != routes[2].block_hashes(16)
     assert route_request(body, {}, tokenizer=object(), salts=TenantSalts({})).cache_salt is None
+
+
+def test_ingress_stats_count_each_lost_attempt_and_only_the_retries_that_follow():
+    """Three attempts lost with one request: three lost attempts by actor, two retries (the last loss is the 503)."""
+    from ray.exceptions import RayActorError
+
+    from prefixkv.serve_ray.ingress import MAX_ATTEMPTS, IngressStats
+
+    stats = IngressStats()
+    for attempt in range(MAX_ATTEMPTS):
+        stats.lost(RayActorError(actor_id="a1" if attempt else None), attempt, "before answering")
+    assert stats.as_dict() == {
+        "requests": 0,
+        "retries": MAX_ATTEMPTS - 1,
+        "unanswered": 0,
+        "streams_cut": 0,
+        "lost_attempts_by_replica_actor": {"unknown": 1, "a1": MAX_ATTEMPTS - 1},
+    }

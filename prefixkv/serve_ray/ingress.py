@@ -6,12 +6,18 @@ non-streaming request or a stream that has not started: the ingress retries on a
 dropped the dead one). A stream already under way cannot be replayed, so it ends with an OpenAI error event and
 `[DONE]`. When no replica answers after the retries, the client gets a 503 in OpenAI's error format.
 
+What the retries did is visible: every answer carries `x-prefixkv-retries` (how many replicas were lost under
+this request before the one named by `x-prefixkv-replica` answered), and `GET /ingress/stats` (any valid key, as
+/metrics) returns the ingress's counters: requests forwarded, retries, requests left unanswered, streams cut, and
+the attempts lost per replica actor (Ray's actor id, as in `ray list actors` and the "replica lost" warnings).
+
 No `from __future__ import annotations` here: FastAPI must see the handler's real annotation types once Serve
 has rebound the class methods.
 """
 
 import json
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,11 +29,14 @@ from ray.serve.handle import DeploymentHandle
 
 from prefixkv.router.request import RouteRequest
 from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
-from prefixkv.server.auth import OPEN, KeyRing, derive_cache_salt, isolation_mode
+from prefixkv.server.auth import OPEN, KeyRing, bearer_token, derive_cache_salt, isolation_mode
+from prefixkv.server.errors import APIError
 
 logger = logging.getLogger("ray.serve")  # Serve's logger: lines land in the ingress replica's Serve log
 
 MAX_ATTEMPTS = 3  # one try and two retries on other replicas
+RETRIES_HEADER = "x-prefixkv-retries"  # on every answer: replicas lost under the request before one answered
+STATS_PATH = "/ingress/stats"  # the ingress's own counters (every other path goes to a replica)
 _REPLICA_LOST = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 app = FastAPI(title="prefixkv (Ray Serve)")
@@ -110,6 +119,36 @@ def routing_tokenizer(model: str | None) -> Any:
     return Tokenizer.from_hf_dir(path, "router")
 
 
+class IngressStats:
+    """What the ingress's retries did, since it started (one ingress replica's counts)."""
+
+    def __init__(self) -> None:
+        self.requests = 0  # forwarded to the replicas (the stats endpoint itself is not counted)
+        self.retries = 0  # attempts re-sent to another replica after one was lost under them
+        self.unanswered = 0  # requests answered 503: every attempt's replica was lost
+        self.streams_cut = 0  # streams whose replica was lost after they had started (not replayable)
+        self.lost_attempts: Counter[str] = Counter()  # replica actor id -> attempts lost with it
+
+    def lost(self, exc: RayActorError, attempt: int, what: str) -> None:
+        logger.warning("replica lost %s (attempt %d of %d): %s", what, attempt + 1, MAX_ATTEMPTS, exc)
+        self.lost_attempts[getattr(exc, "actor_id", None) or "unknown"] += 1
+        if attempt + 1 < MAX_ATTEMPTS:
+            self.retries += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "retries": self.retries,
+            "unanswered": self.unanswered,
+            "streams_cut": self.streams_cut,
+            "lost_attempts_by_replica_actor": dict(self.lost_attempts),
+        }
+
+
+def _answer_headers(answer: ForwardedResponse, retries: int) -> dict[str, str]:
+    return {**dict(answer.headers), RETRIES_HEADER: str(retries)}
+
+
 def _wants_stream(body: bytes) -> bool:
     try:
         parsed = json.loads(body) if body else None
@@ -135,6 +174,17 @@ class Ingress:
         self._replicas = replicas
         self._tokenizer = routing_tokenizer(model) if tokenize else None
         self._salts = TenantSalts(app_options or {}) if tokenize else None
+        options = app_options or {}
+        self._keys = KeyRing.build(options.get("api_key"), options.get("api_key_file"))
+        self.stats = IngressStats()
+
+    # Before the catch-all route below: FastAPI matches routes in the order they were declared.
+    @app.get(STATS_PATH)
+    async def ingress_stats(self, raw: Request) -> Any:
+        if self._keys is not None and self._keys.identify(bearer_token(raw)) is None:
+            message = "Invalid or missing API key: send 'Authorization: Bearer <key>'"
+            return APIError(message, status=401, code="invalid_api_key").response()
+        return self.stats.as_dict()
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
     async def forward(self, path: str, raw: Request) -> Any:
@@ -142,16 +192,17 @@ class Ingress:
         target = raw.url.path + (f"?{raw.url.query}" if raw.url.query else "")
         route = route_request(body, dict(raw.headers), self._tokenizer, self._salts)
         request = ForwardedRequest(raw.method, target, list(raw.headers.items()), body, route)
+        self.stats.requests += 1
         if _wants_stream(body):
             return await self._stream(request)
         for attempt in range(MAX_ATTEMPTS):
             try:
                 answer: ForwardedResponse = await self._replicas.handle.remote(request)
             except _REPLICA_LOST as exc:
-                logger.warning("replica lost (attempt %d of %d): %s", attempt + 1, MAX_ATTEMPTS, exc)
+                self.stats.lost(exc, attempt, "before answering")
                 continue
-            return Response(answer.body, status_code=answer.status, headers=dict(answer.headers))
-        return JSONResponse(_error(503, "no engine replica could answer the request"), status_code=503)
+            return Response(answer.body, status_code=answer.status, headers=_answer_headers(answer, attempt))
+        return self._unanswered()
 
     async def _stream(self, request: ForwardedRequest) -> Response:
         for attempt in range(MAX_ATTEMPTS):
@@ -159,17 +210,24 @@ class Ingress:
             try:
                 head: ForwardedResponse = await chunks.__anext__()
             except _REPLICA_LOST as exc:
-                logger.warning("replica lost before streaming (attempt %d of %d): %s", attempt + 1, MAX_ATTEMPTS, exc)
+                self.stats.lost(exc, attempt, "before streaming")
                 continue
-            return StreamingResponse(self._rest(chunks), status_code=head.status, headers=dict(head.headers))
+            headers = _answer_headers(head, attempt)
+            return StreamingResponse(self._rest(chunks), status_code=head.status, headers=headers)
+        return self._unanswered()
+
+    def _unanswered(self) -> Response:
+        self.stats.unanswered += 1
         return JSONResponse(_error(503, "no engine replica could answer the request"), status_code=503)
 
-    @staticmethod
-    async def _rest(chunks: Any) -> AsyncIterator[bytes]:
+    async def _rest(self, chunks: Any) -> AsyncIterator[bytes]:
         """The body chunks after the head; a replica lost mid-stream ends it with an error event and [DONE]."""
         try:
             async for chunk in chunks:
                 yield chunk
-        except _REPLICA_LOST:
+        except _REPLICA_LOST as exc:
+            self.stats.streams_cut += 1
+            self.stats.lost_attempts[getattr(exc, "actor_id", None) or "unknown"] += 1
+            logger.warning("replica lost mid-stream: %s", exc)
             yield f"data: {json.dumps(_error(503, 'the engine replica was lost mid-stream'))}\n\n".encode()
             yield b"data: [DONE]\n\n"
