@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from prefixkv.bench import common
 from prefixkv.config import EngineConfig
 from prefixkv.engine.policy_factory import create_policy
-from prefixkv.sim.simulator import TOY_COST, Arrival, Simulation, create_kv
+from prefixkv.sim.simulator import TOY_COST, Arrival, SimClock, Simulation, create_kv
 from prefixkv.stats import ratio
 
 if TYPE_CHECKING:
@@ -123,14 +123,15 @@ def _config(args: argparse.Namespace, fraction: float) -> EngineConfig:
 def simulate_flood(args: argparse.Namespace, workload: list[FloodSpec], retention: bool) -> dict:
     """One run over the arrivals; retention False: the same arrivals with every retention field dropped."""
     config = _config(args, args.retained_pool_fraction if retention else 0.0)
-    kv = create_kv(config)
+    clock = SimClock()  # retention deadlines run on simulated time
+    kv = create_kv(config, clock)
     max_retained = 0
 
     def sample(_: int) -> None:
         nonlocal max_retained
         max_retained = max(max_retained, len(kv.retention))
 
-    sim = Simulation(config, kv, create_policy(config), TOY_COST, clock="seconds", on_done=sample)
+    sim = Simulation(config, kv, create_policy(config), TOY_COST, clock="seconds", on_done=sample, sim_clock=clock)
     arrivals = [
         Arrival(
             s.arrival_s,

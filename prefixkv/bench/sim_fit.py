@@ -153,24 +153,37 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None, 
 class StepTimer:
     """Times Engine.step and records the shape of what it scheduled.
 
-    The shape must be read between Scheduler.schedule and Scheduler.update (update advances the requests), and
-    the engine does both inside step(); so the timer wraps this engine's scheduler.schedule for its lifetime."""
+    The shape must be read between Scheduler.schedule and Scheduler.update (update advances the requests): the
+    timer is a step component of the engine's core (engine/core.py), which shows it each step's schedule before
+    the forward pass."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.scheduler = self.engine.scheduler
-        self._schedule = self.scheduler.schedule
         self.last_shape = BatchShape(0, 0, 0, 0)
-        # an instance attribute, this engine only (setattr: mypy forbids assigning to a method)
-        setattr(self.scheduler, "schedule", self._schedule_and_record)  # noqa: B010
+        engine.core.components.append(self)
 
-    def _schedule_and_record(self):
-        out = self._schedule()
-        self.last_shape = BatchShape.of(out.scheduled)
-        return out
+    # the step component's hooks: only before_execute records
+    def on_add(self, request) -> None:
+        pass
+
+    def before_execute(self, scheduled) -> None:
+        self.last_shape = BatchShape.of(scheduled.scheduled)
+
+    def after_update(self, scheduled) -> None:
+        pass
+
+    def on_reset(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
 
     def close(self) -> None:
-        delattr(self.scheduler, "schedule")
+        if self in self.engine.core.components:
+            self.engine.core.components.remove(self)
 
     def step(self) -> tuple[BatchShape, float, float, list]:
         """One engine step: (its shape, wall seconds, model-runner seconds, its outputs)."""

@@ -22,7 +22,7 @@ from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.router import ReplicaState, Router, RouteRequest, policy_options
 from prefixkv.router import create_policy as create_routing_policy
 from prefixkv.sim.cost_model import StepCostModel
-from prefixkv.sim.simulator import Arrival, SimResult, Simulation, TimedRequest, create_kv, summarize_trace
+from prefixkv.sim.simulator import Arrival, SimClock, SimResult, Simulation, TimedRequest, create_kv, summarize_trace
 
 POOLED = "pooled"
 ROUTERS = ("round-robin", "least-loaded", "power-of-two", "approximate", "precise", POOLED)
@@ -112,10 +112,12 @@ def simulate_replicas(
     listens = router == "precise"
     sims, ids = [], [f"replica-{i}" for i in range(num_replicas)]
     for _ in range(num_replicas):
-        kv = create_kv(config)
+        clock = SimClock()  # each replica's own: a busy one runs ahead of an idle one until the next arrival
+        kv = create_kv(config, clock)
         if listens:
             kv.enable_events()
-        sims.append(Simulation(config, kv, create_schedule_policy(config), cost, clock="seconds", on_done=on_done))
+        schedule_policy = create_schedule_policy(config)
+        sims.append(Simulation(config, kv, schedule_policy, cost, clock="seconds", on_done=on_done, sim_clock=clock))
     loop = _Loop(Router(policy), ids, sims, listens)
     loop.run(
         Arrival(r.arrival_s, f"r{i}", r.prompt_len, r.output_len, r.prompt_tokens, getattr(r, "session", None) or "")
@@ -142,7 +144,7 @@ class _Loop:
         pending: Iterator[Arrival] = iter(arrivals)
         upcoming = next(pending, None)
         while True:
-            busy = [(s.result.sim_seconds, i) for i, s in enumerate(self.sims) if s.scheduler.has_work()]
+            busy = [(s.now(), i) for i, s in enumerate(self.sims) if s.scheduler.has_work()]
             next_step = min(busy) if busy else None
             if upcoming is not None and (next_step is None or upcoming.due <= next_step[0]):
                 self._route(upcoming)
@@ -159,7 +161,7 @@ class _Loop:
         i = self.ids.index(self.router.route(request, states))
         sim = self.sims[i]
         if not sim.scheduler.has_work():  # an idle replica's clock waited at its last finish: bring it to now
-            sim.result.sim_seconds = max(sim.result.sim_seconds, arrival.due)
+            sim.wait_until(arrival.due)
         sim.arrive(dataclasses.replace(arrival, make_prompt=lambda: tokens))
         self.routed[i] += 1
         self._in_flight[arrival.request_id] = request

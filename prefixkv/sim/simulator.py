@@ -1,9 +1,12 @@
-"""A model-free engine loop: the real Scheduler and KV manager driven by a cost model instead of a model.
+"""A model-free engine loop: the engine core's step (engine/core.py) with a cost model in place of the model.
 
-Every scheduled chunk is "computed" instantly; the simulated clock advances by the cost model's time for the
-step's batch (cost_model.BatchShape), and jumps to the next arrival when there is nothing to do. Hit rates,
-waits, preemptions and evictions are exact for the scheduler and caches as implemented (the same code the
-engine runs); times are as good as the cost model.
+Each step is the engine's own: the real Scheduler and KV manager schedule and record it, through the same
+EngineCore.step the engine runs; only the Executor differs. CostModelExecutor "computes" every scheduled chunk
+instantly, advances the simulated clock by the cost model's time for the step's batch (cost_model.BatchShape)
+and makes up a token for each request whose sequence is complete. The clock jumps to the next arrival when there
+is nothing to do, and it is injected where simulated time is read (retention deadlines: build the KV manager with
+clock=sim_clock.now). Hit rates, waits, preemptions and evictions are exact for the scheduler and caches as
+implemented (the same code the engine runs); times are as good as the cost model.
 
 Arrivals are due either at a simulated time (`simulate_trace`: a trace's timestamps) or at a scheduler step
 (`simulate`: the step-driven workloads of the benchmarks and tests). One loop serves both. Only per-request
@@ -17,10 +20,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from prefixkv.batch import Sample
 from prefixkv.config import EngineConfig
+from prefixkv.engine.core import EngineCore, StepComponent
 from prefixkv.engine.policies import SchedulingPolicy
 from prefixkv.engine.policy_factory import create_policy
-from prefixkv.engine.scheduler import Scheduler
+from prefixkv.engine.scheduler import Scheduler, SchedulerOutput
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.request import Request, RequestStatus
@@ -114,6 +119,38 @@ class SimResult:
         return [m for m in self.metrics if m.rejected]
 
 
+class SimClock:
+    """Simulated time in seconds: the cost model's executor advances it; whatever reads time in a simulation
+    (retention deadlines, the loop) is handed `now`."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds = seconds
+
+    def now(self) -> float:
+        return self.seconds
+
+
+class CostModelExecutor:
+    """The engine core's Executor in a simulation: no model. The step takes the cost model's time for its batch
+    (an empty step: the step overhead), and each request whose sequence the step completes samples a fresh token
+    id (ids never collide with prompt ids or each other)."""
+
+    def __init__(self, cost: StepCostModel, clock: SimClock) -> None:
+        self.cost, self.clock = cost, clock
+        self._next_token = _FIRST_GENERATED_ID
+
+    def execute(self, scheduled: SchedulerOutput) -> list[Sample | None]:
+        self.clock.seconds += self.cost.step_time(BatchShape.of(scheduled.scheduled))
+        samples: list[Sample | None] = []
+        for request, n in scheduled.scheduled:
+            if request.num_computed_tokens + n == request.num_tokens:
+                samples.append(Sample(self._next_token))
+                self._next_token += 1
+            else:
+                samples.append(None)
+        return samples
+
+
 class Simulation:
     """One run: a scheduler over `kv` with `policy`, a clock driven by `cost`, and the metrics of each request.
 
@@ -132,12 +169,18 @@ class Simulation:
         check_every: int = 0,
         max_steps: int | None = None,
         on_done: Callable[[int], None] | None = None,
+        sim_clock: SimClock | None = None,
+        components: Iterable[StepComponent] = (),
     ) -> None:
+        """sim_clock: the simulated time (a new one at 0 by default); a KV manager whose requests ask for
+        retention must have been built with clock=sim_clock.now. components: step components beside the
+        scheduler and the cost model (engine/core.py), e.g. a probe of each step's schedule."""
         if clock not in ("seconds", "steps"):
             raise ValueError(f"clock must be 'seconds' or 'steps', got {clock!r}")
         self.kv = kv
-        kv.retention.clock = self.now  # retention deadlines run on simulated time
+        self.sim_clock = sim_clock or SimClock()
         self.scheduler = Scheduler(config, kv, policy)
+        self.core = EngineCore(self.scheduler, CostModelExecutor(cost, self.sim_clock), list(components))
         self.cost = cost
         self.clock = clock
         self.keep_requests = keep_requests
@@ -147,11 +190,15 @@ class Simulation:
         self.capacity = min(kv.num_pages * kv.page_size, config.max_model_len or kv.num_pages * kv.page_size)
         self.result = SimResult()
         self._live: dict[Request, RequestMetrics] = {}
-        self._next_token = _FIRST_GENERATED_ID
 
     def now(self) -> float:
         """The simulated time, in seconds (both clocks charge each step its cost)."""
-        return self.result.sim_seconds
+        return self.sim_clock.seconds
+
+    def wait_until(self, seconds: float) -> None:
+        """An idle engine's clock jumps to `seconds` (an arrival), never back."""
+        self.sim_clock.seconds = max(self.sim_clock.seconds, seconds)
+        self.result.sim_seconds = self.sim_clock.seconds
 
     def run(self, arrivals: Iterable[Arrival]) -> SimResult:
         """Serve every arrival (in non-decreasing `due` order) to the end and return the result."""
@@ -166,7 +213,7 @@ class Simulation:
                 upcoming = next(pending, None)
             if not sched.has_work():
                 if upcoming is not None and self.clock == "seconds":
-                    res.sim_seconds = max(res.sim_seconds, upcoming.due)
+                    self.wait_until(upcoming.due)
                     continue
                 if upcoming is None:
                     break
@@ -187,7 +234,7 @@ class Simulation:
         """Queue `arrival` (or count it rejected when it can never fit); run() calls it when the clock reaches it,
         the multi-replica loop when its router has chosen this replica."""
         res = self.result
-        arrival_s = arrival.due if self.clock == "seconds" else res.sim_seconds  # it may arrive mid-step
+        arrival_s = arrival.due if self.clock == "seconds" else self.now()  # it may arrive mid-step
         metrics = RequestMetrics(arrival.request_id, arrival.group, arrival_s, arrival.prompt_len, arrival.output_len)
         res.groups[arrival.request_id] = arrival.group
         if arrival.prompt_len + arrival.output_len > self.capacity or arrival.output_len < 1:
@@ -207,35 +254,33 @@ class Simulation:
             retention_priority=arrival.retention_priority,
         )
         request.max_tokens = arrival.output_len
-        self.scheduler.add(request)
+        if arrival.retention_seconds is not None and self.kv.retention.clock != self.sim_clock.now:
+            raise ValueError(
+                "a request asks for retention, but the KV manager's retention clock is not this simulation's: "
+                "build it with clock=sim_clock.now (create_kv(config, sim_clock))"
+            )
+        self.core.add(request)
         self._live[request] = metrics
         if self.keep_requests:
             res.requests.append(request)
 
     def step(self) -> bool:
-        """One scheduler step, charged the cost model's time for its batch; False when nothing was scheduled."""
+        """One step of the engine core, charged the cost model's time for its batch; False when nothing was
+        scheduled."""
         sched, res = self.scheduler, self.result
-        step, start_s = sched.step_count, res.sim_seconds
-        out = sched.schedule()
-        for request, _ in out.scheduled:
+        step, start_s = sched.step_count, self.now()
+        result = self.core.step()
+        res.sim_seconds = self.now()
+        res.computed_tokens += result.scheduled.num_batched_tokens
+        for request, _ in result.scheduled.scheduled:
             metrics = self._live[request]
             if metrics.queue_s is None:
                 metrics.queue_s = start_s - metrics.arrival_s
                 metrics.wait_steps = step - request.arrival_step
                 res.wait_steps[request.request_id] = metrics.wait_steps
                 res.wait_s[request.request_id] = metrics.queue_s
-        res.sim_seconds += self.cost.step_time(BatchShape.of(out.scheduled))
-        res.computed_tokens += out.num_batched_tokens
-        sampled: list[int | None] = []
-        for request, n in out.scheduled:  # a request whose sequence this step completes samples a fresh token
-            if request.num_computed_tokens + n == request.num_tokens:
-                sampled.append(self._next_token)
-                self._next_token += 1
-            else:
-                sampled.append(None)
-        sched.update(out, sampled)
-        for (request, _), token in zip(out.scheduled, sampled, strict=True):
-            if token is None:
+        for (request, _), sample in zip(result.scheduled.scheduled, result.samples, strict=True):
+            if sample is None:
                 continue
             res.output_tokens += 1
             metrics = self._live[request]
@@ -246,7 +291,7 @@ class Simulation:
                 self._finished(request, metrics)
         if self.check_every and step % self.check_every == 0:
             self.kv.check_invariants()
-        return bool(out.scheduled)
+        return bool(result.scheduled.scheduled)
 
     def _finished(self, request: Request, metrics: RequestMetrics) -> None:
         """Keep the metrics, drop the request (its tokens are the memory a long trace cannot afford to keep)."""
@@ -263,8 +308,9 @@ def make_policy(name: str, max_wait_steps: int = 128) -> SchedulingPolicy:
     return create_policy(EngineConfig(schedule_policy=name, lpm_fallback_threshold=None, max_wait_steps=max_wait_steps))
 
 
-def create_kv(config: EngineConfig) -> KVCacheManager:
-    """The KV manager `config` names, with a pool of config.kv_cache_tokens (the simulator has no bytes per token)."""
+def create_kv(config: EngineConfig, clock: SimClock) -> KVCacheManager:
+    """The KV manager `config` names, with a pool of config.kv_cache_tokens (the simulator has no bytes per token),
+    its retention deadlines on `clock`."""
     if config.kv_cache_tokens is None:
         raise ValueError("the simulator needs kv_cache_tokens (a pool size in tokens)")
     num_pages = config.kv_cache_pages(bytes_per_token=1)
@@ -275,6 +321,7 @@ def create_kv(config: EngineConfig) -> KVCacheManager:
         config.prefix_caching_hash_algo,
         config.eviction,
         config.retained_pool_fraction,
+        clock=clock.now,
     )
 
 
@@ -327,8 +374,18 @@ def simulate_trace(
 ) -> tuple[SimResult, KVCacheManager]:
     """Time-driven: the KV manager, policy and scheduler `config` names serve `requests` (in arrival order) at
     their arrival times; returns the result and the KV manager (its stats: hits, evictions)."""
-    kv = create_kv(config)
-    sim = Simulation(config, kv, create_policy(config), cost, clock="seconds", check_every=check_every, on_done=on_done)
+    clock = SimClock()
+    kv = create_kv(config, clock)
+    sim = Simulation(
+        config,
+        kv,
+        create_policy(config),
+        cost,
+        clock="seconds",
+        check_every=check_every,
+        on_done=on_done,
+        sim_clock=clock,
+    )
     arrivals = (
         Arrival(r.arrival_s, f"r{i}", r.prompt_len, r.output_len, r.prompt_tokens, getattr(r, "session", None) or "")
         for i, r in enumerate(requests)
