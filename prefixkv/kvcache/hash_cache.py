@@ -32,7 +32,7 @@ from prefixkv.kvcache.events import block_removed, block_stored
 from prefixkv.kvcache.eviction import EvictionHeap, make_eviction_policy
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
 from prefixkv.kvcache.hashing import HASH_FUNCTIONS, extend_block_keys, external_block_hash
-from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.kvcache.manager import PagedKVCache
 from prefixkv.request import Request
 
 
@@ -58,7 +58,7 @@ class _Held:
     num_committed: int  # leading blocks known computed: the hit's, and those commit() has seen
 
 
-class HashPrefixCache(KVCacheManager):
+class HashPrefixCache(PagedKVCache):
     name = "hash"
     caching = True  # NoPrefixCache turns this off and keeps the same block pool
 

@@ -60,7 +60,10 @@ class PrefixCacheStats:
 
 
 class KVCacheManager(ABC):
-    """Pages of `page_size` token slots from one pool of `num_pages`; the runner maps slot = page * page_size + i."""
+    """Pages of `page_size` token slots from one pool of `num_pages`; the runner maps slot = page * page_size + i.
+
+    The interface only: no state. The prefix caches (hash, radix, off) share theirs through PagedKVCache below;
+    a decorator such as the second tier's TieredKVCache implements the interface over an inner cache."""
 
     name: str = "abstract"
     caching: bool = True  # False: lookup never finds anything (prefix caching off), so waiting for a page gains nothing
@@ -68,55 +71,29 @@ class KVCacheManager(ABC):
     # request admitted later in the same step hits them (the forward pass writes them before anyone attends).
     # False: pages become findable at commit(), after their step; the scheduler then defers the duplicate instead.
     keys_in_flight_pages: bool = False
-
-    def __init__(
-        self,
-        num_pages: int,
-        page_size: int,
-        retained_pool_fraction: float = 0.2,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        """retained_pool_fraction: the most of the pool that retained pages (retention.py) may hold; clock: what
-        retention deadlines are measured on (the simulator passes its simulated clock)."""
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.retention = RetentionTable(num_pages, retained_pool_fraction, clock)
-        self.stats = PrefixCacheStats()  # written by the scheduler at admission; the manager only reports it
-        self._events: list[KVCacheEvent] | None = None  # None: events off
+    num_pages: int
+    page_size: int
+    stats: PrefixCacheStats  # written by the scheduler at admission; the manager only reports it
+    retention: RetentionTable  # pages kept past their last use (retention.py)
 
     # -- KV events -------------------------------------------------------------------------------------------
+    @abstractmethod
     def enable_events(self) -> None:
         """Start recording KV events. Call it before the first request: a subscriber learns only what was stored
         after this."""
-        if self._events is None:
-            self._events = []
 
     @property
-    def events_enabled(self) -> bool:
-        return self._events is not None
+    @abstractmethod
+    def events_enabled(self) -> bool: ...
 
+    @abstractmethod
     def drain_events(self) -> list[KVCacheEvent]:
         """The events since the last drain, oldest first (empty when events are off)."""
-        events = self._events
-        if not events:
-            return []
-        self._events = []
-        return events
 
     def cached_block_hashes(self) -> set[int]:
         """Hashes (as events name them) of every page a lookup can find now: what a subscriber that applied every
         event since enable_events() must hold."""
         return set()
-
-    def _collapse_full_reset(self, mark: int) -> None:
-        """A reset that left nothing cached: replace the removals it recorded (from index `mark` on) with one
-        AllBlocksCleared, as vLLM reports a reset. A reset that left pages cached (running requests hold them)
-        keeps its BlockRemoved events, so subscribers keep those pages."""
-        if self._events is not None:
-            del self._events[mark:]
-            self._events.append(AllBlocksCleared())
 
     # -- queries -------------------------------------------------------------------------------------------
     @abstractmethod
@@ -196,3 +173,48 @@ class KVCacheManager(ABC):
 
     def check_invariants(self) -> None:  # noqa: B027 - optional: a manager with no accounting has nothing to check
         """Raise AssertionError when the accounting is broken (tests call this after every operation)."""
+
+
+class PagedKVCache(KVCacheManager):
+    """What every prefix cache over its own pool keeps: the pool's size, the retention table, the admission
+    stats and the KV event buffer (the hash, radix and off caches derive from it)."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        retained_pool_fraction: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """retained_pool_fraction: the most of the pool that retained pages (retention.py) may hold; clock: what
+        retention deadlines are measured on (a simulation passes its simulated clock)."""
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.retention = RetentionTable(num_pages, retained_pool_fraction, clock)
+        self.stats = PrefixCacheStats()
+        self._events: list[KVCacheEvent] | None = None  # None: events off
+
+    def enable_events(self) -> None:
+        if self._events is None:
+            self._events = []
+
+    @property
+    def events_enabled(self) -> bool:
+        return self._events is not None
+
+    def drain_events(self) -> list[KVCacheEvent]:
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def _collapse_full_reset(self, mark: int) -> None:
+        """A reset that left nothing cached: replace the removals it recorded (from index `mark` on) with one
+        AllBlocksCleared, as vLLM reports a reset. A reset that left pages cached (running requests hold them)
+        keeps its BlockRemoved events, so subscribers keep those pages."""
+        if self._events is not None:
+            del self._events[mark:]
+            self._events.append(AllBlocksCleared())

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from prefixkv.kvcache.events import block_removed, block_stored
 from prefixkv.kvcache.hashing import HASH_FUNCTIONS, extend_block_keys, external_block_hash
-from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.kvcache.manager import PagedKVCache
 from prefixkv.kvcache.radix_tree import RadixNode, RadixTree
 from prefixkv.request import Request
 
@@ -79,7 +79,7 @@ class _RequestState:
     pages: list[int]  # page table: tree pages for [0, committed), then private pages
 
 
-class RadixPrefixCache(KVCacheManager):
+class RadixPrefixCache(PagedKVCache):
     name = "radix"
 
     def __init__(

@@ -49,7 +49,7 @@ class RetentionTable:
         if not isinstance(retained_pool_fraction, (int, float)) or not 0 <= retained_pool_fraction <= 1:
             raise ValueError(f"retained_pool_fraction must be in [0, 1], got {retained_pool_fraction!r}")
         self.capacity = int(num_pages * retained_pool_fraction)  # most pages retained at once
-        self.clock = clock  # the simulator swaps in its simulated clock
+        self.clock = clock  # wall time in an engine; the simulation's clock in a simulator (injected at construction)
         self._entries: dict[int, _Entry] = {}
         self._by_deadline: list[tuple[float, int, int]] = []  # (deadline, version, page)
         self._by_strength: list[tuple[int, float, int, int, int]] = []  # (priority, deadline, -depth, version, page)

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 
 from prefixkv.kvcache.events import KVCacheEvent
 from prefixkv.kvcache.hashing import HASH_FUNCTIONS, extend_block_keys
-from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.kvcache.manager import KVCacheManager, PrefixCacheStats
 from prefixkv.kvcache.offload.tier import KVTier
+from prefixkv.kvcache.retention import RetentionTable
 from prefixkv.request import Request
 
 WRITE_POLICIES = ("write_through", "write_back")
@@ -96,8 +97,9 @@ class _TierState:
 
 
 class TieredKVCache(KVCacheManager):
-    """`inner` (a hash or radix prefix cache) plus `tier`. Everything but lookup, allocate, commit and free is
-    the inner cache's (pages, events, stats, views)."""
+    """`inner` (a hash or radix prefix cache) plus `tier`: a decorator of the KVCacheManager interface. lookup,
+    allocate, commit and free add the tier to the inner cache's answers; everything else (the pool, its stats,
+    retention and events, the views) is the inner cache's, forwarded."""
 
     def __init__(
         self,
@@ -124,14 +126,9 @@ class TieredKVCache(KVCacheManager):
                 f"the tier stores {tier.manifest.chunk_tokens}-token chunks keyed by {tier.manifest.hash_algo}, "
                 f"the cache asks for {chunk_tokens}-token chunks keyed by {hash_algo}"
             )
-        # no super().__init__: the pool, its stats and its events are the inner cache's
         self.inner = inner
         self.tier = tier
         self.name = inner.name
-        self.caching = True
-        self.num_pages, self.page_size = inner.num_pages, inner.page_size
-        self.stats = inner.stats
-        self.retention = inner.retention  # retained pages are the pool's: the inner cache honours them
         self.chunk_tokens = chunk_tokens
         self.hash_algo = hash_algo
         self.write_policy = write_policy
@@ -151,6 +148,24 @@ class TieredKVCache(KVCacheManager):
     def keys_in_flight_pages(self) -> bool:  # type: ignore[override]
         """The inner cache's: pages loaded from the tier are keyed when the inner cache keys computed ones."""
         return self.inner.keys_in_flight_pages
+
+    # the pool and what is kept about it are the inner cache's (retained pages too: the inner cache honours
+    # them); read-only here, where the interface declares attributes: nothing assigns them after construction
+    @property
+    def num_pages(self) -> int:  # type: ignore[override]
+        return self.inner.num_pages
+
+    @property
+    def page_size(self) -> int:  # type: ignore[override]
+        return self.inner.page_size
+
+    @property
+    def stats(self) -> PrefixCacheStats:  # type: ignore[override]
+        return self.inner.stats
+
+    @property
+    def retention(self) -> RetentionTable:  # type: ignore[override]
+        return self.inner.retention
 
     # -- per-request state ---------------------------------------------------------------------------------
     def _state(self, request: Request) -> _TierState:
