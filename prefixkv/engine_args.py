@@ -23,6 +23,8 @@ def _parser_for(name: str) -> Any:
     """int / str for a field; for an optional one, also 'none' for None (e.g. --seed none, --lpm-fallback-threshold
     none)."""
     hint = _TYPES[name]
+    if typing.get_origin(hint) is typing.Literal:  # a choice list: argparse checks the choices
+        return str
     args = typing.get_args(hint) if isinstance(hint, types.UnionType) else ()
     base = next(a for a in args if a is not type(None)) if args else hint
     if not args:

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from prefixkv.config import KV_EVENTS_FORMATS
+from prefixkv.choices import KV_EVENTS_FORMATS
 from prefixkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 FORMATS = KV_EVENTS_FORMATS

@@ -33,7 +33,8 @@ import itertools
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
-from prefixkv.config import EVICTIONS as EVICTION_POLICIES
+from prefixkv.choices import EVICTIONS as EVICTION_POLICIES
+from prefixkv.choices import check
 
 # Context tokens whose attention costs as much as one token's pass through the weights: 2 * params FLOPs per token
 # against 4 * layers * hidden per context token, so params / (2 * layers * hidden): about 3.9k for SmolLM2-135M,
@@ -84,9 +85,8 @@ class RecomputeCost(EvictionPolicy):
 
 def make_eviction_policy(name: str) -> EvictionPolicy:
     policies: dict[str, type[EvictionPolicy]] = {"lru": EvictionPolicy, "lfu": LFUWithAging, "cost": RecomputeCost}
-    assert tuple(policies) == EVICTION_POLICIES, "config.EVICTIONS names these policies"
-    if name not in policies:
-        raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {name!r}")
+    assert tuple(policies) == EVICTION_POLICIES, "choices.Eviction names these policies"
+    check("eviction", name, EVICTION_POLICIES)
     return policies[name]()
 
 

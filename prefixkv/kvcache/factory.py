@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from prefixkv.choices import PREFIX_CACHES, check
 from prefixkv.kvcache.eviction import make_eviction_policy
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.manager import KVCacheManager
@@ -28,7 +29,22 @@ def create_kv_cache_manager(
     if kind == "off":
         return NoPrefixCache(num_pages, page_size)
     if kind == "hash":
-        return HashPrefixCache(num_pages, page_size, hash_algo, eviction, retained_pool_fraction, clock)
+        return HashPrefixCache(
+            num_pages,
+            page_size,
+            hash_algo=hash_algo,
+            eviction=eviction,
+            retained_pool_fraction=retained_pool_fraction,
+            clock=clock,
+        )
     if kind == "radix":
-        return RadixPrefixCache(num_pages, page_size, eviction, hash_algo, retained_pool_fraction, clock)
-    raise ValueError(f"prefix_cache must be one of 'hash', 'radix', 'off', got {kind!r}")
+        return RadixPrefixCache(
+            num_pages,
+            page_size,
+            hash_algo=hash_algo,
+            eviction=eviction,
+            retained_pool_fraction=retained_pool_fraction,
+            clock=clock,
+        )
+    check("prefix_cache", kind, PREFIX_CACHES)
+    raise AssertionError(kind)  # check() has raised: every choice is handled above

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from prefixkv.kvcache.events import block_removed, block_stored
 from prefixkv.kvcache.eviction import EvictionHeap, make_eviction_policy
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
-from prefixkv.kvcache.hashing import HASH_FUNCTIONS, extend_block_keys, external_block_hash
+from prefixkv.kvcache.hashing import extend_block_keys, external_block_hash, hash_function
 from prefixkv.kvcache.manager import PagedKVCache
 from prefixkv.request import Request
 
@@ -66,6 +66,7 @@ class HashPrefixCache(PagedKVCache):
         self,
         num_pages: int,
         page_size: int = 16,
+        *,
         hash_algo: str = "sha256",
         eviction: str = "lru",
         retained_pool_fraction: float = 0.2,
@@ -75,10 +76,8 @@ class HashPrefixCache(PagedKVCache):
         """keys_in_flight_pages=False keys a block only once computed (at commit), as a radix tree inserts."""
         super().__init__(num_pages, page_size, retained_pool_fraction, clock)
         self.keys_in_flight_pages = keys_in_flight_pages and self.caching
-        if hash_algo not in HASH_FUNCTIONS:
-            raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_FUNCTIONS)}, got {hash_algo!r}")
+        self._hash_fn = hash_function(hash_algo)
         self.hash_algo = hash_algo
-        self._hash_fn = HASH_FUNCTIONS[hash_algo]
         self.blocks = [Block(i) for i in range(num_pages)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
+from prefixkv.choices import HASH_ALGOS, check
+
 ROOT_KEY = hashlib.sha256(b"prefixkv/root").digest()
 
 
@@ -28,6 +30,14 @@ def _xxh3_128(data: bytes) -> bytes:
 
 
 HASH_FUNCTIONS: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256, "xxhash": _xxh3_128}
+assert tuple(HASH_FUNCTIONS) == HASH_ALGOS, "choices.HashAlgo names these functions"
+
+
+def hash_function(algo: str) -> Callable[[bytes], bytes]:
+    """The chain's hash function for prefix_caching_hash_algo (ValueError naming the choices otherwise): every
+    cache and the tier check the option here."""
+    check("prefix_caching_hash_algo", algo, HASH_ALGOS)
+    return HASH_FUNCTIONS[algo]
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:

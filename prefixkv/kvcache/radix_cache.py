@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from prefixkv.kvcache.events import block_removed, block_stored
-from prefixkv.kvcache.hashing import HASH_FUNCTIONS, extend_block_keys, external_block_hash
+from prefixkv.kvcache.hashing import extend_block_keys, external_block_hash, hash_function
 from prefixkv.kvcache.manager import PagedKVCache
 from prefixkv.kvcache.radix_tree import RadixNode, RadixTree
 from prefixkv.request import Request
@@ -86,15 +86,14 @@ class RadixPrefixCache(PagedKVCache):
         self,
         num_pages: int,
         page_size: int = 1,
-        eviction: str = "lru",
+        *,
         hash_algo: str = "sha256",
+        eviction: str = "lru",
         retained_pool_fraction: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(num_pages, page_size, retained_pool_fraction, clock)
-        if hash_algo not in HASH_FUNCTIONS:
-            raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_FUNCTIONS)}, got {hash_algo!r}")
-        self._hash_fn = HASH_FUNCTIONS[hash_algo]  # for KV events only: lookups compare tokens
+        self._hash_fn = hash_function(hash_algo)  # for KV events only: lookups compare tokens
         self._page_hash: list[int] = []  # by page id, for pages in the tree; filled with events on
         self.tree = RadixTree(page_size, eviction, self.retention)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first

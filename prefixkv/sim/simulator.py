@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from prefixkv.batch import Sample
+from prefixkv.choices import SchedulePolicy
 from prefixkv.config import EngineConfig
 from prefixkv.engine.core import EngineCore, StepComponent
 from prefixkv.engine.policies import SchedulingPolicy
@@ -304,7 +305,7 @@ class Simulation:
             self.on_done(1)
 
 
-def make_policy(name: str, max_wait_steps: int = 128) -> SchedulingPolicy:
+def make_policy(name: SchedulePolicy, max_wait_steps: int = 128) -> SchedulingPolicy:
     return create_policy(EngineConfig(schedule_policy=name, lpm_fallback_threshold=None, max_wait_steps=max_wait_steps))
 
 

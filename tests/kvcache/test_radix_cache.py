@@ -415,7 +415,7 @@ class RadixMachine(RuleBasedStateMachine):
         num_pages=st.integers(3, 24), page_size=st.sampled_from([1, 2, 4]), eviction=st.sampled_from(EVICTION_POLICIES)
     )
     def setup(self, num_pages, page_size, eviction):
-        self.kv = RadixPrefixCache(num_pages, page_size, eviction)
+        self.kv = RadixPrefixCache(num_pages, page_size, eviction=eviction)
         self.waiting = []
         self.running = []
         self.finished = []

@@ -26,7 +26,7 @@ class SameHits(RuleBasedStateMachine):
     @initialize(eviction=st.sampled_from(EVICTION_POLICIES))
     def setup(self, eviction):
         self.hash = HashPrefixCache(4096, 16, eviction=eviction, keys_in_flight_pages=False)
-        self.radix = RadixPrefixCache(4096, 16, eviction)
+        self.radix = RadixPrefixCache(4096, 16, eviction=eviction)
         self.waiting: list[tuple] = []
         self.running: list[tuple] = []
 
@@ -151,7 +151,7 @@ def test_same_hits_and_evictions_under_pressure(eviction):
     import random
 
     rng = random.Random(7)
-    caches = (HashPrefixCache(60, 4, eviction=eviction), RadixPrefixCache(60, 4, eviction))
+    caches = (HashPrefixCache(60, 4, eviction=eviction), RadixPrefixCache(60, 4, eviction=eviction))
     bases = [[rng.randrange(1000) for _ in range(rng.randrange(10, 120))] for _ in range(6)]
     running: list[tuple] = []
     for step in range(500):

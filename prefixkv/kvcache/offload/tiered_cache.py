@@ -36,14 +36,14 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from prefixkv.choices import KV_OFFLOAD_WRITE_POLICIES, check
 from prefixkv.kvcache.events import KVCacheEvent
-from prefixkv.kvcache.hashing import HASH_FUNCTIONS, extend_block_keys
+from prefixkv.kvcache.hashing import extend_block_keys, hash_function
 from prefixkv.kvcache.manager import KVCacheManager, PrefixCacheStats
 from prefixkv.kvcache.offload.tier import KVTier
 from prefixkv.kvcache.retention import RetentionTable
 from prefixkv.request import Request
 
-WRITE_POLICIES = ("write_through", "write_back")
 DEFAULT_STAGING_BYTES = 256 << 20
 
 
@@ -117,10 +117,8 @@ class TieredKVCache(KVCacheManager):
                 f"kv_offload_chunk_tokens must be a positive multiple of page_size={inner.page_size}, "
                 f"got {chunk_tokens}"
             )
-        if hash_algo not in HASH_FUNCTIONS:
-            raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_FUNCTIONS)}, got {hash_algo!r}")
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"kv_offload_write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        hash_fn = hash_function(hash_algo)
+        check("kv_offload_write_policy", write_policy, KV_OFFLOAD_WRITE_POLICIES)
         if tier.manifest.chunk_tokens != chunk_tokens or tier.manifest.hash_algo != hash_algo:
             raise ValueError(
                 f"the tier stores {tier.manifest.chunk_tokens}-token chunks keyed by {tier.manifest.hash_algo}, "
@@ -134,7 +132,7 @@ class TieredKVCache(KVCacheManager):
         self.write_policy = write_policy
         self.max_staged_bytes = max_staged_bytes
         self.tier_stats = TierHitStats()
-        self._hash_fn = HASH_FUNCTIONS[hash_algo]
+        self._hash_fn = hash_fn
         self._states: dict[str, _TierState] = {}  # by request id
         self._staged_bytes = 0
         self._loads: list[LoadOp] = []
