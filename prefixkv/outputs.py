@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from prefixkv.batch import Sample
+
 
 class RequestOutputKind(enum.Enum):
     """What each RequestOutput of a request carries (vLLM's RequestOutputKind)."""
@@ -30,7 +32,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top_logprobs": [(id, lp), ...]}
+    logprobs: list[Sample] | None = None  # per token: its id, logprob and top (id, logprob) alternatives
     cumulative_logprob: float | None = None
 
     @property

@@ -105,7 +105,7 @@ class _Sequence:
     detok: IncrementalDetokenizer
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[dict] | None = None
+    logprobs: list[Sample] | None = None
     cumulative_logprob: float = 0.0
     # what earlier outputs carried (output_kind="delta" sends only what came after)
     sent_tokens: int = 0
@@ -378,7 +378,7 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = now
         if seq.logprobs is not None:
-            seq.logprobs.append({"token_id": token, "logprob": sample.logprob, "top_logprobs": sample.top_logprobs})
+            seq.logprobs.append(sample)
             seq.cumulative_logprob += sample.logprob or 0.0
         params = req.sampling_params
         stop_str = seq.detok.add(token)

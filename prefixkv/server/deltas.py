@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from prefixkv.batch import Sample
 from prefixkv.server.async_engine import RequestGroup
 from prefixkv.server.usage import UsageTally
 
@@ -20,7 +21,7 @@ from prefixkv.server.usage import UsageTally
 class ChoiceDelta:
     index: int
     text: str
-    logprobs: list[dict]  # engine logprob entries of the new tokens (empty when not requested)
+    logprobs: list[Sample]  # the new tokens' logprobs (empty when not requested)
     text_offset: int  # characters of this choice sent before `text`
     finish_reason: str | None
     stop_reason: str | int | None
@@ -32,7 +33,7 @@ async def choice_deltas(group: RequestGroup, n: int, tally: UsageTally) -> Async
     A token whose text is not visible yet (an incomplete character, or text a stop string may still cut) comes
     with an empty text: its logprobs wait for the next increment of that choice."""
     sent_chars: dict[int, int] = {}
-    pending_logprobs: dict[int, list[dict]] = {}
+    pending_logprobs: dict[int, list[Sample]] = {}
     finished: set[int] = set()
     async for prompt_index, output in group:
         tally.add(prompt_index, output)

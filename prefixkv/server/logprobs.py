@@ -1,10 +1,13 @@
-"""CompletionOutput.logprobs entries ({"token_id", "logprob", "top_logprobs": [(id, lp), ...]}) in the two
-shapes OpenAI uses: the legacy completions one and the chat one. Token strings are decoded one id at a time.
+"""CompletionOutput.logprobs entries (a Sample per token: its id, logprob and top (id, logprob) alternatives) in
+the two shapes OpenAI uses: the legacy completions one and the chat one. Token strings are decoded one id at a
+time.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from prefixkv.batch import Sample
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:
@@ -14,25 +17,25 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
         return f"<{token_id}>"
 
 
-def _top(entry: dict) -> list[tuple[int, float]]:
-    return [(int(t), float(lp)) for t, lp in (entry.get("top_logprobs") or [])]
+def _logprob(entry: Sample) -> float:
+    return float(entry.logprob) if entry.logprob is not None else float("nan")
 
 
-def completion_logprobs(tokenizer: Any, entries: list[dict], text_offset: int) -> dict:
+def completion_logprobs(tokenizer: Any, entries: list[Sample], text_offset: int) -> dict:
     """{"tokens", "token_logprobs", "top_logprobs", "text_offset"} for the tokens in `entries`."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = text_offset
     for e in entries:
-        text = _token_text(tokenizer, int(e["token_id"]))
+        text = _token_text(tokenizer, e.token_id)
         tokens.append(text)
-        token_logprobs.append(float(e["logprob"]))
-        tops.append({_token_text(tokenizer, t): lp for t, lp in _top(e)} or None)
+        token_logprobs.append(_logprob(e))
+        tops.append({_token_text(tokenizer, t): lp for t, lp in e.top_logprobs or []} or None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer: Any, entries: list[dict]) -> dict:
+def chat_logprobs(tokenizer: Any, entries: list[Sample]) -> dict:
     """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}."""
 
     def item(token_id: int, logprob: float) -> dict:
@@ -41,7 +44,7 @@ def chat_logprobs(tokenizer: Any, entries: list[dict]) -> dict:
 
     content = []
     for e in entries:
-        c = item(int(e["token_id"]), float(e["logprob"]))
-        c["top_logprobs"] = [item(t, lp) for t, lp in _top(e)]
+        c = item(e.token_id, _logprob(e))
+        c["top_logprobs"] = [item(t, lp) for t, lp in e.top_logprobs or []]
         content.append(c)
     return {"content": content}

@@ -521,5 +521,5 @@ def test_bf16_same_step_reads_match_deferred_reads(new_llm):
         if same.token_ids == deferred.token_ids:
             continue
         j = next(j for j, (a, b) in enumerate(zip(same.token_ids, deferred.token_ids, strict=True)) if a != b)
-        top = same.logprobs[j]["top_logprobs"]
+        top = same.logprobs[j].top_logprobs
         assert top[0][1] - top[1][1] <= 0.25, (j, top)  # a near-tie, not a wrong read
