@@ -23,6 +23,7 @@ from prefixkv.kvcache.offload.copier import TierCopier
 from prefixkv.kvcache.offload.factory import create_kv_tier
 from prefixkv.kvcache.offload.tier import TierManifest
 from prefixkv.kvcache.offload.tiered_cache import TieredKVCache
+from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.model import loader
 from prefixkv.model.loader import LoadedModel
 from prefixkv.model.options import KernelOptions
@@ -235,7 +236,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
-    def cache_summary(self) -> dict:
+    def cache_summary(self) -> CacheSummary:
         return self.llm_engine.cache_summary()
 
     def render_cache_tree(self, max_depth: int = 3, max_children: int = 5) -> str:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from prefixkv.batch import BatchItem, Sample
 from prefixkv.config import EngineConfig
+from prefixkv.engine.client import EngineTokenizer, ModelShape
 from prefixkv.engine.core import EngineCore, StepComponent
 from prefixkv.engine.detokenizer import IncrementalDetokenizer
 from prefixkv.engine.metrics import EngineStats
@@ -28,6 +29,7 @@ from prefixkv.engine.policy_factory import create_policy
 from prefixkv.engine.scheduler import Scheduler, SchedulerOutput
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.kvcache.retention import validate_retention
+from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from prefixkv.request import MultiModalHash, Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
@@ -72,27 +74,6 @@ class RunnerExecutor:
         samples = self.runner.execute(items)
         self.seconds += time.perf_counter() - started
         return samples
-
-
-class EngineTokenizer(Protocol):
-    eos_token_ids: set[int]
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
-
-    def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, allow_special_tokens_in_content: bool = False
-    ) -> list[int]: ...
-
-
-class ModelShape(Protocol):
-    """The two facts about the model the engine checks requests against."""
-
-    vocab_size: int
-    max_position_embeddings: int
 
 
 @dataclass(eq=False, slots=True)
@@ -503,7 +484,7 @@ class Engine:
         self.core.reset()
         return done
 
-    def cache_summary(self) -> dict:
+    def cache_summary(self) -> CacheSummary:
         return self.kv.summary()
 
     def render_cache_tree(self, max_depth: int = 3, max_children: int = 5) -> str:

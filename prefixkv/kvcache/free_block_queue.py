@@ -17,6 +17,7 @@ class Block:
         "ref_cnt",
         "block_hash",
         "cache_salt",
+        "lora_id",
         "prev_free",
         "next_free",
         "parent_hash",
@@ -32,6 +33,7 @@ class Block:
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
         self.cache_salt: str | None = None  # the namespace (tenant) of the cached KV, for a per-tenant reset
+        self.lora_id: str | None = None  # and its adapter (the cache summary's namespace rows)
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
         # set while cached, for eviction policies other than LRU (they need the chain's shape and the block's use)

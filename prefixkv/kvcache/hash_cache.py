@@ -33,6 +33,7 @@ from prefixkv.kvcache.eviction import EvictionHeap, make_eviction_policy
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
 from prefixkv.kvcache.hashing import extend_block_keys, external_block_hash, hash_function
 from prefixkv.kvcache.manager import PagedKVCache
+from prefixkv.kvcache.summary import CacheSummary, NamespaceUsage
 from prefixkv.request import Request
 
 
@@ -216,6 +217,7 @@ class HashPrefixCache(PagedKVCache):
                 block = held.blocks[i]
                 block.block_hash = key
                 block.cache_salt = request.cache_salt
+                block.lora_id = request.lora_id
                 block.hits = 0
                 self.cached[key] = block
                 if i >= held.num_committed:
@@ -399,31 +401,30 @@ class HashPrefixCache(PagedKVCache):
         return {external_block_hash(key) for key in self.cached}
 
     # -- introspection -------------------------------------------------------------------------------------
-    def summary(self) -> dict:
+    def summary(self) -> CacheSummary:
         out = super().summary()
-        out.update(
+        out.cached_tokens = len(self.cached) * self.page_size
+        out.running_requests = len(self._held)
+        out.by_namespace = self._by_namespace()
+        out.details.update(
             block_size=self.page_size,
             hash_algo=self.hash_algo,
             eviction=self.eviction.name if self.caching else None,
             cached_blocks=len(self.cached),
-            cached_tokens=len(self.cached) * self.page_size,
             evictable_blocks=(sum(1 for b in self.free_queue if b.block_hash is not None) + len(self._parked))
             if self.caching
             else 0,
-            running_requests=len(self._held),
-            by_namespace=self._by_namespace(),
         )
         return out
 
-    def _by_namespace(self) -> list[dict]:
-        """Cached tokens per cache_salt (tenant), largest first; the hash chain keeps no per-block hit count."""
-        tokens: dict[str | None, int] = {}
+    def _by_namespace(self) -> list[NamespaceUsage]:
+        """Cached tokens per (cache_salt, adapter), largest first; the hash chain keeps no per-block hit count."""
+        tokens: dict[tuple[str | None, str | None], int] = {}
         for b in self.cached.values():
-            tokens[b.cache_salt] = tokens.get(b.cache_salt, 0) + self.page_size
-        return [
-            {"cache_salt": salt, "cached_tokens": n}
-            for salt, n in sorted(tokens.items(), key=lambda kv: (-kv[1], str(kv[0])))
-        ]
+            key = (b.cache_salt, b.lora_id)
+            tokens[key] = tokens.get(key, 0) + self.page_size
+        ordered = sorted(tokens.items(), key=lambda kv: (-kv[1], str(kv[0])))
+        return [NamespaceUsage(salt, lora, n) for (salt, lora), n in ordered]
 
     def check_invariants(self) -> None:
         free = list(self.free_queue)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from prefixkv.kvcache.events import AllBlocksCleared, KVCacheEvent
 from prefixkv.kvcache.retention import RetentionTable
+from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.request import Request
 
 
@@ -143,21 +144,21 @@ class KVCacheManager(ABC):
         accepts, i.e. one tenant's). False when some request still holds pages of what was to go."""
         return True
 
-    def summary(self) -> dict:
-        """A JSON-able view of the cache for humans (CLI, admin endpoint)."""
-        return {
-            "type": self.name,
-            "num_pages": self.num_pages,
-            "page_size": self.page_size,
-            "free_pages": self.num_free_pages(),
-            "queries": self.stats.queries,
-            "hits": self.stats.hits,
-            "hit_rate": self.stats.hit_rate,
-            "readmission_queries": self.stats.readmission_queries,
-            "readmission_hits": self.stats.readmission_hits,
-            "evicted_pages": self.stats.evicted_pages,
+    def summary(self) -> CacheSummary:
+        """The cache's view of itself for humans (CLI, admin endpoint); caches add what they hold."""
+        return CacheSummary(
+            type=self.name,
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            free_pages=self.num_free_pages(),
+            queries=self.stats.queries,
+            hits=self.stats.hits,
+            hit_rate=self.stats.hit_rate,
+            readmission_queries=self.stats.readmission_queries,
+            readmission_hits=self.stats.readmission_hits,
+            evicted_pages=self.stats.evicted_pages,
             **self.retention.summary(),
-        }
+        )
 
     # -- optional views (defaults for caches that have nothing to show) ----------------------------------------
     def prefix_path(self, request: Request) -> list[Hashable]:

@@ -33,6 +33,7 @@ from prefixkv.kvcache.events import block_removed, block_stored
 from prefixkv.kvcache.hashing import extend_block_keys, external_block_hash, hash_function
 from prefixkv.kvcache.manager import PagedKVCache
 from prefixkv.kvcache.radix_tree import RadixNode, RadixTree
+from prefixkv.kvcache.summary import CacheSummary, HotPrefix, NamespaceUsage
 from prefixkv.request import Request
 
 
@@ -356,38 +357,38 @@ class RadixPrefixCache(PagedKVCache):
         return {self._page_hash[p] for node in self.tree.nodes() for p in node.pages}
 
     # -- views ---------------------------------------------------------------------------------------------
-    def summary(self, top_k: int = 5) -> dict:
+    def summary(self, top_k: int = 5) -> CacheSummary:
         out = super().summary()
         tree = self.tree
-        out.update(
+        out.cached_tokens = tree.evictable_tokens + tree.protected_tokens
+        out.running_requests = len(self._requests)
+        out.top_prefixes = self.top_prefixes(top_k)
+        out.by_namespace = self._by_namespace()
+        out.details.update(
             eviction=tree.eviction.name,
             nodes=tree.num_nodes,
             namespaces=len(tree.roots),
-            cached_tokens=tree.evictable_tokens + tree.protected_tokens,
             evictable_tokens=tree.evictable_tokens,
             protected_tokens=tree.protected_tokens,
-            running_requests=len(self._requests),
-            top_prefixes=self.top_prefixes(top_k),
-            by_namespace=self._by_namespace(),
         )
         return out
 
-    def _by_namespace(self) -> list[dict]:
+    def _by_namespace(self) -> list[NamespaceUsage]:
         """Per root: its adapter, cache_salt (tenant), cached tokens and admissions that hit it; largest first."""
         rows = []
         for namespace, root in self.tree.roots.items():
-            lora, salt = namespace if isinstance(namespace, tuple) else (None, namespace)
+            salt, lora = self._salt_and_lora(namespace)
             tokens, stack = 0, list(root.children.values())
             while stack:
                 node = stack.pop()
                 tokens += len(node.tokens)
                 stack.extend(node.children.values())
             hits = sum(child.hits for child in root.children.values())
-            rows.append({"lora_id": lora, "cache_salt": salt, "cached_tokens": tokens, "hits": hits})
-        rows.sort(key=lambda r: (-r["cached_tokens"], str(r["cache_salt"])))
+            rows.append(NamespaceUsage(salt, lora, tokens, hits))
+        rows.sort(key=lambda r: (-r.cached_tokens, str(r.cache_salt)))
         return rows
 
-    def top_prefixes(self, k: int = 5) -> list[dict]:
+    def top_prefixes(self, k: int = 5) -> list[HotPrefix]:
         """The most hit prefixes, each reported once: a node whose hits all went on to one listed child is
         only the start of that prefix and is skipped."""
         nodes = sorted((n for n in self.tree.nodes() if n.hits), key=lambda n: (-n.hits, -self.tree.depth(n)))
@@ -398,15 +399,13 @@ class RadixPrefixCache(PagedKVCache):
             listed.append(node)
             if len(listed) == k:
                 break
-        return [
-            {
-                "tokens": self.tree.depth(n),
-                "hits": n.hits,
-                "locks": n.lock_ref,
-                "namespace": list(n.namespace) if isinstance(n.namespace, tuple) else n.namespace,
-            }
-            for n in listed
-        ]
+        return [HotPrefix(*self._salt_and_lora(n.namespace), self.tree.depth(n), n.hits, n.lock_ref) for n in listed]
+
+    @staticmethod
+    def _salt_and_lora(namespace) -> tuple[str | None, str | None]:
+        """A tree namespace as (cache_salt, lora_id): (adapter, salt) when an adapter is set, else the salt."""
+        lora, salt = namespace if isinstance(namespace, tuple) else (None, namespace)
+        return salt, lora
 
     def render_tree(self, tokenizer_decode=None, max_depth: int = 3, max_children: int = 5) -> str:
         """The top of the tree as text: per node its tokens, hits, locks and the start of its run."""

@@ -73,6 +73,11 @@ class Tokenizer:
         """Same ids as `hf(text).input_ids` (the tokenizer's default special-token handling)."""
         return list(self.hf(text).input_ids)
 
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: the longest vocabulary entry. Byte-level BPE
+        spells each byte as one character, so this bounds the decoded length of any token from above."""
+        return max((len(t) for t in self.hf.get_vocab()), default=1)
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         text = self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
         assert isinstance(text, str)  # one sequence decodes to one string (transformers types the batch case too)

@@ -9,13 +9,13 @@ prompt text) need an admin key. Without keys every caller is an admin, as before
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, is_dataclass
-from typing import Any
+from dataclasses import asdict
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.server.auth import (
     TAG_LEN,
     bearer_token,
@@ -33,12 +33,6 @@ router = APIRouter()  # any valid key
 admin_only = APIRouter()  # an admin key
 
 _STARTED = int(time.time())
-
-
-def stats_dict(stats: Any) -> dict:
-    if is_dataclass(stats) and not isinstance(stats, type):
-        return asdict(stats)
-    return {k: v for k, v in vars(stats).items() if not k.startswith("_")}
 
 
 @public.get("/health")
@@ -65,7 +59,7 @@ async def list_models(raw: Request) -> dict:
 @router.get("/metrics")
 async def metrics(raw: Request) -> Response:
     state = server_state(raw)
-    stats = await state.engine.call(lambda engine: engine.get_stats())
+    stats = await state.engine.stats()
     return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -74,20 +68,18 @@ async def load(raw: Request) -> dict:
     """The gauges a router scores replicas on, as small JSON (cheaper to poll and parse than /metrics): queue
     lengths, KV pool use and how much the prefix cache holds, plus where its KV events are published."""
 
-    def read(engine: Any) -> dict:
-        stats = engine.get_stats()
-        return {
-            "num_requests_waiting": stats.num_waiting,
-            "num_requests_running": stats.num_running,
-            "kv_cache_usage": stats.kv_usage,
-            "num_pages_used": stats.num_pages_used,
-            "num_pages_total": stats.num_pages_total,
-            "num_cached_pages": stats.num_cached_pages,
-            "page_size": engine.config.page_size,
-            "kv_events_endpoint": stats.kv_events_endpoint,
-        }
-
-    return await server_state(raw).engine.call(read)
+    state = server_state(raw)
+    stats = await state.engine.stats()
+    return {
+        "num_requests_waiting": stats.num_waiting,
+        "num_requests_running": stats.num_running,
+        "kv_cache_usage": stats.kv_usage,
+        "num_pages_used": stats.num_pages_used,
+        "num_pages_total": stats.num_pages_total,
+        "num_cached_pages": stats.num_cached_pages,
+        "page_size": state.page_size,
+        "kv_events_endpoint": stats.kv_events_endpoint,
+    }
 
 
 @admin_only.post("/reset_prefix_cache")
@@ -98,7 +90,7 @@ async def reset_prefix_cache(raw: Request, tenant: str | None = None) -> Respons
     only = None
     if tenant is not None:
         only = salt_filter(_owner_named(state, tenant))
-    ok = await state.engine.call(lambda engine: engine.reset_prefix_cache(only))
+    ok = await state.engine.reset_prefix_cache(only)
     scope = {} if tenant is None else {"tenant": tenant}
     if not ok:
         return JSONResponse(
@@ -126,51 +118,29 @@ def _owner_named(state: ServerState, tenant: str) -> str:
 
 @router.get("/cache/summary")
 async def cache_summary(raw: Request) -> dict:
-    """The engine's cache_summary() plus the counters a person checks first (hit rate, pages held); for a
-    tenant key only the namespaces of its own tenant (see tenant_view)."""
-
-    def read(engine: Any) -> dict:
-        summary = dict(engine.cache_summary())
-        summary["engine"] = stats_dict(engine.get_stats())
-        return summary
-
+    """The engine's cache summary plus the counters a person checks first (hit rate, pages held); for a tenant
+    key only the namespaces of its own tenant (see tenant_view)."""
     state = server_state(raw)
-    summary = await state.engine.call(read)
+    summary, stats = await state.engine.cache_summary()
     principal = principal_of(raw)
     if not principal.is_admin:
-        return tenant_view(
-            state, tenant_owner(state.tenant_isolation, principal, bearer_token(raw), None), principal.tenant, summary
-        )
-    stats = summary["engine"]
-    summary.setdefault("hit_rate", stats.get("prefix_cache_hit_rate", 0.0))
-    summary["kv_pages_used"] = stats.get("num_pages_used")
-    summary["kv_pages_total"] = stats.get("num_pages_total")
-    summary["tenant_isolation"] = state.tenant_isolation
+        owner = tenant_owner(state.tenant_isolation, principal, bearer_token(raw), None)
+        return tenant_view(state, owner, principal.tenant, summary)
+    out = summary.to_json()
+    out["engine"] = asdict(stats)
+    out["kv_pages_used"] = stats.num_pages_used
+    out["kv_pages_total"] = stats.num_pages_total
+    out["tenant_isolation"] = state.tenant_isolation
     if state.keys is not None and state.tenant_isolation != "none":
-        _name_tenants(summary, {salt_prefix("tenant:" + t): t for t in state.keys.tenants()})
-    return summary
+        tenant_by_prefix = {salt_prefix("tenant:" + t): t for t in state.keys.tenants()}
+        for key in ("by_namespace", "top_prefixes"):  # each row names the key-file tenant its salt belongs to
+            for row in out[key]:
+                salt = row["cache_salt"]
+                row["tenant"] = tenant_by_prefix.get(salt[:TAG_LEN]) if salt is not None else None
+    return out
 
 
-def _rows(summary: dict) -> list[dict]:
-    """The rows of a summary that name a namespace: per-namespace usage and the top prefixes."""
-    return list(summary.get("by_namespace", [])) + list(summary.get("top_prefixes", []))
-
-
-def _salt(row: dict) -> str | None:
-    if "cache_salt" in row:
-        return row["cache_salt"]
-    namespace = row.get("namespace")
-    return namespace[1] if isinstance(namespace, list) and len(namespace) == 2 else None
-
-
-def _name_tenants(summary: dict, tenant_by_prefix: dict[str, str]) -> None:
-    """Label each namespace row of the admin view with the key-file tenant its salt belongs to."""
-    for row in _rows(summary):
-        salt = _salt(row)
-        row["tenant"] = tenant_by_prefix.get(salt[:TAG_LEN]) if isinstance(salt, str) else None
-
-
-def tenant_view(state: ServerState, owner: str | None, tenant: str | None, summary: dict) -> dict:
+def tenant_view(state: ServerState, owner: str | None, tenant: str | None, summary: CacheSummary) -> dict:
     """What a tenant key may see: the cache's shape and its own namespaces (cached tokens, hits, top prefix
     lengths), never another tenant's namespaces or hit counts, nor the server-wide counters that sum them.
     With isolation off no namespace is the tenant's own, so none is shown."""
@@ -178,10 +148,10 @@ def tenant_view(state: ServerState, owner: str | None, tenant: str | None, summa
     return {
         "tenant": tenant,
         "tenant_isolation": state.tenant_isolation,
-        "type": summary.get("type"),
-        "page_size": summary.get("page_size"),
-        "by_namespace": [row for row in summary.get("by_namespace", []) if mine(_salt(row))],
-        "top_prefixes": [row for row in summary.get("top_prefixes", []) if mine(_salt(row))],
+        "type": summary.type,
+        "page_size": summary.page_size,
+        "by_namespace": [asdict(row) for row in summary.by_namespace if mine(row.cache_salt)],
+        "top_prefixes": [asdict(row) for row in summary.top_prefixes if mine(row.cache_salt)],
     }
 
 
@@ -189,5 +159,5 @@ def tenant_view(state: ServerState, owner: str | None, tenant: str | None, summa
 async def cache_tree(raw: Request, depth: int = 3, children: int = 5) -> Response:
     """The top of the radix tree as text (what `prefixkv cache-tree --url` prints); 400 for the hash cache.
     Admin only: the text is every tenant's prompts."""
-    text = await server_state(raw).engine.call(lambda engine: engine.render_cache_tree(depth, children))
+    text = await server_state(raw).engine.render_cache_tree(depth, children)
     return PlainTextResponse(text)

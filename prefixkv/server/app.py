@@ -8,10 +8,10 @@ The app carries its ServerLimits (app.state.limits); serving.make_server reads t
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import Depends, FastAPI
 
+from prefixkv.engine.client import EngineClient
 from prefixkv.server import admin, chat, completions, prewarm
 from prefixkv.server.async_engine import AsyncEngine
 from prefixkv.server.auth import KeyRing, authenticate, isolation_mode, require_admin
@@ -25,7 +25,7 @@ from prefixkv.server.state import ServerState
 
 
 def build_app(
-    engine: Any,
+    engine: EngineClient,
     *,
     served_model_name: str | None = None,
     api_key: str | None = None,
@@ -43,7 +43,7 @@ def build_app(
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{option} must be an integer >= 1, got {value!r}")
     name = served_model_name or engine.model_name
-    metrics = ServerMetrics(name, getattr(engine, "kernels", None))
+    metrics = ServerMetrics(name, engine.kernels)
     limits = limits or ServerLimits()
     async_engine = AsyncEngine(
         engine,
@@ -56,6 +56,7 @@ def build_app(
         tokenizer=engine.tokenizer,
         served_model_name=name,
         max_model_len=engine.max_model_len,
+        page_size=engine.config.tokens_per_page,
         metrics=metrics,
         keys=keys,
         tenant_isolation=tenant_isolation,

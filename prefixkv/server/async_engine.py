@@ -1,4 +1,4 @@
-"""One thread owns the Engine; every HTTP handler talks to it through a command queue.
+"""One thread owns the engine (an EngineClient); every HTTP handler talks to it through a command queue.
 
 Why a thread: Engine.step() is a blocking forward pass, so it cannot run on the event loop without stalling
 every connection. Why a command queue rather than a lock: add_request / abort / get_stats then never wait for a
@@ -24,14 +24,18 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
+from prefixkv.engine.client import EngineClient, Prompt
+from prefixkv.engine.metrics import EngineStats
+from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from prefixkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -185,11 +189,12 @@ def _coalesce(unread: RequestOutput | None, newer: RequestOutput) -> RequestOutp
 
 
 class AsyncEngine:
-    """Wraps a (not thread-safe) Engine for asyncio callers. Start with start(), end with shutdown()."""
+    """Wraps a (not thread-safe) engine for asyncio callers, with the EngineClient's questions as typed coroutines
+    answered on the engine thread between two steps. Start with start(), end with shutdown()."""
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         *,
         on_finished: Callable[[FinishedRequest], None] | None = None,
         on_aborted: Callable[[int], None] | None = None,
@@ -212,22 +217,38 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._commands.put(_STOP)
         self._thread.join(timeout)
-        close = getattr(self.engine, "close", None)
-        if close is not None and not self._thread.is_alive():
-            close()  # the KV event publisher's sockets
+        if not self._thread.is_alive():
+            self.engine.close()  # the step components: the KV event publisher's sockets, the tier's last writes
 
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._dead is None
 
     # -- the asyncio side ----------------------------------------------------------------------------------
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def _call(self, fn: Callable[[EngineClient], T]) -> T:
         """Run fn(engine) on the engine thread between two steps and return its result (or raise its error)."""
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
+
+    # -- the engine's questions, typed ---------------------------------------------------------------------
+    async def stats(self) -> EngineStats:
+        return await self._call(lambda engine: engine.get_stats())
+
+    async def cache_summary(self) -> tuple[CacheSummary, EngineStats]:
+        """The cache's summary and the engine's stats, read at one moment."""
+        return await self._call(lambda engine: (engine.cache_summary(), engine.get_stats()))
+
+    async def cached_prompt_tokens(self, prompt: Prompt, cache_salt: str | None) -> int:
+        return await self._call(lambda engine: engine.cached_prompt_tokens(prompt, cache_salt))
+
+    async def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
+        return await self._call(lambda engine: engine.reset_prefix_cache(salt_filter))
+
+    async def render_cache_tree(self, max_depth: int, max_children: int) -> str:
+        return await self._call(lambda engine: engine.render_cache_tree(max_depth, max_children))
 
     async def submit(
         self,
@@ -244,7 +265,7 @@ class AsyncEngine:
         group = RequestGroup(self, list(request_ids), self.max_backlog)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
 
-        def add(engine: Any) -> None:
+        def add(engine: EngineClient) -> None:
             added: list[str] = []
             try:
                 for index, (rid, prompt) in enumerate(zip(request_ids, prompts)):
@@ -257,7 +278,7 @@ class AsyncEngine:
                     self._safe_abort(rid)
                 raise
 
-        await self.call(add)
+        await self._call(add)
         self._groups.add(group)
         return group
 

@@ -8,11 +8,10 @@ CollectorRegistry so several servers (or tests) in one process do not collide.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from prefixkv.engine.metrics import EngineStats
 from prefixkv.server.async_engine import FinishedRequest
 
 _TTFT_BUCKETS = (
@@ -45,11 +44,7 @@ class _EngineStatsCollector:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.stats: Any = None
-
-    def _get(self, name: str, default: float = 0.0) -> float:
-        value = getattr(self.stats, name, default)
-        return float(value if value is not None else default)
+        self.stats: EngineStats | None = None
 
     def collect(self):
         labels = ["model_name"]
@@ -65,57 +60,57 @@ class _EngineStatsCollector:
             c.add_metric(values, value)
             return c
 
-        if self.stats is None:
+        stats = self.stats
+        if stats is None:
             return
-        yield gauge("prefixkv:num_requests_running", "Requests in the running batch.", self._get("num_running"))
-        yield gauge("prefixkv:num_requests_waiting", "Requests waiting to be scheduled.", self._get("num_waiting"))
+        yield gauge("prefixkv:num_requests_running", "Requests in the running batch.", float(stats.num_running))
+        yield gauge("prefixkv:num_requests_waiting", "Requests waiting to be scheduled.", float(stats.num_waiting))
         yield gauge(
             "prefixkv:kv_pages_used",
             "KV pages held by requests (cached-but-free pages excluded).",
-            self._get("num_pages_used"),
+            float(stats.num_pages_used),
         )
-        yield gauge("prefixkv:kv_pages_total", "KV pages in the pool.", self._get("num_pages_total"))
+        yield gauge("prefixkv:kv_pages_total", "KV pages in the pool.", float(stats.num_pages_total))
         yield gauge(
-            "prefixkv:kv_cache_usage_perc", "Fraction of KV pages held by requests (0-1).", self._get("kv_usage")
+            "prefixkv:kv_cache_usage_perc", "Fraction of KV pages held by requests (0-1).", float(stats.kv_usage)
         )
         yield gauge(
             "prefixkv:prefix_cache_cached_pages",
             "KV pages the prefix cache can serve a hit from (held by requests or evictable).",
-            self._get("num_cached_pages"),
+            float(stats.num_cached_pages),
         )
         yield gauge(
             "prefixkv:prefix_cache_hit_rate",
             "Prefix-cache hits / queries, in tokens, over first admissions since start.",
-            self._get("prefix_cache_hit_rate"),
+            float(stats.prefix_cache_hit_rate),
         )
         yield counter(
             "prefixkv:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache at first admission.",
-            self._get("prefix_cache_queries"),
+            float(stats.prefix_cache_queries),
         )
         yield counter(
-            "prefixkv:prefix_cache_hits", "Prompt tokens served from the prefix cache.", self._get("prefix_cache_hits")
+            "prefixkv:prefix_cache_hits", "Prompt tokens served from the prefix cache.", float(stats.prefix_cache_hits)
         )
         yield counter(
             "prefixkv:prefix_cache_readmission_queries",
             "Prompt tokens looked up when a preempted request was admitted again (not in the hit rate).",
-            self._get("prefix_cache_readmission_queries"),
+            float(stats.prefix_cache_readmission_queries),
         )
         yield counter(
             "prefixkv:prefix_cache_readmission_hits",
             "Of those, tokens served from the prefix cache.",
-            self._get("prefix_cache_readmission_hits"),
+            float(stats.prefix_cache_readmission_hits),
         )
         yield counter(
-            "prefixkv:num_preemptions", "Requests preempted (recomputed later).", self._get("num_preemptions")
+            "prefixkv:num_preemptions", "Requests preempted (recomputed later).", float(stats.num_preemptions)
         )
-        yield counter("prefixkv:prompt_tokens", "Prompt tokens processed.", self._get("prompt_tokens_total"))
-        yield counter("prefixkv:generation_tokens", "Tokens generated.", self._get("generation_tokens_total"))
-        tier = getattr(self.stats, "kv_tier", None)
-        if tier is not None:
-            yield from self._kv_offload(tier)
+        yield counter("prefixkv:prompt_tokens", "Prompt tokens processed.", float(stats.prompt_tokens_total))
+        yield counter("prefixkv:generation_tokens", "Tokens generated.", float(stats.generation_tokens_total))
+        if stats.kv_tier is not None:
+            yield from self._kv_offload(stats, stats.kv_tier)
 
-    def _kv_offload(self, tier: str):
+    def _kv_offload(self, stats: EngineStats, tier: str):
         """The KV offload tier's series (only with a tier configured): hit tokens per tier ("pool", and the
         tier's own name, "host" or "disk"), and the tier's traffic, fill and damage."""
         labels, values = ["model_name", "tier"], [self.model_name, tier]
@@ -124,36 +119,36 @@ class _EngineStatsCollector:
             "Tokens admitted as cached, by where their KV was: the pool, or the tier (loaded instead of recomputed).",
             labels=labels,
         )
-        hits.add_metric([self.model_name, "pool"], self._get("kv_pool_hit_tokens"))
-        hits.add_metric(values, self._get("kv_tier_hit_tokens"))
+        hits.add_metric([self.model_name, "pool"], float(stats.kv_pool_hit_tokens))
+        hits.add_metric(values, float(stats.kv_tier_hit_tokens))
         yield hits
-        for kind, name, doc, field in (
-            (CounterMetricFamily, "loaded_bytes", "KV bytes loaded into the pool.", "kv_tier_loaded_bytes"),
+        for kind, name, doc, value in (
+            (CounterMetricFamily, "loaded_bytes", "KV bytes loaded into the pool.", stats.kv_tier_loaded_bytes),
             (
                 CounterMetricFamily,
                 "load_seconds",
                 "Seconds spent reading and verifying tier entries and writing them into the pool.",
-                "kv_tier_load_seconds",
+                stats.kv_tier_load_seconds,
             ),
-            (CounterMetricFamily, "saved_chunks", "Chunks stored into the tier.", "kv_tier_saved_chunks"),
+            (CounterMetricFamily, "saved_chunks", "Chunks stored into the tier.", stats.kv_tier_saved_chunks),
             (
                 CounterMetricFamily,
                 "dropped_saves",
                 "Chunks not stored because the tier's writer was behind (recomputed if needed again).",
-                "kv_tier_dropped_saves",
+                stats.kv_tier_dropped_saves,
             ),
             (
                 CounterMetricFamily,
                 "corrupt",
                 "Tier entries found damaged and dropped (recomputed, never served).",
-                "kv_tier_corrupt",
+                stats.kv_tier_corrupt,
             ),
-            (GaugeMetricFamily, "entries", "Chunks held by the tier.", "kv_tier_entries"),
-            (GaugeMetricFamily, "bytes", "KV payload bytes held by the tier.", "kv_tier_bytes"),
-            (GaugeMetricFamily, "capacity_bytes", "The tier's capacity in bytes.", "kv_tier_capacity_bytes"),
+            (GaugeMetricFamily, "entries", "Chunks held by the tier.", stats.kv_tier_entries),
+            (GaugeMetricFamily, "bytes", "KV payload bytes held by the tier.", stats.kv_tier_bytes),
+            (GaugeMetricFamily, "capacity_bytes", "The tier's capacity in bytes.", stats.kv_tier_capacity_bytes),
         ):
             family = kind(f"prefixkv:kv_offload_{name}", doc, labels=labels)
-            family.add_metric(values, self._get(field))
+            family.add_metric(values, float(value))
             yield family
 
 
@@ -229,6 +224,6 @@ class ServerMetrics:
         """Requests aborted before finishing (client gone); the engine reports no output for them."""
         self.request_success.labels(self.model_name, "abort").inc(count)
 
-    def render(self, engine_stats: Any) -> bytes:
+    def render(self, engine_stats: EngineStats) -> bytes:
         self._stats.stats = engine_stats
         return generate_latest(self.registry)

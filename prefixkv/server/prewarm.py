@@ -56,7 +56,7 @@ async def prewarm_cache(body: PrewarmRequest, raw: Request) -> dict:
         (final,) = await group.collect()
     finally:
         group.close()
-    cached = await state.engine.call(lambda engine: engine.cached_prompt_tokens(prompt, salt))
+    cached = await state.engine.cached_prompt_tokens(prompt, salt)
     return {
         "id": request_id,
         "object": "cache.prewarm",

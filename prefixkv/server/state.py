@@ -17,6 +17,7 @@ from typing import Any
 import jinja2
 from fastapi import Request
 
+from prefixkv.engine.client import EngineTokenizer
 from prefixkv.server.async_engine import AsyncEngine, RequestGroup
 from prefixkv.server.auth import KeyRing, cache_salt_for
 from prefixkv.server.errors import APIError, from_value_error
@@ -29,18 +30,13 @@ logger = logging.getLogger(__name__)
 _CHARS_SLACK = 2
 
 
-def longest_token_chars(tokenizer: Any) -> int:
-    """The most characters of text one token can stand for: the longest vocabulary entry. Byte-level BPE
-    spells each byte as one character, so this bounds the decoded length of any token from above."""
-    return max((len(t) for t in tokenizer.hf.get_vocab()), default=1)
-
-
 @dataclass
 class ServerState:
     engine: AsyncEngine
-    tokenizer: Any
+    tokenizer: EngineTokenizer
     served_model_name: str
     max_model_len: int
+    page_size: int  # tokens per KV page (the router's /load reports it)
     metrics: ServerMetrics
     keys: KeyRing | None = None  # None: no key configured, every caller is an admin
     tenant_isolation: str = "none"
@@ -56,7 +52,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         if not self.max_prompt_chars:
-            self.max_prompt_chars = self.max_model_len * longest_token_chars(self.tokenizer) * _CHARS_SLACK
+            self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars() * _CHARS_SLACK
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:

@@ -91,4 +91,4 @@ def test_hit_gauge_counts_first_admissions_only_under_preemption(cache):
     every_admission = (stats.hits + stats.readmission_hits) / (stats.queries + stats.readmission_queries)
     assert every_admission > optimal  # what the gauge reported when re-admissions counted
     summary = kv.summary()
-    assert summary["hits"] == stats.hits and summary["readmission_hits"] == stats.readmission_hits
+    assert summary.hits == stats.hits and summary.readmission_hits == stats.readmission_hits

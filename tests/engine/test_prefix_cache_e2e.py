@@ -117,7 +117,7 @@ def test_radix_cache_summary_and_tree(llm_factory):
     for q in ("Hi!", "Hello?", "Hey there"):
         llm.chat(msgs + [{"role": "user", "content": q}], GREEDY, use_tqdm=False)
     summary = llm.cache_summary()
-    assert summary["type"] == "radix" and summary["cached_tokens"] > 0
-    assert summary["top_prefixes"] and summary["top_prefixes"][0]["hits"] >= 2
+    assert summary.type == "radix" and summary.cached_tokens > 0
+    assert summary.top_prefixes and summary.top_prefixes[0].hits >= 2
     tree = llm.render_cache_tree()
     assert "meticulous support agent" in tree and "hits=2" in tree

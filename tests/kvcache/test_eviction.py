@@ -22,8 +22,8 @@ def test_evicted_pages_counts_every_cached_page_dropped(kind):
     second = make_request(range(100, 125))  # 7 pages: the 4 uncached ones and 3 cached ones
     run_to_completion(kv, second)
     kv.check_invariants()
-    assert kv.stats.evicted_pages == 3 and kv.summary()["evicted_pages"] == 3
-    assert kv.summary()["eviction"] == "lru"
+    assert kv.stats.evicted_pages == 3 and kv.summary().evicted_pages == 3
+    assert kv.summary().details["eviction"] == "lru"
     kv.free(second)
     assert kv.reset_prefix_cache()
     assert kv.stats.evicted_pages == 3 + 1 + 6  # first's last cached page and second's 6, dropped by the reset

@@ -8,6 +8,7 @@ from prefixkv.kvcache.eviction import EVICTION_POLICIES
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 from prefixkv.kvcache.radix_tree import RadixTree, common_prefix_len
+from prefixkv.kvcache.summary import HotPrefix
 from prefixkv.request import MultiModalHash
 from tests.kvcache.helpers import admit, compute, make_request, run_to_completion
 
@@ -220,10 +221,10 @@ def test_stats_summary_and_render():
     for i in range(4):
         cached_then_freed(kv, system + [i, i + 1, i + 2])
     s = kv.summary()
-    assert s["type"] == "radix" and s["nodes"] == 5 and s["cached_tokens"] == 32 + 4 * 3
-    assert s["evictable_tokens"] == 44 and s["protected_tokens"] == 0
-    assert s["queries"] == 4 * 35 and s["hits"] == 3 * 32
-    assert s["top_prefixes"][0] == {"tokens": 32, "hits": 3, "locks": 0, "namespace": [None, None]}
+    assert s.type == "radix" and s.details["nodes"] == 5 and s.cached_tokens == 32 + 4 * 3
+    assert s.details["evictable_tokens"] == 44 and s.details["protected_tokens"] == 0
+    assert s.queries == 4 * 35 and s.hits == 3 * 32
+    assert s.top_prefixes[0] == HotPrefix(cache_salt=None, lora_id=None, tokens=32, hits=3, locks=0)
     text = kv.render_tree(tokenizer_decode=lambda ids: "tok" * len(ids), max_depth=2, max_children=2)
     assert "+32 tok" in text and "hits=3" in text and "... 2 more" in text
     assert "'toktok" in text

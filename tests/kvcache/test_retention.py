@@ -86,7 +86,7 @@ def test_cap_releases_the_weakest_retention(kind):
     retained = set(kv.retention.pages())
     assert len(retained & cached_pages(kv)) == 4
     summary = kv.summary()
-    assert summary["retained_pages"] == 4 and summary["retention_released_by_cap"] == 2
+    assert summary.retained_pages == 4 and summary.retention_released_by_cap == 2
     assert kv.reset_prefix_cache()  # an explicit reset drops retained KV too
     assert len(kv.retention) == 0 and kv.lookup(make_request(strong + [2])) == 0
     kv.check_invariants()

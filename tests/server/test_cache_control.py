@@ -135,10 +135,10 @@ def test_prewarmed_generation_equals_cold_fp32(llm):
     (cached,) = llm.prewarm(prompt)
     n = len(cold.prompt_token_ids)
     assert cached == n - n % llm.config.tokens_per_page > 0
-    assert llm.cache_summary()["retained_pages"] == 0
+    assert llm.cache_summary().retained_pages == 0
     warm = llm.generate(prompt, params, use_tqdm=False, retention_seconds=60.0)[0]
     assert warm.num_cached_tokens > 0
-    assert llm.cache_summary()["retained_pages"] >= cached // llm.config.tokens_per_page  # hit and computed pages
+    assert llm.cache_summary().retained_pages >= cached // llm.config.tokens_per_page  # hit and computed pages
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     with pytest.raises(ValueError, match="retention_seconds"):
         llm.prewarm(prompt, retention_seconds=-1)

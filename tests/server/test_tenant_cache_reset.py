@@ -34,11 +34,11 @@ def test_reset_one_tenant(make):
     for salt, hit in (("alice-1", 0), ("alice-2", 0), ("bob", 48), (None, 48), ("alice-3", 48)):
         assert kv.lookup(make_request(PROMPT + [9], cache_salt=salt)) == hit, salt
     if isinstance(kv, HashPrefixCache):
-        assert {row["cache_salt"] for row in kv.summary()["by_namespace"]} == {"bob", None, "alice-3"}
+        assert {row.cache_salt for row in kv.summary().by_namespace} == {"bob", None, "alice-3"}
 
     kv.free(running)
     assert kv.reset_prefix_cache(_alice) is True
     kv.check_invariants()
     assert kv.lookup(make_request(PROMPT + [9], cache_salt="alice-3")) == 0
     assert kv.lookup(make_request(PROMPT + [9], cache_salt="bob")) == 48
-    assert {row["cache_salt"] for row in kv.summary()["by_namespace"]} == {"bob", None}
+    assert {row.cache_salt for row in kv.summary().by_namespace} == {"bob", None}

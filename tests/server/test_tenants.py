@@ -207,7 +207,7 @@ def test_summary_as_tenant_shows_only_its_namespace(engines, key_file, kind):
         assert not {"hits", "queries", "hit_rate", "engine", "kv_pages_used", "top_prefix_text"} & set(alice)
         if kind == "radix":
             assert alice["by_namespace"][0]["hits"] == 1
-            assert [p["namespace"][1] for p in alice["top_prefixes"]] == [alice_salt]
+            assert [p["cache_salt"] for p in alice["top_prefixes"]] == [alice_salt]
         assert "Bob" not in str(alice) and "Alice" not in str(alice)  # never prompt text
 
 

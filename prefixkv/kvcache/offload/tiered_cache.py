@@ -42,6 +42,7 @@ from prefixkv.kvcache.hashing import extend_block_keys, hash_function
 from prefixkv.kvcache.manager import KVCacheManager, PrefixCacheStats
 from prefixkv.kvcache.offload.tier import KVTier
 from prefixkv.kvcache.retention import RetentionTable
+from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.request import Request
 
 DEFAULT_STAGING_BYTES = 256 << 20
@@ -456,10 +457,10 @@ class TieredKVCache(KVCacheManager):
     ) -> str:
         return self.inner.render_tree(tokenizer_decode, max_depth, max_children)
 
-    def summary(self) -> dict:
+    def summary(self) -> CacheSummary:
         out = self.inner.summary()
         t, s = self.tier, self.tier_stats
-        out["tier"] = {
+        out.details["tier"] = {
             "name": t.name,
             "chunk_tokens": self.chunk_tokens,
             "write_policy": self.write_policy,
