@@ -8,7 +8,8 @@ What a step computes is the engine core's (engine/core.py: schedule, execute, up
 the engine adds what a sampled token means to a client: text, stop rules, logprobs and outputs. It is handed its
 model runner, tokenizer, KV manager and step components (a second KV tier, KV events) by the composition root
 (prefixkv.llm.build_engine), so this package imports no model, tier or event class, and loads neither torch nor
-the model package.
+the model package. A prompt is parsed and checked in prompts.py; what is kept of a request between steps, and the
+outputs made of it, in sequences.py.
 """
 
 from __future__ import annotations
@@ -16,22 +17,24 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol
 
 from prefixkv.batch import BatchItem, Sample
 from prefixkv.config import EngineConfig
-from prefixkv.engine.client import EngineTokenizer, ModelShape
+from prefixkv.engine.client import EngineTokenizer, ModelShape, Prompt
 from prefixkv.engine.core import EngineCore, StepComponent
 from prefixkv.engine.detokenizer import IncrementalDetokenizer
 from prefixkv.engine.metrics import EngineStats
 from prefixkv.engine.policy_factory import create_policy
+from prefixkv.engine.prompts import max_tokens_for, parse_prompt
 from prefixkv.engine.scheduler import Scheduler, SchedulerOutput
+from prefixkv.engine.sequences import ParentRequest, SequenceState, build_output
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.kvcache.retention import validate_retention
 from prefixkv.kvcache.summary import CacheSummary
-from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
-from prefixkv.request import MultiModalHash, Request, RequestStatus
+from prefixkv.outputs import RequestOutput, RequestOutputKind
+from prefixkv.request import Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
 
 
@@ -76,34 +79,6 @@ class RunnerExecutor:
         return samples
 
 
-@dataclass(eq=False, slots=True)
-class _Sequence:
-    """Engine-side state of one generated sequence: the scheduled Request plus its text."""
-
-    request: Request
-    parent_id: str
-    index: int
-    detok: IncrementalDetokenizer
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[Sample] | None = None
-    cumulative_logprob: float = 0.0
-    # what earlier outputs carried (output_kind="delta" sends only what came after)
-    sent_tokens: int = 0
-    sent_text: int = 0
-    sent_finished: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[_Sequence]
-    arrival_time: float
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-
-
 class Engine:
     def __init__(
         self,
@@ -142,8 +117,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv, self.policy)
         self._executor = RunnerExecutor(runner, kv)
         self.core = EngineCore(self.scheduler, self._executor, components)
-        self._parents: dict[str, _Parent] = {}
-        self._seqs: dict[str, _Sequence] = {}  # by the scheduled request's id
+        self._parents: dict[str, ParentRequest] = {}
+        self._seqs: dict[str, SequenceState] = {}  # by the scheduled request's id
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -158,7 +133,7 @@ class Engine:
     def add_request(
         self,
         request_id: str | None,
-        prompt: str | list[int] | dict,
+        prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         *,
         priority: int = 0,
@@ -188,8 +163,9 @@ class Engine:
         kind = RequestOutputKind.parse(output_kind)
         params = sampling_params or SamplingParams()
         params.validate()
-        text, token_ids, cache_salt, lora_id, mm = self._parse_prompt(prompt, cache_salt, lora_id, mm_hashes)
-        max_tokens = self._check_lengths(token_ids, params)
+        parsed = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, cache_salt, lora_id, mm_hashes)
+        token_ids = parsed.token_ids
+        max_tokens = max_tokens_for(len(token_ids), params, self.max_model_len, self.kv.num_pages * self.kv.page_size)
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         retention_seconds = validate_retention(retention_seconds, retention_priority)
@@ -210,11 +186,11 @@ class Engine:
                 list(token_ids),
                 child_params,
                 arrival_time=arrival,
-                prompt=text,
+                prompt=parsed.text,
                 priority=priority,
-                cache_salt=cache_salt,
-                lora_id=lora_id,
-                mm_hashes=mm,
+                cache_salt=parsed.cache_salt,
+                lora_id=parsed.lora_id,
+                mm_hashes=parsed.mm_hashes,
                 max_tokens=max_tokens,
                 retention_seconds=retention_seconds,
                 retention_priority=retention_priority,
@@ -227,79 +203,15 @@ class Engine:
                 child_params.include_stop_str_in_output,
                 child_params.skip_special_tokens,
             )
-            seq = _Sequence(req, request_id, i, detok, logprobs=[] if params.logprobs is not None else None)
+            seq = SequenceState(req, request_id, i, detok, logprobs=[] if params.logprobs is not None else None)
             sequences.append(seq)
-        parent = _Parent(request_id, text, list(token_ids), sequences, arrival, kind)
+        parent = ParentRequest(request_id, parsed.text, list(token_ids), sequences, arrival, kind)
         self._parents[request_id] = parent
         for seq in sequences:
             self._seqs[seq.request.request_id] = seq
             self.core.add(seq.request)
         self._prompt_tokens += len(token_ids) * params.n
         return request_id
-
-    def _parse_prompt(self, prompt, cache_salt, lora_id, mm_hashes):
-        text = None
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {
-                "prompt",
-                "prompt_token_ids",
-                "cache_salt",
-                "lora_id",
-                "adapter_id",
-                "multi_modal_hashes",
-            }
-            if unknown:
-                raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
-            cache_salt = prompt.get("cache_salt", cache_salt)
-            lora_id = prompt.get("lora_id", prompt.get("adapter_id", lora_id))
-            mm_hashes = prompt.get("multi_modal_hashes", mm_hashes)
-            if "prompt_token_ids" in prompt:
-                token_ids = prompt["prompt_token_ids"]
-                text = prompt.get("prompt")
-            elif "prompt" in prompt:
-                text = prompt["prompt"]
-                token_ids = None
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            text, token_ids = prompt, None
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = prompt
-        else:
-            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-        if token_ids is None:
-            if not isinstance(text, str):
-                raise ValueError("prompt must be a string")
-            token_ids = self.tokenizer.encode(text)
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError("cache_salt must be a string")
-        mm = tuple(m if isinstance(m, MultiModalHash) else MultiModalHash(*m) for m in (mm_hashes or ()))
-        return text, list(token_ids), cache_salt, (None if lora_id is None else str(lora_id)), mm
-
-    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
-        n = len(token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens but the model's context length (max_model_len) is "
-                f"{self.max_model_len}; at least one token must be left to generate"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={max_tokens} with a {n}-token prompt exceeds max_model_len="
-                f"{self.max_model_len}; ask for at most {self.max_model_len - n} tokens"
-            )
-        capacity = self.kv.num_pages * self.kv.page_size
-        if n + max_tokens > capacity:
-            raise ValueError(
-                f"prompt plus max_tokens ({n + max_tokens} tokens) cannot fit the KV cache ({capacity} tokens)"
-            )
-        return max_tokens
 
     def abort(self, request_id: str) -> None:
         parent = self._parents.get(str(request_id))
@@ -308,7 +220,7 @@ class Engine:
         for seq in parent.sequences:
             if seq.finish_reason is None:
                 self._finish(seq, RequestStatus.FINISHED_ABORTED)
-        self._aborted_outputs.append(self._output(parent))
+        self._aborted_outputs.append(build_output(parent))
         self._parents.pop(parent.request_id, None)
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -322,7 +234,7 @@ class Engine:
         result = self.core.step()
         self._computed_tokens += result.scheduled.num_batched_tokens
         now = time.monotonic()
-        touched: dict[str, _Parent] = {}
+        touched: dict[str, ParentRequest] = {}
         for (req, _), sample in zip(result.scheduled.scheduled, result.samples):
             if sample is None:
                 if req.prefill_only and req.num_computed_tokens == req.num_tokens:  # prewarmed: its KV is cached
@@ -336,7 +248,7 @@ class Engine:
         for parent in touched.values():
             finished = all(seq.finish_reason is not None for seq in parent.sequences)
             if finished or parent.output_kind is not RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._output(parent))
+                outputs.append(build_output(parent))
             if finished:
                 del self._parents[parent.request_id]
         return outputs
@@ -351,7 +263,7 @@ class Engine:
         the tier)."""
         self.core.flush()
 
-    def _on_token(self, seq: _Sequence, sample: Sample, now: float) -> None:
+    def _on_token(self, seq: SequenceState, sample: Sample, now: float) -> None:
         """The scheduler has appended the sampled token: record its logprobs and text, and apply stop rules."""
         req = seq.request
         token = sample.token_id
@@ -375,67 +287,11 @@ class Engine:
         elif req.num_output_tokens >= req.max_tokens:
             self._finish(seq, RequestStatus.FINISHED_LENGTH)
 
-    def _finish(self, seq: _Sequence, status: RequestStatus) -> None:
+    def _finish(self, seq: SequenceState, status: RequestStatus) -> None:
         self.scheduler.finish(seq.request, status)
         seq.finish_reason = status.value
         seq.request.finish_time = time.monotonic()
         self._seqs.pop(seq.request.request_id, None)
-
-    def _output(self, parent: _Parent) -> RequestOutput:
-        delta = parent.output_kind is RequestOutputKind.DELTA
-        completions = []
-        for seq in parent.sequences:
-            req = seq.request
-            tokens = req.output_token_ids
-            if not delta:
-                completions.append(
-                    CompletionOutput(
-                        index=seq.index,
-                        text=seq.detok.text,
-                        token_ids=tokens,
-                        finish_reason=seq.finish_reason,
-                        stop_reason=seq.stop_reason,
-                        logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                        cumulative_logprob=None if seq.logprobs is None else seq.cumulative_logprob,
-                    )
-                )
-                continue
-            finished_now = seq.finish_reason is not None and not seq.sent_finished
-            if len(tokens) == seq.sent_tokens and not finished_now:
-                continue  # nothing new for this sibling
-            text = seq.detok.text
-            shown = len(text) if seq.finish_reason is not None else max(seq.sent_text, len(text) - seq.detok.holdback)
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text[seq.sent_text : shown],
-                    token_ids=tokens[seq.sent_tokens :],
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=None if seq.logprobs is None else seq.logprobs[seq.sent_tokens :],
-                    cumulative_logprob=None if seq.logprobs is None else seq.cumulative_logprob,
-                )
-            )
-            seq.sent_tokens, seq.sent_text = len(tokens), shown
-            seq.sent_finished = seq.finish_reason is not None
-        reqs = [s.request for s in parent.sequences]
-        first = reqs[0]
-        finished = all(seq.finish_reason is not None for seq in parent.sequences)
-        metrics = RequestMetrics(
-            arrival_time=parent.arrival_time,
-            first_scheduled_time=min((r.first_scheduled_time for r in reqs if r.first_scheduled_time), default=None),
-            first_token_time=min((r.first_token_time for r in reqs if r.first_token_time), default=None),
-            finish_time=max((r.finish_time or 0 for r in reqs), default=None) if finished else None,
-        )
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics=metrics,
-        )
 
     # -- introspection ---------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -461,20 +317,20 @@ class Engine:
             **self.core.stats(),
         )
 
-    def cached_prompt_tokens(self, prompt: str | list[int] | dict, cache_salt: str | None = None) -> int:
+    def cached_prompt_tokens(self, prompt: Prompt, cache_salt: str | None = None) -> int:
         """Tokens of `prompt` a request starting with it would find cached now (whole pages; the prompt's last
         token included, as for a longer request). No side effects."""
-        _, token_ids, cache_salt, lora_id, mm = self._parse_prompt(prompt, cache_salt, None, None)
+        parsed = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, cache_salt)
         probe = Request(
             f"cache-probe-{next(self._ids)}",
-            [*token_ids, 0],  # one more token: a lookup never covers a request's own last token
+            [*parsed.token_ids, 0],  # one more token: a lookup never covers a request's own last token
             SamplingParams(max_tokens=1),
-            cache_salt=cache_salt,
-            lora_id=lora_id,
-            mm_hashes=mm,
+            cache_salt=parsed.cache_salt,
+            lora_id=parsed.lora_id,
+            mm_hashes=parsed.mm_hashes,
         )
         try:
-            return min(self.kv.lookup(probe), len(token_ids))
+            return min(self.kv.lookup(probe), len(parsed.token_ids))
         finally:
             self.kv.free(probe)  # forgets the lookup's memo; the probe holds no pages
 

@@ -31,6 +31,22 @@ def test_import_graph_is_a_dag_with_the_contracted_edges():
     assert edges["prefixkv.router"] <= {"prefixkv.kvcache", "prefixkv.config", "prefixkv.request"}  # a pure library
 
 
+def test_the_engine_imports_no_tier_event_or_model_class():
+    """The engine and its core reach a second KV tier and KV events only as step components (engine/core.py)
+    built by the composition root (llm.py), and the model only through the runner it is handed."""
+    proc = _run([str(REPO / "scripts" / "import_graph.py"), "--modules"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in proc.stdout.splitlines():
+        node, _, deps = line.partition(" -> ")
+        if node == "prefixkv.engine" or node.startswith("prefixkv.engine."):
+            banned = [
+                d
+                for d in deps.split(", ")
+                if d.startswith(("prefixkv.kvcache.offload", "prefixkv.kv_events", "prefixkv.model"))
+            ]
+            assert not banned, f"{node} imports {banned}"
+
+
 def test_import_graph_script_reports_a_cycle(tmp_path):
     """The checker itself: a package whose two modules import each other inside functions is reported."""
     (tmp_path / "scripts").mkdir()

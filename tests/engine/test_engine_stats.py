@@ -27,8 +27,8 @@ def test_readmissions_are_counted_apart(llm_factory):
     assert after.prefix_cache_hits - before.prefix_cache_hits == sum(o.num_cached_tokens for o in outs)
     assert after.prefix_cache_readmission_queries > before.prefix_cache_readmission_queries
     summary = engine.cache_summary()
-    assert summary["queries"] == after.prefix_cache_queries
-    assert summary["readmission_queries"] == after.prefix_cache_readmission_queries
+    assert summary.queries == after.prefix_cache_queries
+    assert summary.readmission_queries == after.prefix_cache_readmission_queries
     assert engine.kv.num_used_pages() == 0
     # and so on the server's /metrics (the page is rendered from these stats)
     page = ServerMetrics("m").render(after).decode()
