@@ -8,11 +8,16 @@ The lowest cost wins; among equal costs the less loaded, then the replica cachin
 idle fleet new prefixes spread out instead of piling onto the first replica). As in SGLang's rule, a fleet whose
 load is clearly imbalanced (max - min > 64 requests and max > 1.5 x min) goes to the least loaded first.
 
-The default weights are not Dynamo's (decode 1, queue 1): on the Mooncake conversation trace those let load
-outweigh hits so far that the hit rate fell 9 points below the approximate router's, because every miss also
-duplicates a prefix and crowds the replicas' caches. Misses weigh 1, queued prefill 0.02, decode 0 (see
-docs/benchmarks/routing/README.md); with no load term at all, every request sharing a hot prefix herds onto one
-replica.
+The default weights (misses 1, queued prefill 0.02, decode 0.001) are not Dynamo's (decode 1, queue 1): on the
+Mooncake conversation trace those let load outweigh hits so far that the hit rate fell 9 points below the
+approximate router's, because every miss also duplicates a prefix and crowds the replicas' caches. They come from
+a sweep in the simulator on one slice of that trace (its first 3,000 requests: queue_weight 0-1 with decode 0,
+then decode_weight 0.001-0.1, then queue_weight refined; the lowest TTFT p90 over 4 and 8 replicas, 16x-128x
+load, 5% and 10% pools) and are reported on a disjoint later slice (trace seconds 1800-2637), never tuned on:
+docs/benchmarks/routing/README.md and tune_precise_weights.py there. With no load term at all, every request
+sharing a hot prefix herds onto one replica. Decode 0.001 is a mild pull toward the replica with less to decode:
+a running request there holds ~100 blocks on that trace (prompt plus output, 16-token pages), about a tenth of one
+missed block.
 
 Events only announce what a replica has computed. A prompt routed a moment ago is still queued or prefilling, and
 a second request with its prefix must follow it, or two replicas compute (and cache) the same prefix. So the
@@ -39,7 +44,7 @@ class PreciseRouting(RoutingPolicy):
         self,
         block_size: int = 16,
         prefill_weight: float = 1.0,
-        decode_weight: float = 0.0,
+        decode_weight: float = 0.001,
         queue_weight: float = 0.02,
         max_in_flight_blocks: int = 1_000_000,
         balance_abs_threshold: int | None = 64,

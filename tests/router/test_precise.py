@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
+import pytest
+
 from prefixkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixkv.router import BlockIndex, PreciseRouting, ReplicaState, Router, RouteRequest
 
 BS = 4
+TUNING_SWEEP = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "routing" / "tuning_sweep.json"
+MOONCAKE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
 
 
 def stored(hashes: list[int], parent: int | None = None, medium: str | None = "GPU") -> BlockStored:
@@ -40,10 +48,39 @@ def test_precise_routes_to_the_replica_holding_the_prefix_unless_it_is_much_busi
     assert policy.choose(request, busy) == "r0"
     queued = [ReplicaState("r0"), ReplicaState("r1", waiting=2, pending_prefill_tokens=40)]  # 2 + 10 > 10
     assert policy.choose(request, queued) == "r0"
-    default = PreciseRouting(block_size=BS)  # the defaults: misses 1, queued prefill 0.02, decode 0
+    default = PreciseRouting(block_size=BS)  # the defaults: misses 1, queued prefill 0.02, decode 0.001
     default.on_kv_events("r1", [stored(hashes[:8])])
     assert default.choose(request, busy) == "r1" and default.choose(request, queued) == "r1"
     assert default.costs(request, queued) == {"r0": 10.0, "r1": 2.2}
+    assert default.costs(request, busy) == pytest.approx({"r0": 10.0, "r1": 2.009})  # 9 blocks to decode
+
+
+def test_the_default_weights_are_the_ones_the_tuning_sweep_chose():
+    """docs/benchmarks/routing/tuning_sweep.json (tune_precise_weights.py there) chose them on the tuning slice."""
+    chosen = json.loads(TUNING_SWEEP.read_text())["chosen"]
+    policy = PreciseRouting()
+    assert (policy.prefill_weight, policy.queue_weight, policy.decode_weight) == (
+        1.0,
+        chosen["queue_weight"],
+        chosen["decode_weight"],
+    )
+
+
+@pytest.mark.skipif(not os.path.exists(MOONCAKE), reason="the shared Mooncake trace is not on this machine")
+def test_the_weights_were_tuned_on_a_slice_that_ends_before_the_held_out_one_begins():
+    """The tuning slice's last request arrives before the held-out slice's first: no request is in both."""
+    from prefixkv.sim.traces import TraceScaling, load_trace, scale_trace
+
+    sweep = json.loads(TUNING_SWEEP.read_text())
+    tuning, held_out = sweep["tuning_slice"], sweep["held_out_slice"]
+    assert tuning["args"] == ["--max-requests", str(tuning["max_requests"])] and tuning["start_s"] == 0
+    assert held_out["args"] == ["--start-s", str(held_out["start_s"]), "--max-requests", str(held_out["max_requests"])]
+    trace = load_trace(MOONCAKE)
+    assert trace.requests[0].arrival_s == 0  # arrivals are trace seconds from the first request
+    tuned = scale_trace(trace, TraceScaling(max_requests=tuning["max_requests"]))  # rebased to 0: trace seconds
+    assert len(tuned) == tuning["max_requests"] and tuned[-1].arrival_s < held_out["start_s"]
+    held = scale_trace(trace, TraceScaling(start_s=held_out["start_s"], max_requests=held_out["max_requests"]))
+    assert len(held) == held_out["max_requests"]
 
 
 def test_a_prompt_routed_but_not_yet_computed_draws_its_followers():
