@@ -21,6 +21,7 @@ from prefixkv.config import EngineConfig  # noqa: E402
 from prefixkv.serve_ray import build_application  # noqa: E402
 from prefixkv.serve_ray.ingress import RETRIES_HEADER, STATS_PATH  # noqa: E402
 from prefixkv.serve_ray.replica import REPLICA_HEADER  # noqa: E402
+from prefixkv.server.options import ServingOptions  # noqa: E402
 
 PROMPT = "The capital of France is a city that many people visit every year, and its most famous sight is"
 MODEL = None  # the served model: the one name a request may omit
@@ -176,7 +177,7 @@ def test_route_request_keys_tenants_apart(tmp_path):
 
     keys = tmp_path / "keys"
     keys.write_text("k1 acme\nk2 acme\nk3 beta\n")
-    salts = TenantSalts({"api_key_file": str(keys)})
+    salts = TenantSalts(ServingOptions(api_key_file=str(keys)))
     body = b'{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]}'
     routes = [
         route_request(body, {"authorization": f"Bearer {k}"}, tokenizer=object(), salts=salts)
@@ -184,7 +185,7 @@ def test_route_request_keys_tenants_apart(tmp_path):
     ]
     assert routes[0].cache_salt == derive_cache_salt("api-key", Principal("acme", "user"), "k1", None, None)
     assert routes[0].block_hashes(16) == routes[1].block_hashes(16) != routes[2].block_hashes(16)
-    assert route_request(body, {}, tokenizer=object(), salts=TenantSalts({})).cache_salt is None
+    assert route_request(body, {}, tokenizer=object(), salts=TenantSalts(ServingOptions())).cache_salt is None
 
 
 def test_ingress_stats_count_each_lost_attempt_and_only_the_retries_that_follow():

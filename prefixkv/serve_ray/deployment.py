@@ -17,6 +17,7 @@ from prefixkv.config import EngineConfig
 from prefixkv.serve_ray.ingress import Ingress
 from prefixkv.serve_ray.replica import EngineReplica
 from prefixkv.serve_ray.request_router import PrefixkvRequestRouter
+from prefixkv.server.options import ServingOptions
 
 CACHE_AWARE = ("approximate", "precise")  # policies that read the prompt's tokens (precise: and KV events)
 
@@ -27,11 +28,11 @@ def build_application(
     *,
     policy: str = "round-robin",
     policy_options: dict[str, Any] | None = None,
-    app_options: dict[str, Any] | None = None,
+    app_options: ServingOptions | None = None,
     max_ongoing_requests: int = 64,
 ) -> Any:
     """The Serve application (pass to serve.run). Each replica gets one torch thread unless config says more, and
-    reserves that many CPUs from Ray. `app_options` are build_app's keyword options (api_key, max_n, ...)."""
+    reserves that many CPUs from Ray. `app_options`: how each replica's server serves (keys, caps, limits)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     from prefixkv.router import create_policy
@@ -56,8 +57,9 @@ def build_application(
         ray_actor_options={"num_cpus": threads},
         request_router_config=RequestRouterConfig(**router_config),
     )
-    replica = engine.bind(replace(config, num_threads=threads), app_options or {}, policy == "precise")
-    return cast(Any, Ingress).bind(replica, config.model, cache_aware, app_options or {})
+    serving = app_options or ServingOptions()
+    replica = engine.bind(replace(config, num_threads=threads), serving, policy == "precise")
+    return cast(Any, Ingress).bind(replica, config.model, cache_aware, serving)
 
 
 def run(

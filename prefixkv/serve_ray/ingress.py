@@ -31,6 +31,7 @@ from prefixkv.router.request import RouteRequest
 from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
 from prefixkv.server.auth import OPEN, KeyRing, bearer_token, derive_cache_salt, isolation_mode
 from prefixkv.server.errors import APIError
+from prefixkv.server.options import ServingOptions
 
 logger = logging.getLogger("ray.serve")  # Serve's logger: lines land in the ingress replica's Serve log
 
@@ -50,9 +51,9 @@ class TenantSalts:
     """The cache salt each replica will give a request, computed in front of them from the same key file and
     isolation mode (prefixkv.server.auth), so a router keys two tenants' equal prompts apart as the caches do."""
 
-    def __init__(self, app_options: dict[str, Any]) -> None:
-        self.keys = KeyRing.build(app_options.get("api_key"), app_options.get("api_key_file"))
-        self.mode = isolation_mode(app_options.get("tenant_isolation"), app_options.get("api_key_file"))
+    def __init__(self, app_options: ServingOptions) -> None:
+        self.keys = KeyRing.build(app_options.api_key, app_options.api_key_file)
+        self.mode = isolation_mode(app_options.tenant_isolation, app_options.api_key_file)
 
     def salt(self, headers: dict[str, str], body: dict) -> str | None:
         client_salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
@@ -167,15 +168,15 @@ class Ingress:
         replicas: DeploymentHandle,
         model: str | None = None,
         tokenize: bool = False,
-        app_options: dict[str, Any] | None = None,
+        app_options: ServingOptions | None = None,
     ) -> None:
         """tokenize: give the router each prompt's token ids and cache salt (for the cache-aware policies);
         app_options: the replicas' app options (their keys and tenant isolation decide the salts)."""
         self._replicas = replicas
         self._tokenizer = routing_tokenizer(model) if tokenize else None
-        self._salts = TenantSalts(app_options or {}) if tokenize else None
-        options = app_options or {}
-        self._keys = KeyRing.build(options.get("api_key"), options.get("api_key_file"))
+        options = app_options or ServingOptions()
+        self._salts = TenantSalts(options) if tokenize else None
+        self._keys = KeyRing.build(options.api_key, options.api_key_file)
         self.stats = IngressStats()
 
     # Before the catch-all route below: FastAPI matches routes in the order they were declared.

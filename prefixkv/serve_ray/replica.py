@@ -23,6 +23,7 @@ import httpx
 
 from prefixkv.config import EngineConfig
 from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
+from prefixkv.server.options import ServingOptions
 
 REPLICA_HEADER = "x-prefixkv-replica"  # which replica answered: for logs, debugging and tests
 _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "host"}
@@ -31,7 +32,7 @@ _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "host"}
 class EngineReplica:
     """The deployment class (deployment.py wraps it with serve.deployment)."""
 
-    def __init__(self, config: EngineConfig, app_options: dict[str, Any], publish_kv_events: bool = False) -> None:
+    def __init__(self, config: EngineConfig, app_options: ServingOptions, publish_kv_events: bool = False) -> None:
         from prefixkv.llm import build_engine
         from prefixkv.server.app import build_app
 
@@ -44,7 +45,7 @@ class EngineReplica:
                 "kv_events_endpoint": f"tcp://{host}:{pub}",
                 "kv_events_replay_endpoint": f"tcp://{host}:{replay}",
             }
-        self._app = build_app(build_engine(config), **app_options)
+        self._app = build_app(build_engine(config), app_options)
         self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self._app), base_url="http://replica")
         self._lifespan = contextlib.AsyncExitStack()
         self._started = asyncio.Lock()

@@ -16,35 +16,21 @@ from prefixkv.server import admin, chat, completions, prewarm
 from prefixkv.server.async_engine import AsyncEngine
 from prefixkv.server.auth import KeyRing, authenticate, isolation_mode, require_admin
 from prefixkv.server.errors import install_error_handlers
-from prefixkv.server.limits import ServerLimits
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.openapi import install_openapi
-from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from prefixkv.server.options import ServingOptions
 from prefixkv.server.request_body import BoundedRequestBody
 from prefixkv.server.state import ServerState
 
 
-def build_app(
-    engine: EngineClient,
-    *,
-    served_model_name: str | None = None,
-    api_key: str | None = None,
-    api_key_file: str | None = None,
-    tenant_isolation: str | None = None,
-    max_n: int = DEFAULT_MAX_N,
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-    allow_special_tokens_in_content: bool = False,
-    limits: ServerLimits | None = None,
-) -> FastAPI:
-    """tenant_isolation None means `api-key` when a key file gives tenants, else `none` (as before key files)."""
-    keys = KeyRing.build(api_key, api_key_file)
-    tenant_isolation = isolation_mode(tenant_isolation, api_key_file)
-    for option, value in (("max_n", max_n), ("max_prompts_per_request", max_prompts_per_request)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{option} must be an integer >= 1, got {value!r}")
-    name = served_model_name or engine.model_name
+def build_app(engine: EngineClient, options: ServingOptions | None = None) -> FastAPI:
+    """The app serving `engine` as `options` say (defaults: no keys, default caps and limits)."""
+    options = options or ServingOptions()
+    keys = KeyRing.build(options.api_key, options.api_key_file)
+    tenant_isolation = isolation_mode(options.tenant_isolation, options.api_key_file)
+    name = options.served_model_name or engine.model_name
     metrics = ServerMetrics(name, engine.kernels)
-    limits = limits or ServerLimits()
+    limits = options.limits
     async_engine = AsyncEngine(
         engine,
         on_finished=metrics.observe_finished,
@@ -60,9 +46,9 @@ def build_app(
         metrics=metrics,
         keys=keys,
         tenant_isolation=tenant_isolation,
-        max_n=max_n,
-        max_prompts_per_request=max_prompts_per_request,
-        allow_special_tokens_in_content=allow_special_tokens_in_content,
+        max_n=options.max_n,
+        max_prompts_per_request=options.max_prompts_per_request,
+        allow_special_tokens_in_content=options.allow_special_tokens_in_content,
     )
 
     @asynccontextmanager

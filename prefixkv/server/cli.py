@@ -12,6 +12,7 @@ from prefixkv.prewarm import prewarm_from_file, read_prewarm_file
 from prefixkv.router import POLICIES
 from prefixkv.server.auth import DEFAULT_TENANT, TENANT_ISOLATION, KeyFileError, read_key_file
 from prefixkv.server.limits import add_limit_arguments, limits_from_args
+from prefixkv.server.options import ServingOptions
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 
 
@@ -86,7 +87,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_limit_arguments(p)
 
 
-def checked_app_options(args: argparse.Namespace) -> dict | None:
+def checked_app_options(args: argparse.Namespace) -> ServingOptions | None:
     """The server app's options from the flags, or None after printing why they are unusable (before any model
     loads: a typo in the key file should cost no wait). Shared with the Ray Serve replicas (prefixkv.serve_ray)."""
     if args.api_key_file is not None:
@@ -107,16 +108,20 @@ def checked_app_options(args: argparse.Namespace) -> dict | None:
         except (OSError, ValueError) as exc:
             print(f"prefixkv serve: error: --prewarm: {exc}", file=sys.stderr)
             return None
-    return dict(
-        served_model_name=args.served_model_name,
-        api_key=args.api_key,
-        api_key_file=args.api_key_file,
-        tenant_isolation=args.tenant_isolation,
-        max_n=args.max_n,
-        max_prompts_per_request=args.max_prompts_per_request,
-        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-        limits=limits_from_args(args),
-    )
+    try:
+        return ServingOptions(
+            served_model_name=args.served_model_name,
+            api_key=args.api_key,
+            api_key_file=args.api_key_file,
+            tenant_isolation=args.tenant_isolation,
+            max_n=args.max_n,
+            max_prompts_per_request=args.max_prompts_per_request,
+            allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+            limits=limits_from_args(args),
+        )
+    except ValueError as exc:  # --max-n 0: said before the model loads, not after
+        print(f"prefixkv serve: error: {exc}", file=sys.stderr)
+        return None
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -133,7 +138,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.replicas > 1:
         print("prefixkv serve: error: --replicas above 1 runs through `prefixkv serve` (Ray Serve)", file=sys.stderr)
         return 2
-    raise_open_files_limit(app_options["limits"])
+    raise_open_files_limit(app_options.limits)
     engine = build_engine(engine_config(args))
     if args.prewarm is not None:  # before the app exists: /health answers only once the prefixes are cached
         started = time.perf_counter()
@@ -149,7 +154,7 @@ def serve(args: argparse.Namespace) -> int:
             num_cached,
             time.perf_counter() - started,
         )
-    app = build_app(engine, **app_options)
+    app = build_app(engine, app_options)
     make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0
 

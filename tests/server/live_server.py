@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from prefixkv.server.app import build_app
+from prefixkv.server.options import ServingOptions
 from prefixkv.server.serving import make_server
 
 
@@ -29,7 +30,7 @@ def running_server(
     send_buffer_bytes: the kernel send buffer of every accepted connection (inherited from the listening
     socket). On loopback it autotunes to ~4 MB, which a client that never reads would take minutes of
     generation to fill; a small one makes the server's writes block after a few KB, as over a real network."""
-    app = build_app(engine, **app_kwargs)
+    app = build_app(engine, ServingOptions(**app_kwargs))
     sock = socket.socket()
     if send_buffer_bytes is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)

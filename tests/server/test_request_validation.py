@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from prefixkv.server.app import build_app
-from prefixkv.server.cli import add_serve_arguments
+from prefixkv.server.cli import add_serve_arguments, checked_app_options
+from prefixkv.server.options import ServingOptions
 from prefixkv.server.protocol import ChatCompletionRequest
 from tests.server.live_server import running_server, wait_no_pages_held
 
@@ -140,23 +141,30 @@ def test_caps_are_inclusive(client, engine, server):
     wait_no_pages_held(server, AUTH)
 
 
-def test_cap_options_and_defaults():
-    """`prefixkv serve` flags and build_app keywords: OpenAI's n cap (128) and 1024 prompts by default."""
+def test_cap_options_and_defaults(capsys):
+    """`prefixkv serve` flags become ServingOptions: OpenAI's n cap (128) and 1024 prompts by default; a cap below
+    1 is refused before any model loads."""
     import argparse
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
-    args = p.parse_args([])
-    assert (args.max_n, args.max_prompts_per_request, args.allow_special_tokens_in_content) == (128, 1024, False)
-    args = p.parse_args(["--max-n", "3", "--max-prompts-per-request", "7", "--allow-special-tokens-in-content"])
-    assert (args.max_n, args.max_prompts_per_request, args.allow_special_tokens_in_content) == (3, 7, True)
+
+    def caps(argv: list[str]) -> tuple:
+        options = checked_app_options(p.parse_args(argv))
+        assert options is not None
+        return options.max_n, options.max_prompts_per_request, options.allow_special_tokens_in_content
+
+    assert caps([]) == (128, 1024, False)
+    assert caps(["--max-n", "3", "--max-prompts-per-request", "7", "--allow-special-tokens-in-content"]) == (3, 7, True)
+    assert checked_app_options(p.parse_args(["--max-n", "0"])) is None
+    assert "max_n must be an integer >= 1" in capsys.readouterr().err
 
 
 def test_default_caps_on_a_default_app(engine):
     state = build_app(engine).state.server
     assert (state.max_n, state.max_prompts_per_request, state.allow_special_tokens_in_content) == (128, 1024, False)
     with pytest.raises(ValueError, match="max_n"):
-        build_app(engine, max_n=0)
+        ServingOptions(max_n=0)
 
 
 # -- item 7: non-finite, huge and denormal numbers ------------------------------------------------------------
