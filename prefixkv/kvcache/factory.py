@@ -28,23 +28,13 @@ def create_kv_cache_manager(
     make_eviction_policy(eviction)
     if kind == "off":
         return NoPrefixCache(num_pages, page_size)
-    if kind == "hash":
-        return HashPrefixCache(
-            num_pages,
-            page_size,
-            hash_algo=hash_algo,
-            eviction=eviction,
-            retained_pool_fraction=retained_pool_fraction,
-            clock=clock,
-        )
-    if kind == "radix":
-        return RadixPrefixCache(
-            num_pages,
-            page_size,
-            hash_algo=hash_algo,
-            eviction=eviction,
-            retained_pool_fraction=retained_pool_fraction,
-            clock=clock,
-        )
     check("prefix_cache", kind, PREFIX_CACHES)
-    raise AssertionError(kind)  # check() has raised: every choice is handled above
+    cache_class = HashPrefixCache if kind == "hash" else RadixPrefixCache
+    return cache_class(
+        num_pages,
+        page_size,
+        hash_algo=hash_algo,
+        eviction=eviction,
+        retained_pool_fraction=retained_pool_fraction,
+        clock=clock,
+    )

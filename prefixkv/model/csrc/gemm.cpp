@@ -109,17 +109,8 @@ __attribute__((noinline)) void tile(const Problem& pb, int64_t m0, int64_t p0) {
     for (int v = 0; v < kVecs; ++v) {
       const int64_t col = (p0 + q) * kPanel + v * 16;
       if (col >= pb.n) break;
-      const __mmask16 mask = pb.n - col >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (pb.n - col)) - 1);
-      __m512 bias = _mm512_setzero_ps();
-      if (pb.bias != nullptr) {
-        const __m256i raw = _mm256_maskz_loadu_epi16(mask, pb.bias + col);
-        bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-      }
-      for (int r = 0; r < R; ++r) {
-        __m512 out = acc[r][q * kVecs + v];
-        if (pb.bias != nullptr) out = _mm512_add_ps(out, bias);
-        _mm256_mask_storeu_epi16(pb.y + (m0 + r) * pb.ldy + col, mask, (__m256i)_mm512_cvtneps_pbh(out));
-      }
+      const Columns16 cols = columns16(pb, col);
+      for (int r = 0; r < R; ++r) store16(pb, cols, m0 + r, col, acc[r][q * kVecs + v]);
     }
   }
 }

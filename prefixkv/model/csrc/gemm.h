@@ -8,6 +8,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 
 namespace prefixkv::gemm {
@@ -62,5 +66,29 @@ void for_each_block(const Problem& pb, int64_t row_tile, const Fn& fn) {
     if (ma < mz) fn(ma, mz, g * group, std::min(total_panels, (g + 1) * group));
   });
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// The epilogue both kernels end with: 16 output columns from col (the mask keeps those < n) and their bias,
+// then each row's fp32 sums plus bias rounded to bf16 and stored.
+struct Columns16 {
+  __mmask16 mask;
+  __m512 bias;  // zeros without a bias
+};
+
+inline Columns16 columns16(const Problem& pb, int64_t col) {
+  const __mmask16 mask = pb.n - col >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (pb.n - col)) - 1);
+  __m512 bias = _mm512_setzero_ps();
+  if (pb.bias != nullptr) {
+    const __m256i raw = _mm256_maskz_loadu_epi16(mask, pb.bias + col);
+    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  return {mask, bias};
+}
+
+inline void store16(const Problem& pb, const Columns16& cols, int64_t row, int64_t col, __m512 sums) {
+  if (pb.bias != nullptr) sums = _mm512_add_ps(sums, cols.bias);
+  _mm256_mask_storeu_epi16(pb.y + row * pb.ldy + col, cols.mask, (__m256i)_mm512_cvtneps_pbh(sums));
+}
+#endif
 
 }  // namespace prefixkv::gemm

@@ -57,17 +57,8 @@ void store_rows(const Problem& pb, const float* c, int64_t ldc, int64_t m0, int6
   for (int64_t j = 0; j < cols; j += 16) {
     const int64_t col = col0 + j;
     if (col >= pb.n) break;
-    const __mmask16 mask = pb.n - col >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (pb.n - col)) - 1);
-    __m512 bias = _mm512_setzero_ps();
-    if (pb.bias != nullptr) {
-      const __m256i raw = _mm256_maskz_loadu_epi16(mask, pb.bias + col);
-      bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      __m512 out = _mm512_loadu_ps(c + r * ldc + j);
-      if (pb.bias != nullptr) out = _mm512_add_ps(out, bias);
-      _mm256_mask_storeu_epi16(pb.y + (m0 + r) * pb.ldy + col, mask, (__m256i)_mm512_cvtneps_pbh(out));
-    }
+    const Columns16 columns = columns16(pb, col);
+    for (int64_t r = 0; r < rows; ++r) store16(pb, columns, m0 + r, col, _mm512_loadu_ps(c + r * ldc + j));
   }
 }
 
