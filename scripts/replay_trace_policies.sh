@@ -5,7 +5,7 @@
 set -u
 cd "${REPO:-.}"
 PY=.venv/bin/python
-TRACE=${TRACE:-../shared/traces/mooncake_conversation_trace.jsonl}
+TRACE=${TRACE:?set TRACE to the whole Mooncake conversation trace (docs/traces.md says where it comes from; the slice in docs/data is too short for --trace-start 1800)}
 OUT=${OUT:-/tmp/trace_serve}
 SLICE="--tokens-per-block 8 --max-requests 400 --time-scale 0.3"
 ENGINE="--dtype bfloat16 --num-threads 2 --prefix-cache radix --page-size 8 --kv-cache-tokens 16384 --max-num-seqs 16"
