@@ -104,7 +104,9 @@ def best(points: list[dict]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trace", default="/work/shared/traces/mooncake_conversation_trace.jsonl")
+    parser.add_argument(
+        "--trace", required=True, help="the whole Mooncake conversation trace (not in this repository: docs/traces.md)"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once (one per replica count)")
     parser.add_argument("--output", default=os.path.join(HERE, "tuning_sweep.json"))
     args = parser.parse_args()
