@@ -1,6 +1,6 @@
 """Tune the precise router's weights on one slice of the Mooncake trace; the held-out slice is never run here.
 
-    .venv/bin/python docs/benchmarks/routing/tune_precise_weights.py [--trace PATH] [--jobs 2]
+    .venv/bin/python docs/benchmarks/routing/tune_precise_weights.py --trace PATH [--jobs 2]
 
 Every run is `prefixkv simulate sweep --routers precise --router-option queue_weight=Q --router-option
 decode_weight=D` on the TUNING slice (the trace's first 3,000 requests, trace seconds 0-987), with the setup of
