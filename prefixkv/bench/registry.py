@@ -23,6 +23,7 @@ BENCH_MODULES = [
     "routing",
     "kv_offload",
     "cache_invariance",
+    "decode",
 ]
 
 
