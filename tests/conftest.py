@@ -42,7 +42,8 @@ def model_view(loaded):
     memo: dict[int, object] = {}
     for module in loaded.model.modules():
         for value in [*module.parameters(recurse=False), *module.buffers(recurse=False), *vars(module).values()]:
-            if isinstance(value, (torch.Tensor, types.ModuleType)):  # tensors and native kernel modules: shared
+            native_object = type(value).__module__.startswith("prefixkv_native")  # e.g. the fused decode loop
+            if isinstance(value, (torch.Tensor, types.ModuleType)) or native_object:  # shared, not copied
                 memo[id(value)] = value
     return dataclasses.replace(loaded, model=copy.deepcopy(loaded.model, memo))
 

@@ -31,4 +31,5 @@ def requires(flag: str, kernel: Callable[[], object], what: str) -> pytest.MarkD
 AVX512_BF16 = requires(cpu_features.AVX512_BF16, native.flash_attention, "the AVX-512 BF16 attention kernels")
 GEMM = requires(cpu_features.AVX512_BF16, native.gemm, "the AVX-512 BF16 matrix product")
 FUSED_OPS = requires("avx512f", native.fused_ops, "the AVX-512 fused elementwise kernels")
+DECODE_LAYERS = requires(cpu_features.AVX512_BF16, native.decode_layers, "the one-call decoder loop")
 AMX = requires(cpu_features.AMX_BF16, native.amx_gemm, "the AMX kernels (matrix product and attention)")

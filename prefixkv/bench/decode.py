@@ -73,7 +73,11 @@ DEFINITIONS = {
     "decode_step_ms": "the decode window / (output tokens per stream - 1): one step gives each stream one token",
     "ttft_s": "arrival to first token, median over the streams and repeats",
     "split": "ms per pure decode step per part, mean over the decode steps of one instrumented pass; parts are "
-    "exclusive (a region's time minus the regions inside it), so they sum to the instrumented Engine.step wall",
+    "exclusive (a region's time minus the regions inside it), so they sum to the instrumented Engine.step wall; "
+    "the pass runs the Python layers even where the fused decode path (one native call for the layers) is on: "
+    "the same kernels, which hooks can time one by one",
+    "ab": "with --ab-kernel-options: a second engine with those kernel options, timed in rounds alternating with "
+    "the first (each side first in half the rounds); decode_tok_s_ratio = this run's engine / the second",
     "floor_ms_per_step": "weight_bytes_bf16 / bandwidth_bytes_s: the weights one decode step must read at the best "
     "measured bandwidth",
     "measured_over_floor": "uninstrumented decode_step_ms / floor_ms_per_step (1 = at the memory limit)",
@@ -93,6 +97,13 @@ def register(subparsers) -> None:
     p.add_argument("--streams", default="1,4,16", help="comma-separated stream counts (requests sent together)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds of every stream count; medians reported")
     p.add_argument("--no-split", action="store_true", help="skip the instrumented pass (the split of a step)")
+    p.add_argument(
+        "--ab-kernel-options",
+        default=None,
+        metavar="SPEC",
+        help="also time a second engine built with these --kernel-options (e.g. fused_decode=0), round by round "
+        "alternating with the first, and report the ratio per stream count (a side-by-side A/B in one process)",
+    )
     p.add_argument(
         "--bandwidth-mib",
         default="256,512,1024",
@@ -312,6 +323,10 @@ class Instrumented:
                 continue
             self._handles.append(module.register_forward_pre_hook(lambda _m, _a: split.enter()))
             self._handles.append(module.register_forward_hook(lambda _m, _a, _o, p=part: split.hook_exit(p)))
+        # the fused decode path runs the layers' kernels in one native call, which hooks cannot see into: the split
+        # runs the Python layers (the same kernels, the same bits), and the A/B against fused_decode=0 says what
+        # the fused call saves
+        self._set(model, "fused_decode", None)
         # bound methods wrapped on the instances (an instance attribute shadows the class's method)
         self._set(engine, "step", split.wrap(engine.step, "detokenize_output", split.step_done))
         self._set(engine.core, "step", split.wrap(engine.core.step, "scheduler"))
@@ -486,14 +501,39 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
     for n in streams:  # untimed: the first batch of each size pays for its allocations
         timed_streams(llm, prompts[n], min(2, args.output_len))
 
+    other = None  # the A/B's second engine
+    if args.ab_kernel_options is not None:
+        factory = common.factory_for(args, llm_factory)
+        other = factory(prefix_cache=args.prefix_cache, kernel_options=args.ab_kernel_options)
+        common.warmup(other, sampler)
+        for n in streams:
+            timed_streams(other, prompts[n], min(2, args.output_len))
+
     bandwidth_before = measure_bandwidth(sizes_mib, args.bandwidth_repeats)
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in streams}
+    other_runs: dict[int, list[dict[str, Any]]] = {n: [] for n in streams}
     order = list(streams)
-    for _ in range(max(1, args.repeats)):
+    for round_index in range(max(1, args.repeats)):
         for n in order:
-            runs[n].append(timed_streams(llm, prompts[n], args.output_len))
+            pair = [(llm, runs), (other, other_runs)] if other is not None else [(llm, runs)]
+            for engine, into in pair if round_index % 2 == 0 else pair[::-1]:  # each side goes first half the time
+                into[n].append(timed_streams(engine, prompts[n], args.output_len))
         order = order[1:] + order[:1]  # every count runs first, middle and last equally often
     speed = {str(n): summarize_streams(n, runs[n]) for n in streams}
+    ab = None
+    if other is not None:
+        ab = {
+            "kernel_options": args.ab_kernel_options,
+            "kernels": other.llm_engine.kernels,
+            "speed": {str(n): summarize_streams(n, other_runs[n]) for n in streams},
+            # > 1: the first engine (this run's --kernel-options) decodes faster; per round and the median
+            "decode_tok_s_ratio_runs": {
+                str(n): [ratio(a["decode_tok_s"], b["decode_tok_s"]) for a, b in zip(runs[n], other_runs[n])]
+                for n in streams
+            },
+        }
+        ab["decode_tok_s_ratio"] = {n: median(r) for n, r in ab["decode_tok_s_ratio_runs"].items()}
+        del other
 
     split: dict[str, Any] = {}
     if not args.no_split:
@@ -545,6 +585,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
         "split": split,
         "floor": floor,
         "measured_over_floor": vs_floor,
+        "ab": ab,
         "load_average_1_5_15": {"before": load_before, "after": _load_average()},
     }
     results["cpu"] = results["config"]["cpu"]
@@ -591,6 +632,22 @@ def _print(results: dict[str, Any]) -> None:
         f"({floor['floor_tok_s']:.0f} tok/s for one stream)"
     )
     print(f"load average (1/5/15 min) before / after: {results['load_average_1_5_15']}")
+    ab = results["ab"]
+    if ab is not None:
+        common.print_table(
+            ["streams", "decode tok/s", f"with {ab['kernel_options']}", "ratio (median)", "ratio per round"],
+            [
+                (
+                    n,
+                    s["decode_tok_s"],
+                    ab["speed"][n]["decode_tok_s"],
+                    f"{ab['decode_tok_s_ratio'][n]:.3f}",
+                    " ".join(f"{r:.3f}" for r in ab["decode_tok_s_ratio_runs"][n]),
+                )
+                for n, s in results["speed"].items()
+            ],
+            title="A/B, rounds alternating in one process (> 1: this run's kernel options decode faster)",
+        )
     for n, sp in results["split"].items():
         headers = ["part", "ms/step", "share"]
         body: list[tuple[Any, ...]] = [(k, sp["parts_ms"][k], f"{sp['shares'][k]:.1%}") for k in PART_KEYS]

@@ -8,6 +8,7 @@ whole step. q/k/v and gate/up projections are fused into single matmuls. The lm_
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +139,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, kv_heads, slots, head_dim]
         self.lm_head_packed: matmul.PackedWeight | None = None  # as Linear.packed, for the lm_head
+        self.fused_decode: Any = None  # native DecodeLayers over the packed weights, when options.fused_decode
         self.kernel_options: KernelOptions | None = None  # what use_kernels last set up
 
     def use_kernels(self, options: KernelOptions) -> None:
@@ -158,7 +160,34 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.fused = kernels
+        self.fused_decode = self._decode_layers(options) if options.fused_decode else None
         self.kernel_options = options
+
+    def _decode_layers(self, options: KernelOptions) -> Any:
+        """The native one-call decoder loop over this model's packed weights (options.fused_decode)."""
+        c = self.config
+
+        def packed(linear: Linear) -> torch.Tensor:
+            assert linear.packed is not None and linear.packed.path in matmul.ROW_INVARIANT_PATHS
+            return linear.packed.data
+
+        layers = cast(list[DecoderLayer], list(self.layers))
+        return native.module().DecodeLayers(
+            input_norm=[layer.input_layernorm.weight for layer in layers],
+            qkv=[packed(layer.self_attn.qkv_proj) for layer in layers],
+            qkv_bias=[layer.self_attn.qkv_proj.bias for layer in layers],
+            o=[packed(layer.self_attn.o_proj) for layer in layers],
+            post_norm=[layer.post_attention_layernorm.weight for layer in layers],
+            gate_up=[packed(layer.mlp.gate_up_proj) for layer in layers],
+            down=[packed(layer.mlp.down_proj) for layer in layers],
+            heads=c.num_heads,
+            kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            hidden=c.hidden_size,
+            intermediate=c.intermediate_size,
+            eps=c.rms_norm_eps,
+            amx=options.matmul == "amx",
+        )
 
     def _lm_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -172,8 +201,16 @@ class LlamaModel(nn.Module):
             raise RuntimeError("bind_kv_cache() must be called before forward()")
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, self.kv_cache[i], plan)
+        decodes = plan.only_invariant_decodes() if self.fused_decode is not None else None
+        if decodes is not None:  # the same kernels as the layers below, in one native call
+            scale = self.config.head_dim**-0.5  # every layer's Attention.scale
+            h = self.fused_decode.run(
+                h, cos, sin, self.kv_cache, plan.slot_mapping, decodes.page_table, decodes.context_lens,
+                decodes.page_size, scale, decodes.isa,
+            )  # fmt: skip
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, cos, sin, self.kv_cache[i], plan)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

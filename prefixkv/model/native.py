@@ -86,6 +86,13 @@ def gemm():
     return m if m is not None and m.has_gemm() else None
 
 
+def decode_layers():
+    """The module when its one-call decoder loop can run (the kernels it calls are compiled in), else None."""
+    m = module()
+    ok = m is not None and m.has_fused_ops() and m.has_gemm() and m.has_flash_attention()
+    return m if ok else None
+
+
 @functools.lru_cache(maxsize=1)
 def amx_gemm():
     """The module when its AMX matrix product runs here, else None: compiled in, the CPU has AMX tiles

@@ -73,6 +73,10 @@ class KernelOptions:
     cache_invariant: bool = False
     # RMSNorm, rotary embedding and SiLU-multiply use the native one-pass bf16 kernels
     fused_ops: bool = False
+    # a step whose rows are all in-place decodes runs the decoder layers in one native call (csrc/decode_layers.cpp:
+    # the same kernels in the same order as the Python layers, so the same bits, without the interpreter between
+    # them; needs cache_invariant and fused_ops, and a model without per-head q/k norms)
+    fused_decode: bool = False
     # which kernel computes the matrix products: "torch" (F.linear), "onednn" (weights packed once into oneDNN's
     # blocked layout), "avx512_bf16" or "amx" (prefixkv's row-invariant kernels); see prefixkv.model.matmul
     matmul: str = "torch"
@@ -138,6 +142,10 @@ class KernelOptions:
             )
         if not options.cache_invariant and "matmul" not in overrides:  # oneDNN where row invariance is not asked
             options = dataclasses.replace(options, matmul=_library_matmul(device, dtype))
+        if "fused_decode" not in overrides:  # on wherever the kernels it calls run
+            options = dataclasses.replace(
+                options, fused_decode=options.cache_invariant and options.fused_ops and fused_decode_fits(config)
+            )
         options.check(device, dtype, config)
         return options
 
@@ -166,6 +174,11 @@ class KernelOptions:
             raise ValueError("fused_ops needs bfloat16 on a CPU where the native fused kernels are built")
         if self.fused_ops and config is not None and not fused_ops_fit(config):
             raise ValueError("fused_ops needs hidden and intermediate sizes divisible by 16 and head_dim by 32")
+        if self.fused_decode and not (self.cache_invariant and self.fused_ops and fused_decode_fits(config)):
+            raise ValueError(
+                "fused_decode needs cache_invariant and fused_ops, the native decode loop, and a model without "
+                "per-head q/k norms"
+            )
         if self.matmul not in matmul.available(device, dtype):
             raise ValueError(
                 f"matmul {self.matmul!r} cannot run here ({dtype} on {device.type}); available: "
@@ -197,3 +210,8 @@ def native_attention_fits(config: ModelConfig | None) -> bool:
 def fused_ops_fit(config: ModelConfig) -> bool:
     """The native elementwise kernels cover these widths only."""
     return config.hidden_size % 16 == 0 and config.intermediate_size % 16 == 0 and config.head_dim % 32 == 0
+
+
+def fused_decode_fits(config: ModelConfig | None) -> bool:
+    """The native decode loop is built and covers this model's layers (no per-head q/k norms)."""
+    return native.decode_layers() is not None and (config is None or not config.qk_norm)

@@ -73,3 +73,24 @@ def test_instrumentation_comes_off(llm_factory):
     assert "compute_logits" not in vars(model) and engine.runner.sampler is sampler
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert not any(isinstance(c, decode.StepSplit) for c in engine.core.components)
+
+
+def test_ab_alternates_two_engines(llm_factory):
+    """--ab-kernel-options: a second engine with those options, timed round by round against the first, and the
+    ratio per stream count (here fp32 with and without cascade decodes: both compute, the ratio is reported)."""
+    args = parse(
+        "decode --input-len 8 --output-len 3 --streams 2 --repeats 2 --no-split --bandwidth-mib 4 "
+        "--bandwidth-repeats 1 --ab-kernel-options cascade_decodes=1".split()
+    )
+    built = []
+
+    def factory(**options):
+        built.append(options)
+        return llm_factory(**options)
+
+    res = decode.run(args, llm_factory=factory)
+    assert built == [{"prefix_cache": "hash"}, {"prefix_cache": "hash", "kernel_options": "cascade_decodes=1"}]
+    ab = res["ab"]
+    assert ab["kernel_options"] == "cascade_decodes=1" and set(ab["speed"]) == {"2"}
+    assert len(ab["decode_tok_s_ratio_runs"]["2"]) == 2 and positive(ab["decode_tok_s_ratio"]["2"])
+    json.dumps(res)

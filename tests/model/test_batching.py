@@ -37,7 +37,7 @@ def tiny(tiny_checkpoint):
 def test_mixed_batch_equals_alone(tiny, page_size, padded_groups):
     options = KernelOptions.choose("cpu", torch.float32, tiny.config)
     if padded_groups:
-        options = replace(options, in_place_decodes=False, cache_invariant=False, min_split_len=0)
+        options = replace(options, in_place_decodes=False, cache_invariant=False, fused_decode=False, min_split_len=0)
     runner = ModelRunner(tiny, num_pages=200 // page_size + 20, page_size=page_size, options=options)
     alone = [greedy_generate(runner, p, NEW) for p in PROMPTS]
     pool = PagePool(runner.num_pages, shuffle_seed=7)

@@ -73,7 +73,7 @@ def test_model_switches_follow_the_runner_options(tiny_checkpoint):
     mlp = runner.model.layers[0].mlp
     assert runner.model.kernel_options is runner.options and runner.options.matmul != "torch"
     assert mlp.gate_up_proj.packed.path == runner.options.matmul == runner.model.lm_head_packed.path
-    plain = dataclasses.replace(runner.options, matmul="torch", cache_invariant=False)
+    plain = dataclasses.replace(runner.options, matmul="torch", cache_invariant=False, fused_decode=False)
     runner = ModelRunner(loaded, num_pages=4, page_size=16, options=plain)
     assert mlp.gate_up_proj.packed is None and runner.model.lm_head_packed is None
     assert runner.model.kernel_options is plain

@@ -53,6 +53,16 @@ class StepPlan:
     def groups_of(self, kind: type) -> list:
         return [g for g in self.groups if isinstance(g, kind)]
 
+    def only_invariant_decodes(self) -> InPlaceDecodes | None:
+        """The step's one group when every row is a decode attended in place by the cache-invariant kernel, in
+        order (what the fused decode path computes), else None."""
+        if len(self.groups) != 1:
+            return None
+        group = self.groups[0]
+        if isinstance(group, InPlaceDecodes) and group.invariant and isinstance(group.rows, slice):
+            return group
+        return None
+
 
 def paged_attention(
     q: torch.Tensor, kv: torch.Tensor, kv_layer: torch.Tensor, plan: StepPlan, scale: float

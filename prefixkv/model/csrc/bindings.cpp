@@ -22,6 +22,7 @@ bool has_gemm();
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor amx_gemm_emulated(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
 bool has_amx();
+void bind_decode_layers(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
@@ -48,5 +49,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm_emulated", &amx_gemm_emulated, "amx_gemm's kernels on emulated tiles (tests)", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("has_amx", &has_amx, "whether this CPU and OS offer AMX tiles (and the kernels are compiled in)");
+  bind_decode_layers(m);
   m.def("rotary", &rotary, "rotate_half rotary embedding of [T, heads, d] by [T, 1, d] cos/sin, one pass");
 }
