@@ -17,6 +17,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 KVEventsFormat = Literal["vllm", "array"]  # prefixkv/kv_events/wire.py's layouts
 KVOffloadWritePolicy = Literal["write_through", "write_back"]  # prefixkv/kvcache/offload/tiered_cache.py
 KVOffloadOnMismatch = Literal["refuse", "ignore"]
+WeightFormat = Literal["dense", "gguf", "q8_0"]  # prefixkv/model/quantized.py
 
 PREFIX_CACHES: tuple[str, ...] = get_args(PrefixCache)
 SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)
@@ -26,6 +27,7 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 KV_EVENTS_FORMATS: tuple[str, ...] = get_args(KVEventsFormat)
 KV_OFFLOAD_WRITE_POLICIES: tuple[str, ...] = get_args(KVOffloadWritePolicy)
 KV_OFFLOAD_ON_MISMATCH: tuple[str, ...] = get_args(KVOffloadOnMismatch)
+WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 
 
 def check(option: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -20,6 +20,7 @@ from prefixkv.choices import (
     KV_OFFLOAD_WRITE_POLICIES,
     PREFIX_CACHES,
     SCHEDULE_POLICIES,
+    WEIGHT_FORMATS,
     Dtype,
     Eviction,
     HashAlgo,
@@ -28,6 +29,7 @@ from prefixkv.choices import (
     KVOffloadWritePolicy,
     PrefixCache,
     SchedulePolicy,
+    WeightFormat,
 )
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
@@ -55,6 +57,13 @@ class EngineConfig:
     )
     dtype: Dtype = _option("float32", "weights and KV cache dtype (float16 on cuda only)", DTYPES)
     device: str = _option("cpu", "torch device to run on")
+    weight_format: WeightFormat = _option(
+        "dense",
+        "how the matmul weights are stored and read: dense (in --dtype), gguf (the GGUF file's own q8_0 / q4_0 / "
+        "q4_1 blocks where it has them), q8_0 (every matmul weight quantized at load); the quantized formats need "
+        "bfloat16 and an AVX-512 CPU (activations, attention and the KV pool stay bf16)",
+        WEIGHT_FORMATS,
+    )
     max_model_len: int | None = _option(None, "longest prompt plus output, in tokens (default: the model's context)")
     max_num_seqs: int = _option(64, "most requests in one step's batch")
     max_num_batched_tokens: int = _option(2048, "most tokens computed in one step (longer prefills are chunked)")

@@ -50,6 +50,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
     loaded_at = time.perf_counter()
     num_pages = config.kv_cache_pages(ModelRunner.kv_bytes_per_token(loaded.config, config.dtype))
     overrides = config.kernel_overrides()
+    if config.weight_format != "dense":
+        overrides["weight_format"] = config.weight_format
     options = None  # the runner's defaults for this device and dtype
     if overrides:  # unknown names or paths that cannot run here: ValueError from choose()
         options = KernelOptions.choose(config.device, loader.parse_dtype(config.dtype), loaded.config, **overrides)
@@ -102,7 +104,7 @@ def _kv_and_components(
             bytes_per_token=ModelRunner.kv_bytes_per_token(loaded.config, config.dtype),
             hash_algo=config.prefix_caching_hash_algo,
             device=runner.device.type,
-            kernels=f"matmul {kernels['matmul']}, attention {kernels['attention']}",
+            kernels=f"matmul {kernels['matmul']}, attention {kernels['attention']}, weights {kernels['weights']}",
         )
         tier = create_kv_tier(config, manifest)
         if tier is not None:
@@ -130,7 +132,8 @@ def kernel_line(kernels: dict[str, str], dtype: str) -> str:
     """The start log line naming the machine and the kernel paths (ModelRunner.kernel_report)."""
     return (
         f"{kernels['device']} {kernels['cpu']}: kernels {kernels['isa_path']} (matmul {kernels['matmul']}, attention "
-        f"{kernels['attention']}), {dtype}, cache invariance {kernels['cache_invariant']}"
+        f"{kernels['attention']}), {dtype}, weights {kernels.get('weights', 'dense')}, cache invariance "
+        f"{kernels['cache_invariant']}"
     )
 
 

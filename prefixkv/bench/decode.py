@@ -78,8 +78,8 @@ DEFINITIONS = {
     "the same kernels, which hooks can time one by one",
     "ab": "with --ab-kernel-options: a second engine with those kernel options, timed in rounds alternating with "
     "the first (each side first in half the rounds); decode_tok_s_ratio = this run's engine / the second",
-    "floor_ms_per_step": "weight_bytes_bf16 / bandwidth_bytes_s: the weights one decode step must read at the best "
-    "measured bandwidth",
+    "floor_ms_per_step": "floor_bytes / bandwidth_bytes_s: the weights one decode step must read (weight_bytes_bf16; "
+    "with a block weight format, bytes_read_as_stored) at the best measured bandwidth",
     "measured_over_floor": "uninstrumented decode_step_ms / floor_ms_per_step (1 = at the memory limit)",
     "matmul_read_bytes_s": "per matmul kind: its bf16 weight bytes / its ms per step in the split (what it would "
     "stream at if it only read its weights; compare with bandwidth_bytes_s)",
@@ -546,12 +546,16 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
     runner: Any = llm.llm_engine.runner  # a ModelRunner (the engine types it as its ModelExecutor protocol)
     weights = weight_bytes(runner.model)
     bandwidth = max(bandwidth_before["bandwidth_bytes_s"], bandwidth_after["bandwidth_bytes_s"])
-    floor_s = weights["weight_bytes_bf16"] / bandwidth
+    dense = runner.options.weight_format == "dense"
+    # the bytes a step must read: the weights in bf16, or as stored where they are read in a block format
+    floor_bytes = weights["weight_bytes_bf16"] if dense else weights["bytes_read_as_stored"]
+    floor_s = floor_bytes / bandwidth
     shape = runner.config
     kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * BF16_BYTES
     mean_context = args.input_len + args.output_len / 2
     floor = {
         **weights,
+        "floor_bytes": floor_bytes,
         "bandwidth_bytes_s": bandwidth,
         "bandwidth_before": bandwidth_before,
         "bandwidth_after": bandwidth_after,
@@ -627,7 +631,7 @@ def _print(results: dict[str, Any]) -> None:
         f"{cfg['dtype']}, {cfg['num_threads']} threads, {cfg['cpu']['model']}",
     )
     print(
-        f"floor: {floor['weight_bytes_bf16'] / 1e6:.1f} MB of bf16 weights per step at "
+        f"floor: {floor['floor_bytes'] / 1e6:.1f} MB of weights ({cfg['kernels'].get('weights', 'dense')}) per step at "
         f"{floor['bandwidth_bytes_s'] / 1e9:.1f} GB/s = {floor['floor_ms_per_step']:.2f} ms/step "
         f"({floor['floor_tok_s']:.0f} tok/s for one stream)"
     )

@@ -24,6 +24,7 @@ BENCH_MODULES = [
     "kv_offload",
     "cache_invariance",
     "decode",
+    "weight_formats",
 ]
 
 

@@ -11,6 +11,7 @@ from gguf.quants import dequantize
 
 from prefixkv.model.config import ModelConfig
 from prefixkv.model.gguf_file import GGUFFile
+from prefixkv.model.quantized import BLOCK_BYTES, QuantizedBlocks
 
 SUPPORTED_QTYPES = {
     GGMLQuantizationType.F32,
@@ -74,22 +75,36 @@ def _dequantize(tensor) -> np.ndarray:
     return flat.reshape(tensor.shape)
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
-    """Read a GGUF file: config, float32 tensors in HF naming, and the raw metadata."""
+def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict, dict[str, QuantizedBlocks]]:
+    """Read a GGUF file: config, float32 tensors in HF naming, the raw metadata, and the file's own blocks of the
+    2-D tensors it stores as q8_0 / q4_0 / q4_1 (HF naming, q/k rows un-permuted like the float tensors)."""
     gguf = GGUFFile(path)
     config = ModelConfig.from_gguf_metadata(gguf.metadata, has_output_weight="output.weight" in gguf.tensors)
     state: dict[str, torch.Tensor] = {}
+    blocks: dict[str, QuantizedBlocks] = {}
     for name, tensor in gguf.tensors.items():
         target = hf_name(name)
         if target is None:
             continue
         w = _dequantize(tensor)
+        raw = _own_blocks(tensor, w.shape)
         if config.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
             n_head = config.num_heads if ".attn_q." in name else config.num_kv_heads
             w = unpermute_rotary(w, n_head)
+            raw = None if raw is None else QuantizedBlocks(raw.format, unpermute_rotary(raw.blocks, n_head), raw.k)
         state[target] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        if raw is not None:
+            blocks[target] = raw
     if "rope_freqs.weight" in gguf.tensors:
         # llama3-style rope stored as per-frequency divisors instead of metadata.
         factors = _dequantize(gguf.tensors["rope_freqs.weight"])
         config.rope_scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
-    return config, state, gguf.metadata
+    return config, state, gguf.metadata, blocks
+
+
+def _own_blocks(tensor, shape: tuple[int, ...]) -> QuantizedBlocks | None:
+    """The tensor's raw blocks, one row per output feature, when it is a matrix in a block format qgemm reads."""
+    fmt = tensor.qtype.name.lower()
+    if fmt not in BLOCK_BYTES or len(shape) != 2:
+        return None
+    return QuantizedBlocks(fmt, np.asarray(tensor.raw).reshape(shape[0], -1), shape[1])

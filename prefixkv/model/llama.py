@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixkv.model import matmul, native
+from prefixkv.model import matmul, native, quantized
 from prefixkv.model.attention import StepPlan, paged_attention
 from prefixkv.model.config import ModelConfig
 from prefixkv.model.options import KernelOptions
+from prefixkv.model.quantized import QuantizedBlocks
 from prefixkv.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -140,6 +141,7 @@ class LlamaModel(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, kv_heads, slots, head_dim]
         self.lm_head_packed: matmul.PackedWeight | None = None  # as Linear.packed, for the lm_head
         self.fused_decode: Any = None  # native DecodeLayers over the packed weights, when options.fused_decode
+        self.file_blocks: dict[str, QuantizedBlocks] = {}  # the checkpoint's own quantized blocks, by weight name
         self.kernel_options: KernelOptions | None = None  # what use_kernels last set up
 
     def use_kernels(self, options: KernelOptions) -> None:
@@ -152,10 +154,11 @@ class LlamaModel(nn.Module):
         SiLU-multiply run the native one-pass bf16 kernels (prefixkv.model.native) instead of torch's ops;
         options.check has made sure they fit the shapes.
         """
-        for module in self.modules():
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.packed = matmul.pack(module.weight, options.matmul)
-        self.lm_head_packed = matmul.pack(self._lm_weight(), options.matmul)
+                module.packed = self._packed(name + ".weight", module.weight, options)
+        lm_name = "embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        self.lm_head_packed = self._packed(lm_name, self._lm_weight(), options)
         kernels = native.fused_ops() if options.fused_ops else None
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
@@ -163,15 +166,33 @@ class LlamaModel(nn.Module):
         self.fused_decode = self._decode_layers(options) if options.fused_decode else None
         self.kernel_options = options
 
+    def _packed(self, name: str, weight: torch.Tensor, options: KernelOptions) -> matmul.PackedWeight | None:
+        """The copy of a matmul weight the forward pass reads: in options.weight_format's blocks, else for
+        options.matmul's kernel."""
+        if options.weight_format == "q8_0":
+            return matmul.pack_quantized(quantized.quantize_q8_0(weight))
+        if options.weight_format == "gguf" and name in self.file_blocks:
+            return matmul.pack_quantized(self.file_blocks[name])
+        return matmul.pack(weight, options.matmul)
+
     def _decode_layers(self, options: KernelOptions) -> Any:
         """The native one-call decoder loop over this model's packed weights (options.fused_decode)."""
         c = self.config
 
         def packed(linear: Linear) -> torch.Tensor:
-            assert linear.packed is not None and linear.packed.path in matmul.ROW_INVARIANT_PATHS
+            assert linear.packed is not None and linear.packed.path in (*matmul.ROW_INVARIANT_PATHS, *quantized.FORMATS)
             return linear.packed.data
 
+        def block_format(linear: Linear) -> str:
+            """The weight's block format, "" for the dense bf16 panels"""
+            assert linear.packed is not None
+            return linear.packed.path if linear.packed.path in quantized.FORMATS else ""
+
         layers = cast(list[DecoderLayer], list(self.layers))
+        matrices = [
+            [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            for layer in layers
+        ]
         return native.module().DecodeLayers(
             input_norm=[layer.input_layernorm.weight for layer in layers],
             qkv=[packed(layer.self_attn.qkv_proj) for layer in layers],
@@ -180,6 +201,7 @@ class LlamaModel(nn.Module):
             post_norm=[layer.post_attention_layernorm.weight for layer in layers],
             gate_up=[packed(layer.mlp.gate_up_proj) for layer in layers],
             down=[packed(layer.mlp.down_proj) for layer in layers],
+            formats=[[block_format(m) for m in four] for four in matrices],
             heads=c.num_heads,
             kv_heads=c.num_kv_heads,
             head_dim=c.head_dim,
@@ -216,6 +238,30 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]; call only on rows that sample."""
         return matmul.linear(hidden, self._lm_weight(), self.lm_head_packed, None).float()
+
+    def keep_file_blocks(self, blocks: dict[str, QuantizedBlocks]) -> None:
+        """Keep the checkpoint's own quantized blocks (HF names, as load_gguf returns them) by this model's weight
+        names, fused as load_weights fuses the float weights; weight_format "gguf" packs them (use_kernels)."""
+        fused: dict[str, QuantizedBlocks | None] = {}
+        if "model.embed_tokens.weight" in blocks:
+            fused["embed_tokens.weight"] = blocks["model.embed_tokens.weight"]
+        if "lm_head.weight" in blocks and self.lm_head is not None:
+            fused["lm_head.weight"] = blocks["lm_head.weight"]
+
+        def stacked(names: list[str]) -> QuantizedBlocks | None:
+            found = [blocks[name] for name in names if name in blocks]
+            return quantized.concat_rows(found) if len(found) == len(names) else None
+
+        for i in range(self.config.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for fused_name, names in (
+                ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                ("self_attn.o_proj", ("self_attn.o_proj",)),
+                ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+                ("mlp.down_proj", ("mlp.down_proj",)),
+            ):
+                fused[f"{dst}{fused_name}.weight"] = stacked([f"{src}{name}.weight" for name in names])
+        self.file_blocks = {name: b for name, b in fused.items() if b is not None}
 
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:

@@ -82,14 +82,17 @@ def load_model(model: str | None = None, dtype: str = "float32", device: str = "
             raise ValueError(f"model file {path!r} is not a .gguf file")
         from prefixkv.model.gguf_loader import load_gguf
 
-        config, state, _ = load_gguf(path)
+        config, state, _, blocks = load_gguf(path)
         tokenizer = Tokenizer.from_gguf(path, name, config.eos_token_ids)
     else:
         from prefixkv.model.hf_loader import load_hf_dir
 
         config, state = load_hf_dir(path)
+        blocks = {}
         tokenizer = Tokenizer.from_hf_dir(path, name, config.eos_token_ids)
-    return LoadedModel(build_model(config, state, torch_dtype, device), config, tokenizer, name)
+    decoder = build_model(config, state, torch_dtype, device)
+    decoder.keep_file_blocks(blocks)  # read only with weight_format "gguf"
+    return LoadedModel(decoder, config, tokenizer, name)
 
 
 def model_digest(model: nn.Module) -> str:

@@ -9,6 +9,9 @@ Paths (KernelOptions.matmul):
   order, so a row's bits never depend on how many rows the call has (needed by cache-invariant bf16);
 - "amx": the same contract on Intel's AMX tiles (csrc/gemm_amx.cpp), where the CPU has them and the kernel passed
   its self-test on this machine.
+Weights in a block format (KernelOptions.weight_format, prefixkv.model.quantized) are read by the native qgemm
+kernel (csrc/gemm_q.cpp) whatever `matmul` says: their PackedWeight's path is the block format ("q8_0", "q4_0",
+"q4_1"), with the same row-invariance contract.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from prefixkv.model import native, packed_linear
+from prefixkv.model import native, packed_linear, quantized
 
 PATHS = ("torch", "onednn", "avx512_bf16", "amx")
 # paths whose row results do not depend on the batch, by construction
@@ -67,6 +70,11 @@ def pack(weight: torch.Tensor, path: str) -> PackedWeight | None:
     return PackedWeight(path, data, w.shape[0])
 
 
+def pack_quantized(q: quantized.QuantizedBlocks) -> PackedWeight:
+    """A weight in block format, as qgemm reads it (its path is the format)."""
+    return PackedWeight(q.format, quantized.pack(q), q.rows)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None):
     """x [..., in] @ weight.T (+ bias) by the path `packed` was made for (F.linear when None)."""
     if packed is None:
@@ -74,6 +82,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, b
     if packed.path == "onednn":
         return packed_linear.packed_linear(x, packed.data, bias)
     rows = x.reshape(-1, x.shape[-1])
+    if packed.path in quantized.FORMATS:
+        out = native.module().qgemm(rows, packed.data, packed.out_features, packed.path, bias)
+        return out.view(*x.shape[:-1], packed.out_features)
     kernel = native.gemm().gemm if packed.path == "avx512_bf16" else native.amx_gemm().amx_gemm
     out = kernel(rows, packed.data, packed.out_features, bias)
     return out.view(*x.shape[:-1], packed.out_features)

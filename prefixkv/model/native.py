@@ -86,6 +86,12 @@ def gemm():
     return m if m is not None and m.has_gemm() else None
 
 
+def qgemm():
+    """The module when its weight-only quantized matrix product is compiled in (AVX-512), else None."""
+    m = module()
+    return m if m is not None and hasattr(m, "has_qgemm") and m.has_qgemm() else None
+
+
 def decode_layers():
     """The module when its one-call decoder loop can run (the kernels it calls are compiled in), else None."""
     m = module()

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from prefixkv.choices import WEIGHT_FORMATS
 from prefixkv.model import matmul, native
 from prefixkv.model.config import ModelConfig
 
@@ -80,6 +81,10 @@ class KernelOptions:
     # which kernel computes the matrix products: "torch" (F.linear), "onednn" (weights packed once into oneDNN's
     # blocked layout), "avx512_bf16" or "amx" (prefixkv's row-invariant kernels); see prefixkv.model.matmul
     matmul: str = "torch"
+    # how the matmul weights are read (prefixkv.model.quantized): "dense" (the weights in the model's dtype, by
+    # `matmul`'s kernel), "gguf" (the checkpoint's own q8_0 / q4_0 / q4_1 blocks where it has them) or "q8_0" (every
+    # matmul weight quantized at load); block formats run the native qgemm kernel, row-invariant like `matmul`'s
+    weight_format: str = "dense"
     # padded decode groups: a group closes where the next context is longer than group_growth times the group's
     # shortest and than min_split_len (below that, padding is cheaper than another SDPA call per layer)
     group_growth: float = 2.0
@@ -129,6 +134,9 @@ class KernelOptions:
             kind = {"bool": bool, "str": str}.get(str(fields[name].type))
             if kind is not None and type(value) is not kind:
                 raise ValueError(f"kernel option {name} takes a {kind.__name__}, got {value!r}")
+        if overrides.get("weight_format", "dense") not in WEIGHT_FORMATS:
+            got, formats = overrides["weight_format"], ", ".join(WEIGHT_FORMATS)
+            raise ValueError(f"kernel option weight_format must be one of {formats}, got {got!r}")
         if overrides.get("matmul", "torch") not in matmul.PATHS:
             paths = ", ".join(matmul.PATHS)
             raise ValueError(f"kernel option matmul must be one of {paths}, got {overrides['matmul']!r}")
@@ -178,6 +186,11 @@ class KernelOptions:
             raise ValueError(
                 "fused_decode needs cache_invariant and fused_ops, the native decode loop, and a model without "
                 "per-head q/k norms"
+            )
+        if self.weight_format != "dense" and not (cpu and dtype == torch.bfloat16 and native.qgemm() is not None):
+            raise ValueError(
+                f"weight_format {self.weight_format} needs bfloat16 on a CPU with AVX-512 and the native qgemm kernel "
+                "(the activations stay bf16)"
             )
         if self.matmul not in matmul.available(device, dtype):
             raise ValueError(

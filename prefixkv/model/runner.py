@@ -76,6 +76,7 @@ class ModelRunner:
             "cpu": cpu_features.model_name(),
             "isa_path": self.options.isa_path if cpu else "torch",
             "matmul": self.options.matmul,
+            "weights": self.options.weight_format,
             "attention": ("amx" if self.options.amx_attention else "avx512_bf16")
             if self.options.native_attention
             else "torch",

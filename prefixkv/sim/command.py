@@ -25,7 +25,7 @@ from prefixkv.sim.traces import FORMATS, ScaledRequest, TraceScaling, load_trace
 # EngineConfig fields the simulator does not model: the model's own take no flag; the second KV tier's and KV
 # events' flags are refused with an error that says so (a flag that is recorded and does nothing would be a bug);
 # every other field (cache, pool, policies, eviction, retention cap...) is a flag the simulator honours
-_MODEL_ONLY = ("model", "dtype", "device", "kv_cache_memory", "num_threads", "seed", "kernel_options")
+_MODEL_ONLY = ("model", "dtype", "device", "weight_format", "kv_cache_memory", "num_threads", "seed", "kernel_options")
 _NOT_SIMULATED = (
     "kv_events_endpoint",
     "kv_events_replay_endpoint",

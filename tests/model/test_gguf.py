@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize
 from prefixkv.model.config import ModelConfig
 from prefixkv.model.gguf_loader import load_gguf
 from prefixkv.model.hf_loader import load_hf_dir
+from prefixkv.model.quantized import dequantize as dequantize_blocks
 
 _TO_GGUF = {
     "input_layernorm": "attn_norm",
@@ -92,7 +93,7 @@ def test_gguf_round_trip(tiny_checkpoint, tmp_path, arch):
     state = {k: v for k, v in state.items() if not (hf_cfg.tie_word_embeddings and k == "lm_head.weight")}
     file = str(tmp_path / "tiny.gguf")
     expected = write_gguf(file, hf_cfg, state, [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.F32])
-    cfg, got, _ = load_gguf(file)
+    cfg, got, _, blocks = load_gguf(file)
     for field in (
         "architecture",
         "num_layers",
@@ -111,3 +112,9 @@ def test_gguf_round_trip(tiny_checkpoint, tmp_path, arch):
     assert sorted(got) == sorted(expected)
     for name, ref in expected.items():
         assert torch.equal(got[name], torch.from_numpy(ref)), name
+    # the file's own blocks (kept for weight_format "gguf"): every 2-D tensor stored as q4_0 / q4_1 / q8_0, rows
+    # un-permuted like the float tensors, standing for exactly those floats
+    quantized_names = {n for n in expected if n in blocks}
+    assert quantized_names and all(blocks[n].format in ("q4_0", "q4_1", "q8_0") for n in quantized_names)
+    for name in quantized_names:
+        assert torch.equal(dequantize_blocks(blocks[name]), got[name]), name

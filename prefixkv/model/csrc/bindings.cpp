@@ -23,6 +23,9 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at
 at::Tensor amx_gemm_emulated(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
 bool has_amx();
 void bind_decode_layers(py::module_& m);
+at::Tensor qgemm_pack(at::Tensor blocks, int64_t k, std::string format);
+at::Tensor qgemm(at::Tensor x, at::Tensor packed, int64_t n, std::string format, c10::optional<at::Tensor> bias);
+bool has_qgemm();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
@@ -48,6 +51,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("amx_gemm_emulated", &amx_gemm_emulated, "amx_gemm's kernels on emulated tiles (tests)", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("qgemm_pack", &qgemm_pack, "GGUF blocks [N, K/32 * block bytes] (q8_0, q4_0, q4_1) -> the layout qgemm reads",
+        py::arg("blocks"), py::arg("k"), py::arg("format"));
+  m.def("qgemm", &qgemm,
+        "x [M, K] bf16 @ dequantized weight^T (+ bias) -> [M, N] bf16, fp32 sums; a row's bits never depend on M",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("format"), py::arg("bias") = py::none());
+  m.def("has_qgemm", &has_qgemm, "whether qgemm is compiled in (AVX-512)");
   m.def("has_amx", &has_amx, "whether this CPU and OS offer AMX tiles (and the kernels are compiled in)");
   bind_decode_layers(m);
   m.def("rotary", &rotary, "rotate_half rotary embedding of [T, heads, d] by [T, 1, d] cos/sin, one pass");

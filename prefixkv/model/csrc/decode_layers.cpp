@@ -9,6 +9,7 @@
 // per-head q/k norms.
 #include <torch/extension.h>
 
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -20,11 +21,19 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
                                            bool return_state, int64_t isa);
 at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
+at::Tensor qgemm(at::Tensor x, at::Tensor packed, int64_t n, std::string format, c10::optional<at::Tensor> bias);
 
 namespace {
 
+// A packed matmul weight: bf16 panels (format "") or GGUF blocks (format "q8_0", "q4_0", "q4_1": qgemm)
+struct Weight {
+  at::Tensor packed;
+  std::string format;
+};
+
 struct Layer {
-  at::Tensor input_norm, qkv, o, post_norm, gate_up, down;  // norms' weights, packed matmul weights
+  at::Tensor input_norm, post_norm;  // the norms' weights
+  Weight qkv, o, gate_up, down;
   c10::optional<at::Tensor> qkv_bias;
 };
 
@@ -33,20 +42,25 @@ struct Layer {
 class DecodeLayers {
  public:
   // Per layer, in order: input norm weight, packed q/k/v (fused), q/k/v bias or None, packed o, post-attention
-  // norm weight, packed gate/up (fused), packed down. amx: the matmuls run amx_gemm (else gemm).
+  // norm weight, packed gate/up (fused), packed down; formats: per layer, the block formats of q/k/v, o, gate/up
+  // and down ("" for bf16 panels). amx: the bf16 matmuls run amx_gemm (else gemm).
   DecodeLayers(const std::vector<at::Tensor>& input_norm, const std::vector<at::Tensor>& qkv,
                const std::vector<c10::optional<at::Tensor>>& qkv_bias, const std::vector<at::Tensor>& o,
                const std::vector<at::Tensor>& post_norm, const std::vector<at::Tensor>& gate_up,
-               const std::vector<at::Tensor>& down, int64_t heads, int64_t kv_heads, int64_t head_dim,
-               int64_t hidden, int64_t intermediate, double eps, bool amx)
+               const std::vector<at::Tensor>& down, const std::vector<std::vector<std::string>>& formats,
+               int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
+               bool amx)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), hidden_(hidden), intermediate_(intermediate),
         eps_(eps), amx_(amx) {
     const size_t n = input_norm.size();
     TORCH_CHECK(qkv.size() == n && qkv_bias.size() == n && o.size() == n && post_norm.size() == n &&
-                    gate_up.size() == n && down.size() == n,
+                    gate_up.size() == n && down.size() == n && formats.size() == n,
                 "DecodeLayers: one of each weight per layer");
-    for (size_t i = 0; i < n; ++i)
-      layers_.push_back({input_norm[i], qkv[i], o[i], post_norm[i], gate_up[i], down[i], qkv_bias[i]});
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(formats[i].size() == 4, "DecodeLayers: four formats per layer (q/k/v, o, gate/up, down)");
+      layers_.push_back({input_norm[i], post_norm[i], {qkv[i], formats[i][0]}, {o[i], formats[i][1]},
+                         {gate_up[i], formats[i][2]}, {down[i], formats[i][3]}, qkv_bias[i]});
+    }
   }
 
   // h [B, hidden] bf16, one row per decode (updated in place and returned); cos/sin the rows' rotary tables;
@@ -78,9 +92,9 @@ class DecodeLayers {
   }
 
  private:
-  at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                    const c10::optional<at::Tensor>& bias) const {
-    return amx_ ? amx_gemm(x, packed, n, bias) : gemm(x, packed, n, bias);
+  at::Tensor matmul(const at::Tensor& x, const Weight& w, int64_t n, const c10::optional<at::Tensor>& bias) const {
+    if (!w.format.empty()) return qgemm(x, w.packed, n, w.format, bias);
+    return amx_ ? amx_gemm(x, w.packed, n, bias) : gemm(x, w.packed, n, bias);
   }
 
   std::vector<Layer> layers_;
@@ -94,9 +108,10 @@ void bind_decode_layers(py::module_& m) {
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                     const std::vector<c10::optional<at::Tensor>>&, const std::vector<at::Tensor>&,
                     const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                    int64_t, int64_t, int64_t, int64_t, int64_t, double, bool>(),
+                    const std::vector<std::vector<std::string>>&, int64_t, int64_t, int64_t, int64_t, int64_t,
+                    double, bool>(),
            py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("post_norm"),
-           py::arg("gate_up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("gate_up"), py::arg("down"), py::arg("formats"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
            py::arg("hidden"), py::arg("intermediate"), py::arg("eps"), py::arg("amx"))
       .def("run", &DecodeLayers::run, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
            py::arg("slot_mapping"), py::arg("table"), py::arg("lens"), py::arg("page_size"), py::arg("scale"),
