@@ -20,7 +20,7 @@ def export(out_dir: str) -> None:
     from prefixkv.model.gguf_loader import load_gguf
     from prefixkv.model.loader import default_model_path, load_model
 
-    config, state, _ = load_gguf(default_model_path())
+    config, state, _, _ = load_gguf(default_model_path())
     partial = out_dir.rstrip("/") + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
