@@ -71,7 +71,10 @@ def perplexity(llm, token_ids: list[int]) -> dict[str, float]:
     pages = -(-n // runner.page_size)
     if pages > runner.num_pages:
         raise ValueError(f"the text ({n} tokens) does not fit the KV pool ({runner.num_pages} pages)")
-    llm.reset_prefix_cache()  # nothing holds a page: the scoring pass writes pages 0.. of an idle pool
+    llm.reset_prefix_cache()
+    kv = llm.llm_engine.kv
+    if kv.num_used_pages() or kv.num_cached_pages():  # the scoring pass writes pages 0.. behind the cache's back
+        raise ValueError("perplexity needs an idle engine: no request running and nothing cached (or retained)")
     with torch.inference_mode():
         plan = runner.planner.plan([n], [0], [list(range(pages))])
         ids = torch.tensor(token_ids, dtype=torch.long)

@@ -28,9 +28,11 @@ def test_weight_formats_json(llm_factory):
     assert args.dtype == "bfloat16"
     built = []
 
-    def factory(**options):
+    def factory(**options):  # the float32 reference is the suite's shared fp32 engine (no engine of its own)
         built.append(options.get("weight_format", options.get("dtype")))
-        return llm_factory(**{"dtype": "bfloat16", "kv_cache_tokens": 2048, **options})
+        if options.get("dtype") == "float32":
+            return llm_factory(prefix_cache="hash")
+        return llm_factory(dtype="bfloat16", kv_cache_tokens=2048, **options)
 
     res = weight_formats.run(args, llm_factory=factory)
     json.dumps(res)

@@ -1,8 +1,11 @@
 """The fused decode path (KernelOptions.fused_decode: the decoder layers of an all-decode step in one native call)
 computes what the Python layers compute, bit for bit: the same greedy tokens and the same logprobs, on a real
-bf16 engine, for a batch whose streams start together and one whose streams join while others decode."""
+bf16 engine, for a batch whose streams start together and one whose streams join while others decode. One engine:
+the Python layers run when the model's fused decode call is taken away (what fused_decode=0 builds)."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 
@@ -30,43 +33,61 @@ class CountingDecodeLayers:
         return self.inner.run(*args)
 
 
+@contextmanager
+def python_layers(llm):
+    """The engine's steps run the Python layers (the fused call taken away, as fused_decode=0 leaves it)."""
+    model = llm.llm_engine.runner.model
+    fused, model.fused_decode = model.fused_decode, None
+    try:
+        yield
+    finally:
+        model.fused_decode = fused
+
+
 @pytest.fixture(scope="module")
-def engines(new_llm):
-    fused = new_llm(dtype="bfloat16", kv_cache_tokens=2048)
-    plain = new_llm(dtype="bfloat16", kv_cache_tokens=2048, kernel_options="fused_decode=0")
-    model = fused.llm_engine.runner.model
-    assert fused.llm_engine.runner.options.fused_decode and model.fused_decode is not None
-    assert plain.llm_engine.runner.model.fused_decode is None
+def llm(new_llm):
+    llm = new_llm(dtype="bfloat16", kv_cache_tokens=2048)
+    model = llm.llm_engine.runner.model
+    assert llm.llm_engine.runner.options.fused_decode and model.fused_decode is not None
     model.fused_decode = CountingDecodeLayers(model.fused_decode)
-    return fused, plain
+    return llm
 
 
 def answers(llm, prompts, params):
-    return [(o.outputs[0].token_ids, [s.logprob for s in o.outputs[0].logprobs]) for o in llm.generate(prompts, params)]
+    llm.reset_prefix_cache()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [s.logprob for s in o.outputs[0].logprobs]) for o in outs]
 
 
-def test_fused_decode_matches_the_python_layers(engines):
-    fused, plain = engines
+def joining(engine, params) -> dict:
+    """Stream b joins while stream a decodes: steps mixing a prefill with decodes take the Python layers."""
+    engine.add_request("a", PROMPTS[0], params)
+    for _ in range(5):
+        engine.step()
+    engine.add_request("b", PROMPTS[1], params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+def test_fused_decode_matches_the_python_layers(llm):
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)
-    counter = fused.llm_engine.runner.model.fused_decode
+    counter = llm.llm_engine.runner.model.fused_decode
     before = counter.calls
-    assert answers(fused, PROMPTS, params) == answers(plain, PROMPTS, params)
-    assert counter.calls >= 20  # the all-decode steps took the fused path
-    # streams that join while others decode: steps mixing a prefill with decodes take the Python layers
-    engine_f, engine_p = fused.llm_engine, plain.llm_engine
-    outs = []
-    for engine in (engine_f, engine_p):
-        engine.add_request("a", PROMPTS[0], params)
-        for _ in range(5):
-            engine.step()
-        engine.add_request("b", PROMPTS[1], params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-        outs.append(done)
-    assert outs[0] == outs[1] and counter.calls > before + 20
+    fused = answers(llm, PROMPTS, params)
+    assert counter.calls >= before + 20  # the all-decode steps took the fused path
+    with python_layers(llm):
+        assert answers(llm, PROMPTS, params) == fused
+    llm.reset_prefix_cache()
+    calls = counter.calls
+    fused_joining = joining(llm.llm_engine, params)
+    assert counter.calls > calls + 10
+    llm.reset_prefix_cache()
+    with python_layers(llm):
+        assert joining(llm.llm_engine, params) == fused_joining
 
 
 def test_fused_decode_is_on_with_cache_invariance_only():

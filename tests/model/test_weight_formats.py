@@ -50,19 +50,18 @@ def test_bad_requests_are_refused(new_llm):
 
 
 @pytest.fixture(scope="module", params=["gguf", "q8_0"])
-def engines(request, new_llm):
-    """(fused, plain): bf16 engines reading weights in this format, with and without the fused decode path."""
-    fmt = request.param
-    fused = new_llm(dtype="bfloat16", kv_cache_tokens=2048, weight_format=fmt)
-    plain = new_llm(dtype="bfloat16", kv_cache_tokens=2048, weight_format=fmt, kernel_options="fused_decode=0")
-    return fmt, fused, plain
+def engine(request, new_llm):
+    """A bf16 engine reading its weights in this format."""
+    return request.param, new_llm(dtype="bfloat16", kv_cache_tokens=2048, weight_format=request.param)
 
 
 @QGEMM
-def test_quantized_engines(engines):
-    fmt, fused, plain = engines
-    runner = fused.llm_engine.runner
-    assert fused.llm_engine.kernels["weights"] == fmt and runner.options.cache_invariant
+def test_quantized_engines(engine):
+    from tests.model.test_fused_decode import python_layers
+
+    fmt, llm = engine
+    runner = llm.llm_engine.runner
+    assert llm.llm_engine.kernels["weights"] == fmt and runner.options.cache_invariant and runner.options.fused_decode
     model = runner.model
     layer = model.layers[0]
     want = "q4_1" if fmt == "gguf" else "q8_0"
@@ -70,16 +69,18 @@ def test_quantized_engines(engines):
     assert model.lm_head_packed.path == "q8_0"  # the file's q8_0 embedding is the tied lm_head
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True)
 
-    def answers(llm, prompts):
-        outs = llm.generate(prompts, params, use_tqdm=False)
+    def answers(prompts, outs=None):
+        outs = outs or llm.generate(prompts, params, use_tqdm=False)
         return [(o.outputs[0].token_ids, [s.logprob for s in o.outputs[0].logprobs]) for o in outs]
 
-    fused.reset_prefix_cache()
-    cold_batch = answers(fused, PROMPTS)
-    assert cold_batch == answers(plain, PROMPTS)  # the fused decode path: the same bits
-    fused.reset_prefix_cache()
-    alone = [answers(fused, [p])[0] for p in PROMPTS]  # each prompt alone, cold
+    llm.reset_prefix_cache()
+    cold_batch = answers(PROMPTS)
+    llm.reset_prefix_cache()
+    with python_layers(llm):  # the fused decode path reads the same blocks: the same bits
+        assert answers(PROMPTS) == cold_batch
+    llm.reset_prefix_cache()
+    alone = [answers([p])[0] for p in PROMPTS]  # each prompt alone, cold (the pages of the others are cached)
     assert alone == cold_batch  # a batch never changes an answer
-    warm = fused.generate(PROMPTS, params, use_tqdm=False)  # every prompt now hits its own cached pages
+    warm = llm.generate(PROMPTS, params, use_tqdm=False)  # every prompt now hits its own cached pages
     assert all(o.num_cached_tokens >= 32 for o in warm)
-    assert [(o.outputs[0].token_ids, [s.logprob for s in o.outputs[0].logprobs]) for o in warm] == cold_batch
+    assert answers(PROMPTS, warm) == cold_batch  # a cache hit never changes an answer
