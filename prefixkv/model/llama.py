@@ -149,11 +149,11 @@ class LlamaModel(nn.Module):
 
         Matmul: every weight gets the copy options.matmul reads (oneDNN's blocked layout or prefixkv's panels, see
         prefixkv.model.matmul; none for F.linear), or with options.weight_format its blocks in the layout qgemm
-        reads (the checkpoint's own, kept by keep_file_blocks, or q8_0 made here). The plain weights stay (a LoadedModel may be shared by several
-        runners): packing costs one more copy of the matmul weights in memory. The runner calls this after any
-        dtype/device change, so a packed copy never outlives its weight. Fused ops: RMSNorm, rotary embedding and
-        SiLU-multiply run the native one-pass bf16 kernels (prefixkv.model.native) instead of torch's ops;
-        options.check has made sure they fit the shapes.
+        reads (the checkpoint's own, kept by keep_file_blocks, or q8_0 made here). The plain weights stay (a
+        LoadedModel may be shared by several runners): packing costs one more copy of the matmul weights in memory.
+        The runner calls this after any dtype/device change, so a packed copy never outlives its weight. Fused ops:
+        RMSNorm, rotary embedding and SiLU-multiply run the native one-pass bf16 kernels (prefixkv.model.native)
+        instead of torch's ops; options.check has made sure they fit the shapes.
         """
         for name, module in self.named_modules():
             if isinstance(module, Linear):
