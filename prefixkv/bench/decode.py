@@ -37,6 +37,7 @@ from typing import Any
 
 from prefixkv.bench import common
 from prefixkv.bench.workloads import median, random_prompts, ratio, sampler_for
+from prefixkv.engine.core import StepComponent
 
 # The parts of a decode step, in the order the plot stacks them: (key, what it covers)
 PARTS: tuple[tuple[str, str], ...] = (
@@ -196,7 +197,7 @@ def summarize_streams(n: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # -- the split --------------------------------------------------------------------------------------------------
-class StepSplit:
+class StepSplit(StepComponent):
     """Exclusive wall time per part over nested regions (module hooks and method wrappers), per engine step."""
 
     def __init__(self) -> None:
@@ -260,25 +261,6 @@ class StepSplit:
         self._decode = False
         self._step_regions = 0
         self._step_model_s = 0.0
-
-    # the rest of the StepComponent protocol (engine/core.py): nothing to do
-    def on_add(self, request) -> None:
-        pass
-
-    def after_update(self, scheduled) -> None:
-        pass
-
-    def on_reset(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
 
 
 def _module_part(name: str, module, llama) -> str | None:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 from prefixkv.bench import common
 from prefixkv.bench.workloads import TokenSampler, sampler_for
+from prefixkv.engine.core import StepComponent
 from prefixkv.sim.cost_model import BatchShape, StepCostModel
 
 FEATURES = ("computed_tokens", "attended_pairs", "num_sequences")  # the step overhead is the constant term
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None, 
 
 
 # -- measuring ---------------------------------------------------------------------------------------------------
-class StepTimer:
+class StepTimer(StepComponent):
     """Times Engine.step and records the shape of what it scheduled.
 
     The shape must be read between Scheduler.schedule and Scheduler.update (update advances the requests): the
@@ -162,24 +163,9 @@ class StepTimer:
         self.last_shape = BatchShape(0, 0, 0, 0)
         engine.core.components.append(self)
 
-    # the step component's hooks: only before_execute records
-    def on_add(self, request) -> None:
-        pass
-
+    # the step component's hooks: before_execute records, close unhooks; the others do nothing (StepComponent's)
     def before_execute(self, scheduled) -> None:
         self.last_shape = BatchShape.of(scheduled.scheduled)
-
-    def after_update(self, scheduled) -> None:
-        pass
-
-    def on_reset(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
 
     def close(self) -> None:
         if self in self.engine.core.components:

@@ -31,28 +31,37 @@ class Executor(Protocol):
 
 class StepComponent(Protocol):
     """Something that takes part in every step without being the scheduler or the executor: a second KV tier,
-    the KV event publisher, a probe that records step shapes. Each hook may do nothing."""
+    the KV event publisher, a probe that records step shapes. Each hook does nothing here: a class above the
+    engine package may subclass this to keep only the hooks it needs (the tier's copier and the event relay do not
+    import the engine package, and spell theirs out)."""
 
     def on_add(self, request: Request) -> None:
         """A request was queued (a tier starts reading its chunks)."""
+        return None
 
     def before_execute(self, scheduled: SchedulerOutput) -> None:
         """After scheduling, before the forward pass: the pages the step uses are allocated, none written yet."""
+        return None
 
     def after_update(self, scheduled: SchedulerOutput) -> None:
         """After the scheduler recorded the step's progress (newly full pages are committed)."""
+        return None
 
     def on_reset(self) -> None:
         """The prefix cache was reset (KV events of the evictions go out)."""
+        return None
 
     def flush(self) -> None:
         """Wait for background work handed off so far (tier writes) to be done."""
+        return None
 
     def close(self) -> None:
         """The engine is closing: finish and release (tier writes, sockets)."""
+        return None
 
     def stats(self) -> dict[str, Any]:
         """Fields of EngineStats this component fills (empty when none)."""
+        return {}
 
 
 @dataclass(slots=True)

@@ -12,41 +12,23 @@ import random
 import pytest
 
 from prefixkv.config import EngineConfig
+from prefixkv.engine.core import StepComponent
 from prefixkv.engine.policy_factory import create_policy
 from prefixkv.engine.scheduler import SchedulerOutput
-from prefixkv.request import Request
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.sim.simulator import TOY_COST, Arrival, SimClock, Simulation, create_kv
 
 
-class ScheduleProbe:
+class ScheduleProbe(StepComponent):
     """A step component that keeps what each step scheduled and preempted (no other effect)."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[list[tuple[str, int]], list[str]]] = []
 
-    def on_add(self, request: Request) -> None:
-        pass
-
     def before_execute(self, scheduled: SchedulerOutput) -> None:
         self.steps.append(
             ([(r.request_id, n) for r, n in scheduled.scheduled], [r.request_id for r in scheduled.preempted])
         )
-
-    def after_update(self, scheduled: SchedulerOutput) -> None:
-        pass
-
-    def on_reset(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
 
 
 def _trace(seed: int) -> list[tuple[str, list[int], int]]:
