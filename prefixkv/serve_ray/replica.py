@@ -35,6 +35,7 @@ class EngineReplica:
     def __init__(self, config: EngineConfig, app_options: ServingOptions, publish_kv_events: bool = False) -> None:
         from prefixkv.llm import build_engine
         from prefixkv.server.app import build_app
+        from prefixkv.server.engine_thread import on_short_lived_thread
 
         self._kv_events: dict[str, str] = {}
         if publish_kv_events:
@@ -45,7 +46,8 @@ class EngineReplica:
                 "kv_events_endpoint": f"tcp://{host}:{pub}",
                 "kv_events_replay_endpoint": f"tcp://{host}:{replay}",
             }
-        self._app = build_app(build_engine(config), app_options)
+        # loaded on a thread that ends, so the engine thread is the only one left running kernels (engine_thread.py)
+        self._app = build_app(on_short_lived_thread(lambda: build_engine(config)), app_options)
         self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self._app), base_url="http://replica")
         self._lifespan = contextlib.AsyncExitStack()
         self._started = asyncio.Lock()

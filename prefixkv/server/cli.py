@@ -129,6 +129,7 @@ def serve(args: argparse.Namespace) -> int:
     prefixkv.serve_ray, which builds on this package)."""
     from prefixkv.llm import build_engine
     from prefixkv.server.app import build_app
+    from prefixkv.server.engine_thread import on_short_lived_thread
     from prefixkv.server.serving import make_server, raise_open_files_limit
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -139,11 +140,12 @@ def serve(args: argparse.Namespace) -> int:
         print("prefixkv serve: error: --replicas above 1 runs through `prefixkv serve` (Ray Serve)", file=sys.stderr)
         return 2
     raise_open_files_limit(app_options.limits)
-    engine = build_engine(engine_config(args))
+    # built and prewarmed on a thread that ends, so the engine thread is the only one left running kernels
+    engine = on_short_lived_thread(lambda: build_engine(engine_config(args)))
     if args.prewarm is not None:  # before the app exists: /health answers only once the prefixes are cached
         started = time.perf_counter()
         try:
-            num_prompts, num_cached = prewarm_from_file(engine, args.prewarm)
+            num_prompts, num_cached = on_short_lived_thread(lambda: prewarm_from_file(engine, args.prewarm))
         except ValueError as exc:
             print(f"prefixkv serve: error: --prewarm: {exc}", file=sys.stderr)
             return 2
