@@ -47,8 +47,10 @@ Call prepare(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n
 // handed out one at a time). Items follow each other by panel within a row block, so the x rows of a block stay
 // in L2 while the threads walk its panels. Row blocks are whole row_tile tiles of about 192 KB of x, equal in
 // size; groups are 4 panels (their weights stay in L2 across the block's tiles) when there are items enough for
-// every thread, else one panel each. Only speed depends on this split: every output element is computed by the
-// same chain whatever block or group it falls in.
+// every thread, else one panel each. A product of at most one row tile (decodes) is one weight stream, so each
+// thread takes one contiguous run of panels and reads it front to back (SmolLM2's layer matrices at one row, AMD
+// EPYC, 2 threads, cold weights: 0.88-0.96x the time of one panel at a time). Only speed depends on this split:
+// every output element is computed by the same chain whatever block or group it falls in.
 template <class Fn>
 void for_each_block(const Problem& pb, int64_t row_tile, const Fn& fn) {
   if (pb.m == 0) return;
@@ -58,7 +60,8 @@ void for_each_block(const Problem& pb, int64_t row_tile, const Fn& fn) {
   const int64_t row_blocks = (pb.m + max_rows - 1) / max_rows;
   const int64_t row_block = ((pb.m + row_blocks - 1) / row_blocks + row_tile - 1) / row_tile * row_tile;
   const int64_t threads = at::get_num_threads();
-  const int64_t group = row_blocks * ((total_panels + 3) / 4) >= 8 * threads ? 4 : 1;
+  int64_t group = row_blocks * ((total_panels + 3) / 4) >= 8 * threads ? 4 : 1;
+  if (pb.m <= row_tile) group = (total_panels + threads - 1) / threads;  // a decode: one run of panels a thread
   const int64_t groups = (total_panels + group - 1) / group;
   parallel_items(row_blocks * groups, [&](int64_t item) {
     const int64_t rb = item / groups, g = item % groups;
