@@ -1,5 +1,6 @@
 """`prefixkv bench weight-formats` at a tiny size on real bf16 engines: the JSON's shape, dense agrees with itself
-completely, and the quantized formats report a finite perplexity and an agreement share. No speed assertions."""
+completely, and the GGUF's own blocks stay within quality bounds of float32 (greedy agreement on the fixed prompts,
+perplexity on the fixed text). No speed assertions."""
 
 from __future__ import annotations
 
@@ -42,7 +43,11 @@ def test_weight_formats_json(llm_factory):
     dense, gguf, fp32 = quality["dense"], quality["gguf"], quality["float32"]
     assert dense["vs_dense"]["token_agreement"] == 1.0 and dense["vs_dense"]["identical_answers"] == 3
     assert fp32["vs_reference"]["token_agreement"] == 1.0
-    assert 0 <= gguf["vs_reference"]["token_agreement"] <= 1
+    # quality bounds (AMD EPYC measured: gguf 83% of the 24 tokens, 2 of 3 answers; perplexity 33.336 against
+    # float32's 33.383): the first 8 greedy tokens of 3 fixed prompts mostly agree, and the text scores alike
+    assert gguf["vs_reference"]["token_agreement"] >= 0.5 and gguf["vs_reference"]["identical_answers"] >= 1
+    assert abs(gguf["perplexity"] / fp32["perplexity"] - 1) < 0.01
+    assert abs(dense["perplexity"] / fp32["perplexity"] - 1) < 0.01
     assert gguf["tokens_scored"] == dense["tokens_scored"] == fp32["tokens_scored"] > 400
     assert all(math.isfinite(q["perplexity"]) and q["perplexity"] > 1 for q in (dense, gguf, fp32))
     assert res["decode_tok_s_vs_dense"]["dense"]["2"] == 1.0
