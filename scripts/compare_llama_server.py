@@ -93,25 +93,26 @@ def stream_once(base_url: str, prompt: list[int], output_tokens: int) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    sent = time.perf_counter()
     first = last = None
     chunks = 0
     usage: dict = {}
     server_timings: dict = {}
-    with httpx.Client(timeout=600) as client, client.stream("POST", base_url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{base_url}: HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            chunk = json.loads(line[len("data: ") :])
-            if any(choice.get("text") for choice in chunk.get("choices") or ()):
-                first = first if first is not None else now
-                last = now
-                chunks += 1
-            usage = chunk.get("usage") or usage
-            server_timings = chunk.get("timings") or server_timings
+    with httpx.Client(timeout=600) as client:  # built before the clock starts (it loads CA certificates)
+        sent = time.perf_counter()
+        with client.stream("POST", base_url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{base_url}: HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}")
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line[len("data: ") :])
+                if any(choice.get("text") for choice in chunk.get("choices") or ()):
+                    first = first if first is not None else now
+                    last = now
+                    chunks += 1
+                usage = chunk.get("usage") or usage
+                server_timings = chunk.get("timings") or server_timings
     tokens = usage.get("completion_tokens", 0)
     if first is None or last is None or tokens != output_tokens:
         raise RuntimeError(f"{base_url}: expected {output_tokens} streamed tokens, usage said {usage!r}")
