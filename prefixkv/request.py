@@ -49,6 +49,8 @@ class Request:
     mm_hashes: tuple[MultiModalHash, ...] = ()
     retention_seconds: float | None = None  # keep the pages it computes or hits cached this long (retention.py)
     retention_priority: int = 0  # among retained pages, the lowest priority is evicted first
+    # (prefix tokens, seconds): keep the pages wholly inside each prefix cached that long (cache breakpoints)
+    retention_spans: tuple[tuple[int, float], ...] = ()
     prefill_only: bool = False  # prewarm: compute and cache the prompt, sample nothing, finish
     prompt_cache_key: str | None = None  # the client's grouping hint (OpenAI's field), recorded only
 
@@ -66,6 +68,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def retains(self) -> bool:
+        """Whether it asked to keep any of its pages cached (retention_seconds or retention_spans)."""
+        return bool(self.retention_seconds or self.retention_spans)
 
     @property
     def num_prompt_tokens(self) -> int:

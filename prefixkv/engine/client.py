@@ -8,7 +8,7 @@ the engine package needs the Engine class or reaches past this protocol into the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from prefixkv.config import EngineConfig
@@ -68,6 +68,7 @@ class EngineClient(Protocol):
         output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
         retention_seconds: float | None = None,
         retention_priority: int = 0,
+        retention_spans: Sequence[tuple[int, float]] | None = None,
         prefill_only: bool = False,
         prompt_cache_key: str | None = None,
     ) -> str:

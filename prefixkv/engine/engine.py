@@ -31,7 +31,7 @@ from prefixkv.engine.prompts import max_tokens_for, parse_prompt
 from prefixkv.engine.scheduler import Scheduler, SchedulerOutput
 from prefixkv.engine.sequences import ParentRequest, SequenceState, build_output
 from prefixkv.kvcache.manager import KVCacheManager
-from prefixkv.kvcache.retention import validate_retention
+from prefixkv.kvcache.retention import validate_retention, validate_retention_spans
 from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.outputs import RequestOutput, RequestOutputKind
 from prefixkv.request import Request, RequestStatus
@@ -144,14 +144,17 @@ class Engine:
         output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
         retention_seconds: float | None = None,
         retention_priority: int = 0,
+        retention_spans: Sequence[tuple[int, float]] | None = None,
         prefill_only: bool = False,
         prompt_cache_key: str | None = None,
     ) -> str:
         """Validate and queue a request; raise ValueError (and queue nothing) when it is bad.
 
         retention_seconds / retention_priority: keep the pages this request computes or hits cached that long
-        (kvcache/retention.py; bounded by retained_pool_fraction). prefill_only (prewarm): compute and cache the
-        prompt's KV, sample nothing; the request finishes ("length", no tokens) once its prompt is computed.
+        (kvcache/retention.py; bounded by retained_pool_fraction); retention_spans: (prefix tokens, seconds) pairs,
+        each keeping the pages wholly inside its prefix that long (cache breakpoints). prefill_only (prewarm):
+        compute and cache the prompt's KV, sample nothing; the request finishes ("length", no tokens) once its
+        prompt is computed.
         prompt_cache_key: the client's grouping hint (OpenAI's field), recorded on the Request.
 
         output_kind (vLLM's RequestOutputKind): "cumulative" outputs carry everything generated so far, "delta"
@@ -169,6 +172,7 @@ class Engine:
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         retention_seconds = validate_retention(retention_seconds, retention_priority)
+        spans = validate_retention_spans(retention_spans)
         if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
             raise ValueError(f"prompt_cache_key must be a string, got {prompt_cache_key!r}")
         if prefill_only and params.n != 1:
@@ -194,6 +198,7 @@ class Engine:
                 max_tokens=max_tokens,
                 retention_seconds=retention_seconds,
                 retention_priority=retention_priority,
+                retention_spans=spans,
                 prefill_only=prefill_only,
                 prompt_cache_key=prompt_cache_key,
             )

@@ -33,6 +33,7 @@ from prefixkv.kvcache.eviction import EvictionHeap, make_eviction_policy
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
 from prefixkv.kvcache.hashing import extend_block_keys, external_block_hash, hash_function
 from prefixkv.kvcache.manager import PagedKVCache
+from prefixkv.kvcache.retention import retain_request_pages
 from prefixkv.kvcache.summary import CacheSummary, NamespaceUsage
 from prefixkv.request import Request
 
@@ -169,7 +170,7 @@ class HashPrefixCache(PagedKVCache):
             b.ref_cnt += 1
             b.hits += 1
         blocks.extend(hit_blocks)
-        if hit_blocks and request.retention_seconds:
+        if hit_blocks and request.retains:
             self._retain(request, hit_blocks, 0)
         for _ in range(max(0, num_new_blocks)):
             b = self._take_free_block()
@@ -230,14 +231,11 @@ class HashPrefixCache(PagedKVCache):
         if stored:
             self._emit_stored(request, keys, stored)
         held.num_keyed = num_full
-        if request.retention_seconds:
+        if request.retains:
             self._retain(request, [self.cached[keys[i]] for i in range(start, num_full)], start)
 
     def _retain(self, request: Request, blocks: list[Block], first_depth: int) -> None:
-        assert request.retention_seconds is not None
-        self.retention.retain(
-            [b.block_id for b in blocks], first_depth, request.retention_priority, request.retention_seconds
-        )
+        retain_request_pages(self.retention, request, [b.block_id for b in blocks], first_depth, self.page_size)
 
     def _emit_stored(self, request: Request, keys: list[bytes], indices: list[int]) -> None:
         """One BlockStored for consecutive blocks `indices` of the request that just became findable."""

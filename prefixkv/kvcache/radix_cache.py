@@ -33,6 +33,7 @@ from prefixkv.kvcache.events import block_removed, block_stored
 from prefixkv.kvcache.hashing import extend_block_keys, external_block_hash, hash_function
 from prefixkv.kvcache.manager import PagedKVCache
 from prefixkv.kvcache.radix_tree import RadixNode, RadixTree
+from prefixkv.kvcache.retention import retain_request_pages
 from prefixkv.kvcache.summary import CacheSummary, HotPrefix, NamespaceUsage
 from prefixkv.request import Request
 
@@ -248,14 +249,13 @@ class RadixPrefixCache(PagedKVCache):
             self.tree.record_hit(node)
         pages = self.tree.path_pages(node) + self._take(max(need, 0))
         self._requests[request.request_id] = _RequestState(node, num_cached_tokens, pages)
-        if num_cached_tokens and request.retention_seconds:
+        if num_cached_tokens and request.retains:
             self._retain(request, pages[: num_cached_tokens // ps], 0)
         return True
 
     def _retain(self, request: Request, pages: list[int], first_depth: int) -> None:
         """Tree pages the request hit or committed are retained (the tree reads the table when it evicts)."""
-        assert request.retention_seconds is not None
-        self.retention.retain(pages, first_depth, request.retention_priority, request.retention_seconds)
+        retain_request_pages(self.retention, request, pages, first_depth, self.page_size)
 
     def commit(self, request: Request) -> None:
         state = self._requests.get(request.request_id)
@@ -281,7 +281,7 @@ class RadixPrefixCache(PagedKVCache):
         state.node, state.committed = node, full
         if stored:
             self._emit_stored(request, stored)
-        if request.retention_seconds:
+        if request.retains:
             self._retain(request, tree_pages, first)
 
     def _emit_stored(self, request: Request, indices: list[int]) -> None:

@@ -23,6 +23,10 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefixkv.request import Request
 
 # OpenAI's prompt_cache_retention values -> add_request's retention arguments. "in_memory" is the default
 # behaviour (pages stay while the pool's eviction order keeps them); "24h" retains the request's pages for a day at
@@ -149,6 +153,44 @@ class RetentionTable:
             "retention_released_by_cap": self.released_by_cap,
             "retention_expired": self.expired,
         }
+
+
+def retain_request_pages(
+    table: RetentionTable, request: Request, pages: Sequence[int], first_depth: int, page_size: int
+) -> None:
+    """The retention `request` asked for, on its pages `pages` (indices first_depth, first_depth + 1, ...):
+    retention_seconds covers them all; each (prefix tokens, seconds) of retention_spans the pages wholly inside
+    that prefix. A page under several keeps the longest (RetentionTable.retain keeps the stronger)."""
+    priority = request.retention_priority
+    if request.retention_seconds:
+        table.retain(pages, first_depth, priority, request.retention_seconds)
+    for prefix_tokens, seconds in request.retention_spans:
+        inside = prefix_tokens // page_size - first_depth
+        if inside > 0:
+            table.retain(pages[:inside], first_depth, priority, seconds)
+
+
+def validate_retention_spans(spans: object) -> tuple[tuple[int, float], ...]:
+    """(prefix tokens >= 1, seconds > 0) pairs, checked once (Python API: ValueError naming the field)."""
+    if spans is None:
+        return ()
+    if not isinstance(spans, (list, tuple)):
+        raise ValueError(f"retention_spans must be a list of (prefix tokens, seconds) pairs, got {spans!r}")
+    out: list[tuple[int, float]] = []
+    for span in spans:
+        tokens, seconds = span if isinstance(span, (list, tuple)) and len(span) == 2 else (None, None)
+        if (
+            not isinstance(tokens, int)
+            or isinstance(tokens, bool)
+            or tokens < 1
+            or not isinstance(seconds, (int, float))
+            or isinstance(seconds, bool)
+            or not math.isfinite(seconds)
+            or seconds <= 0
+        ):
+            raise ValueError(f"retention_spans: each span is (prefix tokens >= 1, seconds > 0), got {span!r}")
+        out.append((tokens, float(seconds)))
+    return tuple(out)
 
 
 def validate_retention(retention_seconds: object, retention_priority: object) -> float | None:

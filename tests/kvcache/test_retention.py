@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
-from prefixkv.kvcache.retention import RetentionTable, validate_retention
+from prefixkv.kvcache.retention import RetentionTable, validate_retention, validate_retention_spans
 from tests.kvcache.helpers import admit, compute, make_request, run_to_completion
 
 PAGE = 4
@@ -90,6 +90,35 @@ def test_cap_releases_the_weakest_retention(kind):
     assert kv.reset_prefix_cache()  # an explicit reset drops retained KV too
     assert len(kv.retention) == 0 and kv.lookup(make_request(strong + [2])) == 0
     kv.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["hash", "radix"])
+def test_spans_retain_their_prefixes_for_their_own_time_and_a_hit_refreshes_them(kind):
+    """Cache breakpoints: a 1 h span over the first 2 pages and a 5 min one over 3 (longer first, as Anthropic
+    orders them); a page under both keeps the longer; pages past every span are not retained; a hit re-retains."""
+    clock = FakeClock()
+    kv = make_cache(kind, "lru", 32, clock)
+    tokens = list(range(100, 100 + 5 * PAGE))
+    spans = ((2 * PAGE, 3600.0), (3 * PAGE + 1, 300.0))  # the second ends inside page 3: pages 0-2 only
+    serve(kv, make_request(tokens, retention_spans=spans))
+    assert len(kv.retention) == 3
+    clock.now += 299.0
+    assert len(kv.retention) == 3 and not kv.retention.expire()
+    serve(kv, make_request(tokens[: 3 * PAGE] + [7], retention_spans=spans))  # a hit refreshes the 5 min span
+    clock.now += 299.0
+    assert not kv.retention.expire() and len(kv.retention) == 3
+    clock.now += 2.0  # 301 s after the refresh: the 5 min page is ordinary again, the 1 h pages stay
+    assert len(kv.retention.expire()) == 1 and len(kv.retention) == 2
+    clock.now += 3600.0
+    assert len(kv.retention.expire()) == 2 and len(kv.retention) == 0
+    kv.check_invariants()
+
+
+def test_bad_retention_spans_are_value_errors():
+    assert validate_retention_spans(None) == () and validate_retention_spans([(8, 300)]) == ((8, 300.0),)
+    for spans in ([(0, 300)], [(8, 0)], [(8, float("nan"))], [(True, 5)], [(8,)], "8:300", [(8.0, 5)]):
+        with pytest.raises(ValueError, match="retention_spans"):
+            validate_retention_spans(spans)
 
 
 def test_bad_retention_values_are_value_errors():
