@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentHandle
 
 from prefixkv.router.request import RouteRequest
 from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
-from prefixkv.server.auth import OPEN, KeyRing, bearer_token, derive_cache_salt, isolation_mode
+from prefixkv.server.auth import OPEN, KeyRing, derive_cache_salt, isolation_mode, request_api_key
 from prefixkv.server.errors import APIError
 from prefixkv.server.options import ServingOptions
 
@@ -182,8 +182,8 @@ class Ingress:
     # Before the catch-all route below: FastAPI matches routes in the order they were declared.
     @app.get(STATS_PATH)
     async def ingress_stats(self, raw: Request) -> Any:
-        if self._keys is not None and self._keys.identify(bearer_token(raw)) is None:
-            message = "Invalid or missing API key: send 'Authorization: Bearer <key>'"
+        if self._keys is not None and self._keys.identify(request_api_key(raw)) is None:
+            message = "Invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
             return APIError(message, status=401, code="invalid_api_key").response()
         return self.stats.as_dict()
 

@@ -18,9 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.server.auth import (
     TAG_LEN,
-    bearer_token,
     named_owner,
     principal_of,
+    request_api_key,
     salt_filter,
     salt_prefix,
     tenant_owner,
@@ -124,7 +124,7 @@ async def cache_summary(raw: Request) -> dict:
     summary, stats = await state.engine.cache_summary()
     principal = principal_of(raw)
     if not principal.is_admin:
-        owner = tenant_owner(state.tenant_isolation, principal, bearer_token(raw), None)
+        owner = tenant_owner(state.tenant_isolation, principal, request_api_key(raw), None)
         return tenant_view(state, owner, principal.tenant, summary)
     out = summary.to_json()
     out["engine"] = asdict(stats)

@@ -126,20 +126,25 @@ def read_key_file(path: str) -> list[tuple[str, Principal]]:
 # -- the FastAPI dependencies -------------------------------------------------------------------------------
 
 
-def bearer_token(request: Request) -> str | None:
+def request_api_key(request: Request) -> str | None:
+    """The key of `Authorization: Bearer <key>`, else of `x-api-key: <key>` (how Anthropic's clients send it)."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip() or None
 
 
 async def authenticate(request: Request) -> Principal:
     """401 unless `Authorization: Bearer <key>` names a configured key (when any is); the caller's Principal
     is kept on request.state for the handlers and the cache salt."""
     keys: KeyRing | None = request.app.state.server.keys
-    principal = OPEN if keys is None else keys.identify(bearer_token(request))
+    principal = OPEN if keys is None else keys.identify(request_api_key(request))
     if principal is None:
         raise APIError(
-            "Invalid or missing API key: send 'Authorization: Bearer <key>'", status=401, code="invalid_api_key"
+            "Invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+            status=401,
+            code="invalid_api_key",
         )
     request.state.principal = principal
     return principal
@@ -211,7 +216,7 @@ def salt_filter(owner: str) -> Callable[[str | None], bool]:
 
 def cache_salt_for(mode: str, request: Request, user: str | None, cache_salt: str | None) -> str | None:
     """The salt the engine gets: the client's own cache_salt, bound to the tenant when isolation is on."""
-    return derive_cache_salt(mode, principal_of(request), bearer_token(request), user, cache_salt)
+    return derive_cache_salt(mode, principal_of(request), request_api_key(request), user, cache_salt)
 
 
 def derive_cache_salt(

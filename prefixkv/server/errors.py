@@ -1,7 +1,8 @@
-"""Every failure leaves the server as an OpenAI-shaped error, so OpenAI clients raise the right exception.
+"""Every failure leaves the server as an error in its API's shape, so each SDK raises the right exception.
 
-Shape: {"error": {"message", "type", "param", "code"}}. FastAPI's own 422 for body validation is replaced by
-a 400 naming the offending field, as OpenAI and vLLM answer.
+OpenAI's shape: {"error": {"message", "type", "param", "code"}}; Anthropic's, on /v1/messages:
+{"type": "error", "error": {"type", "message"}}. FastAPI's own 422 for body validation is replaced by a 400
+naming the offending field, as OpenAI, Anthropic and vLLM answer.
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ _TYPES = {
 }
 
 
+# Anthropic's error types by status (its SDK maps the status to an exception class; the type names the cause)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"  # the routes that answer in Anthropic's shape (and those under it)
+
+
 class APIError(Exception):
     """Raised anywhere in a handler; becomes the JSON error response with its status."""
 
@@ -51,9 +65,25 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict:
+        return {
+            "type": "error",
+            "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"), "message": self.message},
+        }
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        body = self.anthropic_body() if anthropic else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+    def response_for(self, request: Request) -> JSONResponse:
+        """In the shape of the API `request` called."""
+        return self.response(anthropic=is_anthropic(request))
+
+
+def is_anthropic(request: Request) -> bool:
+    path = request.url.path
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 _PARAMS = {
@@ -128,26 +158,26 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response_for(request)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_error(exc).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response_for(request)
 
     @app.exception_handler(ValueError)
-    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return from_value_error(exc).response()
+    async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return from_value_error(exc).response_for(request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(str(exc.detail), status=exc.status_code).response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(str(exc.detail), status=exc.status_code).response_for(request)
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return APIError(str(exc), status=503, code="engine_dead").response()
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(str(exc), status=503, code="engine_dead").response_for(request)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error")
-        return APIError(f"Internal server error: {type(exc).__name__}: {exc}", status=500).response()
+        return APIError(f"Internal server error: {type(exc).__name__}: {exc}", status=500).response_for(request)

@@ -26,22 +26,34 @@ T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
 
 
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+def sse(payload: dict, event: str | None = None) -> str:
+    """One event: its data, and its name where the API names events (Anthropic's do)."""
+    data = f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return data if event is None else f"event: {event}\n{data}"
 
 
-async def guarded_events(events: AsyncIterator[str], group) -> AsyncIterator[str]:
-    """Once headers are sent an error can only travel as an event; the stream always ends with [DONE] and
-    always releases the engine requests of its group."""
+def openai_error_event(err: APIError) -> str:
+    return sse(err.body())
+
+
+async def guarded_events(
+    events: AsyncIterator[str],
+    group,
+    error_event: Callable[[APIError], str] = openai_error_event,
+    done: str | None = DONE,
+) -> AsyncIterator[str]:
+    """Once headers are sent an error can only travel as an event (error_event); the stream always ends with
+    `done` (OpenAI's [DONE]; None: nothing) and always releases the engine requests of its group."""
     try:
         async for event in events:
             yield event
     except Exception as exc:
         err = exc if isinstance(exc, APIError) else APIError(str(exc), status=500)
-        yield sse(err.body())
+        yield error_event(err)
     finally:
         group.close()
-    yield DONE
+    if done is not None:
+        yield done
 
 
 class SlowClient(Exception):
@@ -138,13 +150,24 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
-async def answer(raw: Request, group, events: AsyncIterator[str] | None, build: Callable[[list], dict]):
-    """Stream `events` as SSE, or (events None) wait for every final output and return build(finals) as JSON.
-    Either way the engine requests of `group` end with the HTTP request (499 when the client left first)."""
+async def answer(
+    raw: Request,
+    group,
+    events: AsyncIterator[str] | None,
+    build: Callable[[list], dict],
+    error_event: Callable[[APIError], str] = openai_error_event,
+    done: str | None = DONE,
+):
+    """Stream `events` as SSE (ended as guarded_events says), or (events None) wait for every final output and
+    return build(finals) as JSON. Either way the engine requests of `group` end with the HTTP request (499 when
+    the client left first)."""
     if events is not None:
         write_timeout = raw.app.state.limits.stream_write_timeout
         return EventStreamResponse(
-            guarded_events(events, group), on_close=group.close, group=group, write_timeout=write_timeout
+            guarded_events(events, group, error_event, done),
+            on_close=group.close,
+            group=group,
+            write_timeout=write_timeout,
         )
     try:
         finals = await until_disconnected(raw, group.collect())

@@ -21,6 +21,7 @@ from prefixkv.engine.client import EngineTokenizer
 from prefixkv.server.async_engine import AsyncEngine, RequestGroup
 from prefixkv.server.auth import KeyRing, cache_salt_for
 from prefixkv.server.errors import APIError, from_value_error
+from prefixkv.server.messages_protocol import Conversation
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 
@@ -44,6 +45,7 @@ class ServerState:
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # prompts in one /v1/completions request
     allow_special_tokens_in_content: bool = False  # chat content may contain control tokens (unsafe)
     max_prompt_chars: int = 0  # longer prompt text cannot fit max_model_len tokens: refused untokenized
+    prefix_caching: bool = True  # False with prefix_cache "off": nothing is read from or written to a cache
     tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="prefixkv-tokenizer"
@@ -95,6 +97,15 @@ class ServerState:
         self.check_prompt_tokens(len(prompt), "messages")
         return prompt
 
+    async def tokenize_conversation(self, conversation: Conversation) -> tuple[list[int], list[int]]:
+        """A Messages API conversation's prompt ids, and where its cache breakpoints fall in them (in tokens)."""
+        self.check_prompt_chars(sum(len(m["content"]) for m in conversation.messages), "messages")
+        prompt, positions = await self._in_worker(
+            _conversation_prompt, self.tokenizer, conversation, self.allow_special_tokens_in_content
+        )
+        self.check_prompt_tokens(len(prompt), "messages")
+        return prompt, positions
+
     async def _in_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
@@ -127,18 +138,44 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]], allow_special_tokens_in_content: bool) -> list[int]:
+def _chat_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    allow_special_tokens_in_content: bool,
+    add_generation_prompt: bool = True,
+) -> list[int]:
     """Chat messages -> the engine prompt's token ids (the engine needs no text). Runs in the tokenizer
     worker thread; special-token text in message content stays text unless the server allows it."""
     try:
         ids = tokenizer.encode_chat(
-            messages, add_generation_prompt=True, allow_special_tokens_in_content=allow_special_tokens_in_content
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            allow_special_tokens_in_content=allow_special_tokens_in_content,
         )
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
         raise APIError(
             f"messages could not be rendered by the chat template: {exc}", param="messages", code="invalid_value"
         ) from None
     return ids
+
+
+def _conversation_prompt(
+    tokenizer: Any, conversation: Conversation, allow_special: bool
+) -> tuple[list[int], list[int]]:
+    """The prompt's token ids and, per breakpoint, how many of its leading tokens the conversation up to the
+    breakpoint shares with it (the cut rendered without a generation prompt: the template closes the cut message,
+    so the shared run ends where the block's text does)."""
+    prompt = _chat_prompt(tokenizer, conversation.messages, allow_special)
+    positions = []
+    for bp in conversation.breakpoints:
+        cut = _chat_prompt(tokenizer, conversation.cut(bp), allow_special, add_generation_prompt=False)
+        shared = 0
+        for a, b in zip(cut, prompt):
+            if a != b:
+                break
+            shared += 1
+        positions.append(shared)
+    return prompt, positions
 
 
 async def submit(

@@ -1,0 +1,190 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API over the same engine.
+
+The conversation goes through the model's chat template like /v1/chat/completions; each cache breakpoint
+(messages_protocol.py) becomes a retention span, so the prefix up to it stays cached for its TTL, and a hit
+refreshes it. Errors on these routes come in Anthropic's shape (errors.py); keys may come as `x-api-key`.
+
+`usage`, exact on every request (input_tokens + cache_read_input_tokens + cache_creation_input_tokens = the prompt):
+- cache_read_input_tokens: prompt tokens served from the cache;
+- cache_creation_input_tokens: tokens this request wrote to the cache, i.e. its whole pages past the hit (prefixkv
+  caches every whole page of a prompt, as Anthropic's top-level automatic caching would); in
+  cache_creation.ephemeral_1h_input_tokens those inside a 1h breakpoint's prefix, the rest in ephemeral_5m;
+- input_tokens: the rest, the tail of the prompt that fills no whole page (none with page size 1, the radix
+  cache's default). With the prefix cache off, every token is input.
+A prompt's last token is always computed (its logits make the first output token), so a wholly cached prompt
+that ends on a page boundary reads all but its last page, and that page counts as written.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import APIRouter, Request
+
+from prefixkv.outputs import RequestOutput
+from prefixkv.server.auth import cache_salt_for
+from prefixkv.server.errors import APIError, from_value_error
+from prefixkv.server.messages_protocol import (
+    CACHE_TTL_SECONDS,
+    CountTokensRequest,
+    MessagesRequest,
+)
+from prefixkv.server.sse import answer, sse
+from prefixkv.server.state import ServerState, server_state
+
+router = APIRouter()
+
+
+@router.post("/v1/messages")
+async def create_message(body: MessagesRequest, raw: Request):
+    state = server_state(raw)
+    model = state.check_model(body.model)
+    conversation = body.conversation()
+    params = body.sampling_params()
+    prompt, positions = await state.tokenize_conversation(conversation)
+    spans = [
+        (pos, CACHE_TTL_SECONDS[bp.ttl]) for bp, pos in zip(conversation.breakpoints, positions, strict=True) if pos
+    ]
+    message_id = f"msg_{uuid.uuid4().hex}"
+    salt = cache_salt_for(state.tenant_isolation, raw, body.user, body.cache_salt)
+    try:
+        group = await state.engine.submit(
+            [message_id],
+            [prompt],
+            params,
+            stream=body.stream,
+            priority=body.priority,
+            cache_salt=salt,
+            retention_spans=spans,
+            prefill_only=body.max_tokens == 0,
+        )
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    accounting = _Accounting(state, len(prompt), spans)
+    if body.stream:
+        events = _stream(group, message_id, model, accounting)
+        return await answer(raw, group, events, _no_build, error_event=_error_event, done=None)
+    return await answer(raw, group, None, lambda finals: _message(finals[0], message_id, model, accounting))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, raw: Request):
+    state = server_state(raw)
+    state.check_model(body.model)
+    prompt, _ = await state.tokenize_conversation(body.conversation())
+    return {"input_tokens": len(prompt)}
+
+
+class _Accounting:
+    """The request's usage block from the engine's counts (module docstring)."""
+
+    def __init__(self, state: ServerState, prompt_tokens: int, spans: Sequence[tuple[int, float]]) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.page_size = state.page_size
+        self.caching = state.prefix_caching
+        hour = CACHE_TTL_SECONDS["1h"]
+        self.hour_end = max((pos for pos, seconds in spans if seconds >= hour), default=0)
+
+    def usage(self, cached: int, output_tokens: int) -> dict:
+        cached = max(0, cached)
+        written = written_1h = 0
+        if self.caching:
+            whole = self.prompt_tokens // self.page_size * self.page_size
+            written = max(0, whole - cached)
+            written_1h = max(0, min(whole, self.hour_end // self.page_size * self.page_size) - cached)
+        return {
+            "input_tokens": self.prompt_tokens - cached - written,
+            "cache_creation_input_tokens": written,
+            "cache_read_input_tokens": cached,
+            "cache_creation": {
+                "ephemeral_5m_input_tokens": written - written_1h,
+                "ephemeral_1h_input_tokens": written_1h,
+            },
+            "output_tokens": output_tokens,
+        }
+
+
+def _stop(output: RequestOutput) -> tuple[str, str | None]:
+    """Anthropic's stop_reason (and stop_sequence) from the engine's finish."""
+    completion = output.outputs[0]
+    if completion.finish_reason == "stop":
+        if isinstance(completion.stop_reason, str):
+            return "stop_sequence", completion.stop_reason
+        return "end_turn", None
+    return "max_tokens", None
+
+
+def _message(final: RequestOutput, message_id: str, model: str, accounting: _Accounting) -> dict:
+    completion = final.outputs[0]
+    stop_reason, stop_sequence = _stop(final)
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": completion.text}] if completion.token_ids else [],
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": accounting.usage(final.num_cached_tokens, len(completion.token_ids)),
+    }
+
+
+def _no_build(finals: list) -> dict:
+    raise AssertionError("a streamed answer builds no JSON body")
+
+
+def _error_event(err: APIError) -> str:
+    return sse(err.anthropic_body(), event="error")
+
+
+async def _stream(group, message_id: str, model: str, accounting: _Accounting) -> AsyncIterator[str]:
+    """Anthropic's event sequence: message_start, one text block (start, deltas, stop), message_delta with the
+    stop reason and the usage, message_stop. message_start waits for the engine's first output, which brings
+    the cache hit, so its usage is already exact."""
+    started = block_open = False
+    output_tokens = 0
+    cached = 0
+    final: RequestOutput | None = None
+    async for _, output in group:
+        cached = output.num_cached_tokens
+        completion = output.outputs[0] if output.outputs else None
+        if not started:
+            started = True
+            message: dict = {
+                "id": message_id,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": accounting.usage(cached, 0),
+            }
+            yield sse({"type": "message_start", "message": message}, event="message_start")
+        if completion is None:
+            continue
+        output_tokens += len(completion.token_ids)
+        if completion.text:
+            if not block_open:
+                block_open = True
+                start = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+                yield sse(start, event="content_block_start")
+            delta = {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": completion.text},
+            }
+            yield sse(delta, event="content_block_delta")
+        if output.finished:
+            final = output
+    if block_open:
+        yield sse({"type": "content_block_stop", "index": 0}, event="content_block_stop")
+    stop_reason, stop_sequence = _stop(final) if final is not None and final.outputs else ("max_tokens", None)
+    delta = {
+        "type": "message_delta",
+        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+        "usage": accounting.usage(cached, output_tokens),
+    }
+    yield sse(delta, event="message_delta")
+    yield sse({"type": "message_stop"}, event="message_stop")

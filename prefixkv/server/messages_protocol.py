@@ -1,0 +1,182 @@
+"""Request bodies of Anthropic's Messages API (POST /v1/messages and /v1/messages/count_tokens), and where their
+cache breakpoints fall.
+
+Content is text blocks (a string is one); other block types, tools and a final assistant message (a prefill to
+continue) get a 400 that says so. `cache_control` ({"type": "ephemeral", "ttl": "5m" | "1h"}) on system and
+message blocks, and once at the top level (automatic caching: the breakpoint is the end of the conversation), as
+Anthropic takes it: at most 4 breakpoints, and a 1h one never after a 5m one. Each breakpoint becomes a retention
+span of the engine request: the prompt's tokens up to the breakpoint stay cached for the TTL, refreshed on hits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from prefixkv.sampling_params import SamplingParams
+from prefixkv.server.errors import APIError, from_value_error
+
+CACHE_TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+MAX_BREAKPOINTS = 4  # Anthropic's cap, the top-level one included
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class CacheControl(BaseModel):
+    model_config = _STRICT
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
+class Metadata(BaseModel):
+    model_config = _STRICT
+    user_id: str | None = Field(None, max_length=256)
+
+
+@dataclass(frozen=True)
+class Breakpoint:
+    """A cache_control: the conversation cut right after the block that carries it (message index, and the
+    text of that message up to and including the block; None for the top-level one: the whole conversation)."""
+
+    where: str  # for errors: "system[0]", "messages[2].content[1]", "cache_control"
+    ttl: str
+    message: int | None = None
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """What the template renders (plain {role, content} messages) and the breakpoints, in prompt order."""
+
+    messages: list[dict[str, str]]
+    breakpoints: list[Breakpoint]
+
+    def cut(self, bp: Breakpoint) -> list[dict[str, str]]:
+        """The conversation up to the breakpoint, as messages (rendered without a generation prompt)."""
+        if bp.message is None:
+            return self.messages
+        return [*self.messages[: bp.message], {**self.messages[bp.message], "content": bp.text}]
+
+
+class MessagesRequest(BaseModel):
+    model_config = _STRICT
+
+    model: str
+    max_tokens: int = Field(ge=0, description="0 prewarms: the prompt is computed and cached, nothing generated")
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    metadata: Metadata | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
+    # prefixkv / vLLM extensions, as on the OpenAI routes
+    cache_salt: str | None = None
+    priority: int = 0
+
+    @property
+    def user(self) -> str | None:
+        """metadata.user_id: the tenant key of --tenant-isolation user (as OpenAI's `user`)."""
+        return self.metadata.user_id if self.metadata else None
+
+    def sampling_params(self) -> SamplingParams:
+        """Anthropic's defaults: temperature 1, every token (top_p 1, no top_k)."""
+        try:
+            return SamplingParams(
+                max_tokens=max(self.max_tokens, 1),
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if not self.top_k else self.top_k,
+                stop=self.stop_sequences,
+            )
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+
+    def conversation(self) -> Conversation:
+        """The messages for the chat template and the cache breakpoints in prompt order; 400 when unsupported."""
+        if self.tools or self.tool_choice:
+            raise APIError(
+                "tools are not supported: this server's chat template renders no tool definitions", param="tools"
+            )
+        messages: list[dict[str, str]] = []
+        breakpoints: list[Breakpoint] = []
+        if self.system is not None:
+            text = _blocks_text(self.system, "system", 0, breakpoints)
+            messages.append({"role": "system", "content": text})
+        for i, m in enumerate(self.messages):
+            role = m.get("role")
+            if role not in ("user", "assistant"):
+                raise APIError(f"messages[{i}].role must be 'user' or 'assistant', got {role!r}", param="messages")
+            content = m.get("content")
+            if not isinstance(content, (str, list)):
+                raise APIError(f"messages[{i}].content must be a string or a list of blocks", param="messages")
+            text = _blocks_text(content, f"messages[{i}].content", len(messages), breakpoints)
+            messages.append({"role": role, "content": text})
+        if messages[-1]["role"] == "assistant":
+            raise APIError(
+                "the last message must be a user message (continuing an assistant prefill is not supported)",
+                param="messages",
+            )
+        if self.cache_control is not None:
+            breakpoints.append(Breakpoint("cache_control", self.cache_control.ttl))
+        _check_breakpoints(breakpoints)
+        return Conversation(messages, breakpoints)
+
+
+def _blocks_text(content: str | list[dict[str, Any]], where: str, message: int, out: list[Breakpoint]) -> str:
+    """The text of a string or of text blocks (joined as they come); each block's cache_control is added to out."""
+    if isinstance(content, str):
+        return content
+    text = ""
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise APIError(f"{where}[{j}]: only text blocks are supported, got {kind!r}", param=where.split("[")[0])
+        text += block["text"]
+        control = block.get("cache_control")
+        if control is not None:
+            try:
+                ttl = CacheControl.model_validate(control).ttl
+            except ValueError:
+                raise APIError(
+                    f"{where}[{j}].cache_control must be {{'type': 'ephemeral', 'ttl': '5m' | '1h'}}, got {control!r}",
+                    param=where.split("[")[0],
+                ) from None
+            out.append(Breakpoint(f"{where}[{j}]", ttl, message, text))
+    return text
+
+
+def _check_breakpoints(breakpoints: list[Breakpoint]) -> None:
+    if len(breakpoints) > MAX_BREAKPOINTS:
+        raise APIError(
+            f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided; found {len(breakpoints)}",
+            param="cache_control",
+        )
+    for earlier, later in zip(breakpoints, breakpoints[1:]):
+        if CACHE_TTL_SECONDS[later.ttl] > CACHE_TTL_SECONDS[earlier.ttl]:
+            raise APIError(
+                f"a cache_control with ttl '{later.ttl}' ({later.where}) must not come after one with ttl "
+                f"'{earlier.ttl}' ({earlier.where}): longer TTLs come first",
+                param="cache_control",
+            )
+
+
+class CountTokensRequest(BaseModel):
+    """POST /v1/messages/count_tokens: the fields that make the prompt."""
+
+    model_config = _STRICT
+
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
+
+    def conversation(self) -> Conversation:
+        return MessagesRequest(max_tokens=0, **self.model_dump()).conversation()
