@@ -114,6 +114,27 @@ def test_spans_retain_their_prefixes_for_their_own_time_and_a_hit_refreshes_them
     kv.check_invariants()
 
 
+@pytest.mark.parametrize("kind", ["hash", "radix"])
+def test_a_1h_breakpoint_keeps_every_hit_through_5000_unrelated_requests(kind):
+    """Issue 24's bar: a 1h cache entry (a span over the system prompt) read by every one of its requests while
+    5,000 unrelated ones, 10 times the pool, churn everything else; its pages' TTL refreshed by each hit."""
+    clock = FakeClock()
+    kv = make_cache(kind, "lru", 64, clock)
+    system = list(range(10_000, 10_000 + 4 * PAGE))
+    spans = ((len(system), 3600.0),)
+    serve(kv, make_request(system + [1], retention_spans=spans))
+    hits = []
+    for i in range(5000):
+        clock.now += 1.0  # 5,000 s in all: past the first hour, so only the refreshes keep it
+        serve(kv, make_request([100_000 + 7 * i + k for k in range(2 * PAGE)]))
+        if i % 100 == 99:
+            probe = make_request(system + [2 + i], retention_spans=spans)
+            hits.append(kv.lookup(probe) == len(system))
+            serve(kv, probe)
+    kv.check_invariants()
+    assert all(hits) and len(hits) == 50
+
+
 def test_bad_retention_spans_are_value_errors():
     assert validate_retention_spans(None) == () and validate_retention_spans([(8, 300)]) == ((8, 300.0),)
     for spans in ([(0, 300)], [(8, 0)], [(8, float("nan"))], [(True, 5)], [(8,)], "8:300", [(8.0, 5)]):
