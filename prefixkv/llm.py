@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from prefixkv import prewarm
@@ -37,9 +37,12 @@ if TYPE_CHECKING:  # the model package (and torch) load only when an engine is b
 logger = logging.getLogger(__name__)
 
 
-def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Engine:
+def build_engine(
+    config: EngineConfig, loaded: LoadedModel | None = None, clock: Callable[[], float] = time.monotonic
+) -> Engine:
     """An Engine for `config` on `loaded` (loaded from config.model when None). The runner casts and moves the
-    model to config.dtype / config.device in place: callers sharing one LoadedModel key it by dtype and device."""
+    model to config.dtype / config.device in place: callers sharing one LoadedModel key it by dtype and device.
+    clock: what retention deadlines (TTLs) are measured on (tests pass a virtual one)."""
     if config.num_threads:
         import torch
 
@@ -76,14 +79,18 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
         ", ".join(on) or "plain torch",
     )
     logger.info("%s", kernel_line(kernels, config.dtype))
-    kv, components = _kv_and_components(config, runner, loaded, kernels)
+    kv, components = _kv_and_components(config, runner, loaded, kernels, clock)
     return Engine(
         config, runner, loaded.tokenizer, loaded.config, kv, components, model_name=loaded.name, kernels=kernels
     )
 
 
 def _kv_and_components(
-    config: EngineConfig, runner: ModelRunner, loaded: LoadedModel, kernels: dict[str, str]
+    config: EngineConfig,
+    runner: ModelRunner,
+    loaded: LoadedModel,
+    kernels: dict[str, str],
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[KVCacheManager, list[StepComponent]]:
     """The KV manager over the runner's pool, behind it the second tier config names (whose directory must hold
     KV this model, dtype and kernels computed), and the step components that serve them."""
@@ -94,6 +101,7 @@ def _kv_and_components(
         config.prefix_caching_hash_algo,
         config.eviction,
         config.retained_pool_fraction,
+        clock=clock,
     )
     components: list[StepComponent] = []
     if config.kv_offload:
@@ -142,9 +150,16 @@ class LLM:
     (EngineConfig's names, or vLLM's aliases such as block_size). loaded_model: an already loaded model to use
     instead of loading one (see build_engine about sharing it)."""
 
-    def __init__(self, model: str | None = None, *, loaded_model: LoadedModel | None = None, **engine_options):
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        loaded_model: LoadedModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **engine_options,
+    ):
         self.config = EngineConfig.from_kwargs(model=model, **engine_options)
-        self.llm_engine = build_engine(self.config, loaded_model)
+        self.llm_engine = build_engine(self.config, loaded_model, clock)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -147,6 +147,8 @@ class RetentionTable:
             assert math.isfinite(e.deadline), f"page {page}: deadline {e.deadline}"
 
     def summary(self) -> dict:
+        """The retention now: retentions past their deadline are ended first."""
+        self.expire()
         return {
             "retained_pages": len(self._entries),
             "retained_capacity": self.capacity,

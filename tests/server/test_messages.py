@@ -212,3 +212,46 @@ def test_usage_adds_up_on_any_breakpoint_layout(served, system_ttls, message_ttl
             continue
         reply = create(served, max_tokens=1, **body)
         adds_up(reply.usage, count(served, **body))
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_breakpoint_expires_within_a_second_of_its_ttl_and_a_hit_refreshes_it(new_engine):
+    """On a virtual clock (the engine takes one): a 5m entry is retained at 299 s, gone at 301 s; a hit at 200 s
+    moves its end to 500 s. /cache/summary reports the retained pages as of the clock's now."""
+    clock = VirtualClock()
+    engine = new_engine(clock=clock, kv_cache_tokens=1024)
+    admin = {"Authorization": f"Bearer {KEY}"}
+    with running_server(engine, api_key=KEY) as (base, _, _):
+        client = anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0)
+
+        system = [{"type": "text", "text": system_text(), "cache_control": {"type": "ephemeral"}}]
+
+        def send(question: str) -> None:
+            client.messages.create(
+                model=engine.model_name, max_tokens=1, system=system, messages=[{"role": "user", "content": question}]
+            )
+
+        def retained() -> int:
+            return httpx.get(base + "/cache/summary", headers=admin).json()["retained_pages"]
+
+        send("first")
+        pages = retained()
+        assert pages > 0
+        clock.now += 299
+        assert retained() == pages
+        clock.now += 2
+        assert retained() == 0
+        send("again")  # its pages were still cached, only no longer retained: retained again until 601 s
+        clock.now += 200
+        send("hit")  # a hit at 501 s refreshes it to 801 s
+        clock.now += 299
+        assert retained() == pages
+        clock.now += 2
+        assert retained() == 0
