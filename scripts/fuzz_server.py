@@ -4,12 +4,13 @@
 
 Installs schemathesis into this interpreter's environment if it is missing, starts a server on 127.0.0.1 (small KV
 pool, short context, an API key), runs schemathesis bounded in time, and reports two numbers that must both be 0:
-server errors (5xx) and error answers whose body is not OpenAI's {"error": {"message", "type", "param", "code"}}.
+server errors (5xx) and error answers whose body is not their API's shape: OpenAI's {"error": {"message", "type",
+"param", "code"}}, or Anthropic's {"type": "error", "error": {"type", "message"}} on /v1/messages.
 Exit status 0 only then. Not part of the test suite (it takes minutes); the server's log and schemathesis's
 report land in --out (default: a temporary directory).
 
 This file is also the schemathesis hooks module (SCHEMATHESIS_HOOKS=fuzz_server): importing it from schemathesis
-registers the OpenAI error-body check.
+registers the error-body check.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ KEY = "fuzz-key"
 ERROR_FIELDS = {"message", "type", "param", "code"}
 CHECKS = (
     "not_a_server_error,status_code_conformance,response_schema_conformance,content_type_conformance,"
-    "negative_data_rejection,openai_error_body"
+    "negative_data_rejection,api_error_body"
 )
 
 
-def openai_error_problem(status: int, body: bytes) -> str | None:
-    """Why an error answer is not in OpenAI's format, or None when it is (or when it is not an error)."""
+def error_problem(status: int, body: bytes, path: str = "") -> str | None:
+    """Why an error answer is not in its API's shape (Anthropic's under /v1/messages, OpenAI's elsewhere), or
+    None when it is (or when it is not an error)."""
     if status < 400:
         return None
     try:
@@ -43,7 +45,10 @@ def openai_error_problem(status: int, body: bytes) -> str | None:
     except ValueError:
         return f"{status} with a body that is not JSON: {body[:200]!r}"
     error = payload.get("error") if isinstance(payload, dict) else None
-    if not isinstance(error, dict) or set(payload) != {"error"} or set(error) != ERROR_FIELDS:
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        if not isinstance(error, dict) or set(payload) != {"type", "error"} or set(error) != {"type", "message"}:
+            return f"{status} with a body that is not Anthropic's error shape: {str(payload)[:200]}"
+    elif not isinstance(error, dict) or set(payload) != {"error"} or set(error) != ERROR_FIELDS:
         return f"{status} with a body that is not OpenAI's error shape: {str(payload)[:200]}"
     if not isinstance(error["message"], str) or not error["message"]:
         return f"{status} with an empty error message"
@@ -54,9 +59,9 @@ def _register_check() -> None:
     import schemathesis
 
     @schemathesis.check
-    def openai_error_body(ctx, response, case):
-        """Every non-2xx answer carries OpenAI's error body, so OpenAI clients raise the right exception."""
-        problem = openai_error_problem(response.status_code, response.content or b"")
+    def api_error_body(ctx, response, case):
+        """Every non-2xx answer carries its API's error body, so each SDK raises the right exception."""
+        problem = error_problem(response.status_code, response.content or b"", case.path)
         if problem is not None:
             raise AssertionError(problem)
 
@@ -207,11 +212,11 @@ def main() -> int:
             server.kill()
     print(f"\nschemathesis ran {elapsed:.0f} s, exit status {st.returncode}; server alive at the end: {alive}")
     server_errors = sum(n for status, n in statuses.items() if status.startswith("5"))
-    bad_bodies = len(failed.get("openai_error_body", ()))
+    bad_bodies = len(failed.get("api_error_body", ()))
     print("responses by status:", json.dumps(dict(sorted(statuses.items()))))
     print("failed test cases per check:", json.dumps({k: len(v) for k, v in sorted(failed.items())}))
     print(f"server errors (5xx): {server_errors}")
-    print(f"non-OpenAI error bodies: {bad_bodies}")
+    print(f"error bodies not in their API's shape: {bad_bodies}")
     print(f"server log and report: {out}")
     return 0 if server_errors == 0 and bad_bodies == 0 and alive and st.returncode == 0 else 1
 

@@ -31,6 +31,20 @@ _ERROR_BODY = {
         }
     },
 }
+ANTHROPIC_ERROR_SCHEMA = "AnthropicErrorResponse"
+_ANTHROPIC_ERROR_BODY = {
+    "type": "object",
+    "description": "Anthropic's error body: every non-2xx answer of /v1/messages and its sub-routes has this shape",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
 _WHY = {
     400: "Invalid request: the message names the field (`param`)",
     401: "Missing or invalid API key",
@@ -38,7 +52,9 @@ _WHY = {
     404: "Unknown model",
     413: "Request body too large",
 }
-_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+_ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
+_MODEL_PATHS = (*_GENERATION_PATHS, "/v1/messages/count_tokens", "/v1/cache/prewarm")  # an unknown model: 404
 # what ChatCompletionRequest.template_messages accepts (the model keeps it a plain dict, so a bad message
 # gets that method's 400 naming messages[i])
 _MESSAGE = {
@@ -90,10 +106,11 @@ def install_openapi(app: FastAPI, state: Any) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _error_response(status: int) -> dict:
+def _error_response(status: int, path: str = "") -> dict:
+    name = ANTHROPIC_ERROR_SCHEMA if path in _ANTHROPIC_PATHS else ERROR_SCHEMA
     return {
         "description": _WHY[status],
-        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_SCHEMA}"}}},
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
     }
 
 
@@ -104,23 +121,25 @@ def _declare_errors(schema: dict, public_paths: set[str], admin_paths: set[str],
     components.pop("HTTPValidationError", None)
     components.pop("ValidationError", None)
     components[ERROR_SCHEMA] = _ERROR_BODY
+    components[ANTHROPIC_ERROR_SCHEMA] = _ANTHROPIC_ERROR_BODY
     for path, operations in schema.get("paths", {}).items():
         for method, op in operations.items():
             responses = op.setdefault("responses", {})
             if responses.pop("422", None) is not None or path in _GENERATION_PATHS:  # it reads input
-                responses["400"] = _error_response(400)
+                responses["400"] = _error_response(400, path)
             if method in ("post", "put", "patch"):
-                responses["413"] = _error_response(413)
+                responses["413"] = _error_response(413, path)
             if path not in public_paths:
-                responses["401"] = _error_response(401)
+                responses["401"] = _error_response(401, path)
                 if api_key:
                     op["security"] = [{"bearer": []}]
             if path in admin_paths:
-                responses["403"] = _error_response(403)
+                responses["403"] = _error_response(403, path)
             if path in _TEXT_PATHS:  # answered as text, not JSON
                 responses["200"]["content"] = {_TEXT_PATHS[path]: {"schema": {"type": "string"}}}
+            if path in _MODEL_PATHS:
+                responses["404"] = _error_response(404, path)
             if path in _GENERATION_PATHS:
-                responses["404"] = _error_response(404)
                 ok = responses.setdefault("200", {"description": "Successful Response"})
                 ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": _SSE_EVENT})
 
@@ -135,6 +154,10 @@ def _declare_limits(schema: dict, state: Any) -> None:
         for variant in props.get("model", {}).get("anyOf", []):  # any other name is a 404
             if variant.get("type") == "string":
                 variant["enum"] = [state.served_model_name]
+    for name in ("MessagesRequest", "CountTokensRequest"):  # a required model: any other name is a 404
+        model = components.get(name, {}).get("properties", {}).get("model")
+        if model is not None:
+            model["enum"] = [state.served_model_name]
     messages = components.get("ChatCompletionRequest", {}).get("properties", {}).get("messages")
     if messages is not None:
         messages["items"] = _MESSAGE
