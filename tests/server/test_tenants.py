@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -134,6 +135,31 @@ def test_two_keys_of_one_tenant_share_hits(engines, key_file):
         assert _cached(base, "alice-key-1", OTHER) == 0
         assert _cached(base, "alice-key-2", OTHER) >= 32
         assert _cached(base, "bob-key", OTHER) == 0
+        wait_no_pages_held(base, ADMIN)
+
+
+def test_messages_are_isolated_by_tenant_too(engines, key_file):
+    """/v1/messages with Anthropic's x-api-key: a breakpoint cached by bob is read by bob's repeat only, not by
+    alice, not even when she names bob in metadata.user_id."""
+    system = [{"type": "text", "text": SECRET, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+
+    def read(base: str, key: str, **extra) -> int:
+        client = anthropic.Anthropic(base_url=base, api_key=key, max_retries=0)
+        reply = client.messages.create(
+            model=_client(base, key).models.list().data[0].id,
+            max_tokens=1,
+            system=system,
+            messages=[{"role": "user", "content": "go"}],
+            **extra,
+        )
+        return reply.usage.cache_read_input_tokens
+
+    with running_server(engines("hash"), api_key_file=key_file) as (base, _, _):
+        assert read(base, "bob-key") == 0
+        assert read(base, "bob-key") >= 32
+        assert read(base, "alice-key-1") == 0
+        assert read(base, "alice-key-2", metadata={"user_id": "bob"}) >= 32  # alice's own entry now: hers to read
+        assert read(base, "ops-key", metadata={"user_id": "bob"}) == 0
         wait_no_pages_held(base, ADMIN)
 
 
