@@ -52,7 +52,7 @@ _WHY = {
     404: "Unknown model",
     413: "Request body too large",
 }
-_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 _ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
 _MODEL_PATHS = (*_GENERATION_PATHS, "/v1/messages/count_tokens", "/v1/cache/prewarm")  # an unknown model: 404
 # what ChatCompletionRequest.template_messages accepts (the model keeps it a plain dict, so a bad message
@@ -139,6 +139,8 @@ def _declare_errors(schema: dict, public_paths: set[str], admin_paths: set[str],
                 responses["200"]["content"] = {_TEXT_PATHS[path]: {"schema": {"type": "string"}}}
             if path in _MODEL_PATHS:
                 responses["404"] = _error_response(404, path)
+            if path == "/v1/responses/{response_id}":
+                responses["404"] = {**_error_response(404, path), "description": "No stored response of that id"}
             if path in _GENERATION_PATHS:
                 ok = responses.setdefault("200", {"description": "Successful Response"})
                 ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": _SSE_EVENT})
@@ -158,6 +160,9 @@ def _declare_limits(schema: dict, state: Any) -> None:
         model = components.get(name, {}).get("properties", {}).get("model")
         if model is not None:
             model["enum"] = [state.served_model_name]
+    for variant in components.get("ResponsesRequest", {}).get("properties", {}).get("model", {}).get("anyOf", []):
+        if variant.get("type") == "string":
+            variant["enum"] = [state.served_model_name]
     messages = components.get("ChatCompletionRequest", {}).get("properties", {}).get("messages")
     if messages is not None:
         messages["items"] = _MESSAGE

@@ -24,6 +24,7 @@ from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.messages_protocol import Conversation
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from prefixkv.server.response_store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class ServerState:
     allow_special_tokens_in_content: bool = False  # chat content may contain control tokens (unsafe)
     max_prompt_chars: int = 0  # longer prompt text cannot fit max_model_len tokens: refused untokenized
     prefix_caching: bool = True  # False with prefix_cache "off": nothing is read from or written to a cache
+    responses: ResponseStore = field(default_factory=ResponseStore)  # what /v1/responses stored
     tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="prefixkv-tokenizer"

@@ -1,0 +1,185 @@
+"""POST /v1/responses (and GET / DELETE /v1/responses/{id}): OpenAI's Responses API over the same engine.
+
+The request's messages go through the chat template like /v1/chat/completions. `store` (default true, as
+OpenAI's) keeps the response with its whole conversation (response_store.py), and `previous_response_id`
+continues from one: the prompt is the stored turns, then the new input, behind this request's `instructions`
+(which, as OpenAI's, are not carried over). Sent with the same instructions, each turn's prompt starts with the
+previous turn's, which the prefix cache holds, so `usage.input_tokens_details.cached_tokens` covers the session
+so far. `prompt_cache_key` and `prompt_cache_retention` mean what they mean on chat completions (server.md).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from prefixkv.outputs import RequestOutput
+from prefixkv.server.auth import principal_of, request_api_key, tenant_owner
+from prefixkv.server.errors import APIError
+from prefixkv.server.response_store import StoredResponse
+from prefixkv.server.responses_protocol import ResponsesRequest
+from prefixkv.server.sse import answer, sse
+from prefixkv.server.state import ServerState, server_state, submit
+
+router = APIRouter()
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, raw: Request):
+    state = server_state(raw)
+    model = state.check_model(body.model)
+    owner = _owner(state, raw, body.user)
+    history: tuple[dict[str, str], ...] = ()
+    if body.previous_response_id is not None:
+        previous = state.responses.get(owner, body.previous_response_id)
+        if previous is None:
+            raise APIError(
+                f"Previous response with id '{body.previous_response_id}' not found.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        history = previous.messages
+    turn = [*history, *body.input_messages()]
+    instructions = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    prompt = await state.tokenize_chat(instructions + turn)
+    response_id = f"resp_{uuid.uuid4().hex}"
+    group = await submit(state, raw, response_id, [prompt], body.sampling_params(), body)
+    made = _Made(state, owner, body, response_id, model, turn)
+    if body.stream:
+        return await answer(raw, group, _stream(group, made), _no_build, error_event=_error_event, done=None)
+    return await answer(raw, group, None, lambda finals: made.finish(finals[0]))
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, raw: Request):
+    state = server_state(raw)
+    stored = state.responses.get(_owner(state, raw, None), response_id)
+    if stored is None:
+        raise APIError(f"Response with id '{response_id}' not found.", status=404, param="response_id")
+    return stored.body
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, raw: Request):
+    state = server_state(raw)
+    if not state.responses.delete(_owner(state, raw, None), response_id):
+        raise APIError(f"Response with id '{response_id}' not found.", status=404, param="response_id")
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _owner(state: ServerState, raw: Request, user: str | None) -> str | None:
+    """Whose stored responses these are: the tenant, as tenant isolation names it (None: isolation off)."""
+    return tenant_owner(state.tenant_isolation, principal_of(raw), request_api_key(raw), user)
+
+
+class _Made:
+    """One response being made: its fixed fields, and storing it once it is done."""
+
+    def __init__(
+        self, state: ServerState, owner: str | None, body: ResponsesRequest, response_id: str, model: str, turn
+    ) -> None:
+        self.state, self.owner, self.body, self.id, self.model, self.turn = state, owner, body, response_id, model, turn
+        self.created = int(time.time())
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+
+    def item(self, text: str, status: str) -> dict:
+        content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
+
+    def response(self, status: str, output: list[dict], usage: dict | None, incomplete: bool = False) -> dict:
+        b = self.body
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "model": self.model,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "temperature": 1.0 if b.temperature is None else b.temperature,
+            "top_p": 1.0 if b.top_p is None else b.top_p,
+            "previous_response_id": b.previous_response_id,
+            "prompt_cache_key": b.prompt_cache_key,
+            "prompt_cache_retention": b.prompt_cache_retention,
+            "store": b.store,
+            "metadata": b.metadata or {},
+            "user": b.user,
+            "output": output,
+            "parallel_tool_calls": False,
+            "tool_choice": "none",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "usage": usage,
+        }
+
+    def finish(self, final: RequestOutput, text: str | None = None, output_tokens: int | None = None) -> dict:
+        """The finished response (stored when asked). text / output_tokens: a stream's, which kept no final."""
+        completion = final.outputs[0]
+        text = completion.text if text is None else text
+        output_tokens = len(completion.token_ids) if output_tokens is None else output_tokens
+        prompt_tokens = len(final.prompt_token_ids)
+        usage = {
+            "input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": max(0, final.num_cached_tokens)},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens,
+        }
+        incomplete = completion.finish_reason == "length"
+        body = self.response(
+            "incomplete" if incomplete else "completed", [self.item(text, "completed")], usage, incomplete
+        )
+        if self.body.store:
+            messages = (*self.turn, {"role": "assistant", "content": text})
+            self.state.responses.put(self.owner, self.id, StoredResponse(body, messages))
+        return body
+
+
+def _no_build(finals: list) -> dict:
+    raise AssertionError("a streamed answer builds no JSON body")
+
+
+def _error_event(err: APIError) -> str:
+    return sse({"type": "error", "code": err.code, "message": err.message, "param": err.param}, event="error")
+
+
+async def _stream(group, made: _Made) -> AsyncIterator[str]:
+    """OpenAI's event sequence for one text message: response.created, .in_progress, output_item.added,
+    content_part.added, output_text.delta..., output_text.done, content_part.done, output_item.done, completed."""
+    seq = 0
+
+    def event(kind: str, **fields) -> str:
+        nonlocal seq
+        seq += 1
+        return sse({"type": kind, "sequence_number": seq - 1, **fields}, event=kind)
+
+    where = {"item_id": made.item_id, "output_index": 0, "content_index": 0}
+    yield event("response.created", response=made.response("in_progress", [], None))
+    yield event("response.in_progress", response=made.response("in_progress", [], None))
+    yield event("response.output_item.added", output_index=0, item=made.item("", "in_progress"))
+    part = {"type": "output_text", "text": "", "annotations": []}
+    yield event("response.content_part.added", **where, part=part)
+    text, output_tokens, final = "", 0, None
+    async for _, output in group:
+        if not output.outputs:
+            continue
+        completion = output.outputs[0]
+        output_tokens += len(completion.token_ids)
+        if completion.text:
+            text += completion.text
+            yield event("response.output_text.delta", **where, delta=completion.text, logprobs=[])
+        if output.finished:
+            final = output
+    if final is None:
+        return
+    yield event("response.output_text.done", **where, text=text, logprobs=[])
+    yield event("response.content_part.done", **where, part={**part, "text": text})
+    yield event("response.output_item.done", output_index=0, item=made.item(text, "completed"))
+    done = made.finish(final, text, output_tokens)
+    yield event("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)

@@ -1,0 +1,101 @@
+"""Request bodies of OpenAI's Responses API (POST /v1/responses): the fields prefixkv honours.
+
+`input` is a string (one user message) or a list of message items ({"role", "content"} with content a string
+or input_text / output_text parts; `"type": "message"` optional); `instructions` becomes a system message
+before them. Other item types (function calls, images, files) and tools get a 400 that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from prefixkv.kvcache.retention import PROMPT_CACHE_RETENTION
+from prefixkv.sampling_params import SamplingParams
+from prefixkv.server.errors import APIError, from_value_error
+from prefixkv.server.protocol import MAX_PROMPT_CACHE_KEY_CHARS
+
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+_ROLES = ("user", "assistant", "system", "developer")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(BaseModel):
+    model_config = _STRICT
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = Field(None, max_length=MAX_PROMPT_CACHE_KEY_CHARS)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    # prefixkv / vLLM extensions, as on the other OpenAI routes
+    cache_salt: str | None = None
+    priority: int = 0
+
+    def retention(self) -> dict[str, Any]:
+        return dict(PROMPT_CACHE_RETENTION[self.prompt_cache_retention or "in_memory"])
+
+    def sampling_params(self) -> SamplingParams:
+        """No max_output_tokens: up to the end of the context, as chat completions."""
+        try:
+            return SamplingParams(
+                max_tokens=self.max_output_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+            )
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+
+    def input_messages(self) -> list[dict[str, str]]:
+        """`input` as chat-template messages; 400 for what is not a text message."""
+        if self.tools:
+            raise APIError("tools are not supported on this server", param="tools", code="unsupported")
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        if not self.input:
+            raise APIError("input must not be empty", param="input", code="invalid_value")
+        out = []
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            role = item.get("role")
+            if kind != "message" or role not in _ROLES:
+                raise APIError(
+                    f"input[{i}]: only message items with a role of {', '.join(_ROLES)} are supported "
+                    f"(got type {kind!r}, role {role!r})",
+                    param="input",
+                    code="unsupported",
+                )
+            out.append({"role": "system" if role == "developer" else role, "content": _text(item.get("content"), i)})
+        return out
+
+
+def _text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") not in _TEXT_PARTS
+                or not isinstance(part.get("text"), str)
+            ):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(
+                    f"input[{i}].content: only text parts are supported, got {kind!r}",
+                    param="input",
+                    code="unsupported",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise APIError(f"input[{i}].content must be a string or a list of text parts", param="input")
