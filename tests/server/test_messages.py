@@ -30,7 +30,7 @@ def model_of(served) -> str:
     return served[1].model_name
 
 
-def system_text(words: int = 120) -> str:
+def system_text(words: int = 64) -> str:
     """A system prompt no other test sends (so its first request misses), several pages long."""
     tag = uuid.uuid4().hex[:8]
     return f"[{tag}] You are a careful assistant. " + " ".join(f"rule {i} of {tag}." for i in range(words // 4))
@@ -105,7 +105,9 @@ def test_max_tokens_zero_prewarms(served):
     warm = create(served, max_tokens=0, system=system, messages=[{"role": "user", "content": "x"}])
     assert warm.content == [] and warm.stop_reason == "max_tokens" and warm.usage.output_tokens == 0
     later = create(served, system=system, messages=[{"role": "user", "content": "Now answer."}])
-    assert later.usage.cache_read_input_tokens >= warm.usage.cache_creation_input_tokens > 0
+    # the system prompt's pages: all the prewarm wrote but the last two, where the user turns part ways
+    page = served[1].kv.page_size
+    assert later.usage.cache_read_input_tokens >= warm.usage.cache_creation_input_tokens - 2 * page > 0
 
 
 def test_anthropic_400s_lose_nothing(served):
@@ -162,7 +164,7 @@ def test_keys_as_anthropic_sends_them(served):
 
 def test_top_level_cache_control_retains_the_whole_conversation(served):
     engine = served[1]
-    messages = [{"role": "user", "content": system_text(80)}]
+    messages = [{"role": "user", "content": system_text(48)}]
     before = len(engine.kv.retention)
     first = create(served, messages=messages, cache_control={"type": "ephemeral"})
     assert len(engine.kv.retention) > before and first.usage.cache_creation.ephemeral_5m_input_tokens > 0
@@ -176,7 +178,7 @@ def test_top_level_cache_control_retains_the_whole_conversation(served):
 TTLS = [None, "5m", "1h"]
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     system_ttls=st.lists(st.sampled_from(TTLS), min_size=1, max_size=3),
     message_ttls=st.lists(st.sampled_from(TTLS), min_size=1, max_size=3),
