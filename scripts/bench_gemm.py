@@ -68,29 +68,41 @@ def run(threads: int, rounds: int, rows: list[int], shapes: list[str]) -> dict:
     return {"paths": paths, "samples": samples}
 
 
-def summarize(result: dict) -> list[dict]:
+def median_rows(samples: dict, paths: list[str], base: str, columns) -> list[dict]:
+    """One row per shape: each path's columns(sample, path, median seconds) and its time relative to base's
+    (bench_qgemm.py shares it)."""
     rows = []
-    for key, s in result["samples"].items():
-        flops = 2 * s["m"] * s["n"] * s["k"]
-        row = {"shape": key}
-        base = statistics.median(s["onednn"]) if "onednn" in s else None
-        for p in result["paths"]:
+    for key, s in samples.items():
+        row: dict = {"shape": key}
+        base_t = statistics.median(s[base]) if base in s else None
+        for p in paths:
             t = statistics.median(s[p])
-            row[f"{p}_ms"] = t * 1e3
-            row[f"{p}_gflops"] = flops / t / 1e9
-            if base is not None and p != "onednn":
-                row[f"{p}_time_vs_onednn"] = t / base
+            row.update({f"{p}_{name}": value for name, value in columns(s, p, t).items()})
+            if base_t is not None and p != base:
+                row[f"{p}_time_vs_{base}"] = t / base_t
         rows.append(row)
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_common_args(parser: argparse.ArgumentParser, rows: str) -> None:
+    """--threads, --rounds, --rows (default `rows`), --shapes and --out (bench_qgemm.py takes them too)."""
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--rows", default="1,16,64,256,2048", help="row counts M, comma-separated")
+    parser.add_argument("--rows", default=rows, help="row counts M, comma-separated")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"weights, of {','.join(SHAPES)}")
     parser.add_argument("--out", default=None, help="write the raw samples and the summary as JSON here")
+
+
+def summarize(result: dict) -> list[dict]:
+    def columns(s: dict, p: str, t: float) -> dict:
+        return {"ms": t * 1e3, "gflops": 2 * s["m"] * s["n"] * s["k"] / t / 1e9}
+
+    return median_rows(result["samples"], result["paths"], "onednn", columns)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser, rows="1,16,64,256,2048")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     shapes = [s for s in args.shapes.split(",") if s]

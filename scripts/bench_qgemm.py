@@ -16,23 +16,16 @@ import argparse
 import datetime
 import functools
 import json
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from bench_gemm import SHAPES, add_common_args, median_rows
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
 
 from prefixkv.model import cpu_features, native
 
-SHAPES = {  # name: (out_features, in_features), SmolLM2-135M
-    "qkv": (960, 576),
-    "o_proj": (576, 576),
-    "gate_up": (3072, 576),
-    "down": (576, 1536),
-    "lm_head": (49152, 576),
-}
 FORMATS = {"q8_0": GGMLQuantizationType.Q8_0, "q4_1": GGMLQuantizationType.Q4_1, "q4_0": GGMLQuantizationType.Q4_0}
 
 
@@ -89,30 +82,18 @@ def run(mod, paths: list[str], rows: list[int], shapes: list[str], rounds: int, 
 
 
 def summarize(samples: dict, paths: list[str]) -> list[dict]:
-    rows = []
-    for key, s in samples.items():
-        row: dict = {"shape": key}
-        base = statistics.median(s["bf16"]) if "bf16" in s else None
-        for p in paths:
-            t = statistics.median(s[p])
-            row[f"{p}_us"] = t * 1e6
-            row[f"{p}_gbs"] = s["bytes"][p] / t / 1e9
-            if base is not None and p != "bf16":
-                row[f"{p}_time_vs_bf16"] = t / base
-        rows.append(row)
-    return rows
+    def columns(s: dict, p: str, t: float) -> dict:
+        return {"us": t * 1e6, "gbs": s["bytes"][p] / t / 1e9}
+
+    return median_rows(samples, paths, "bf16", columns)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--rows", default="1,4,16,64", help="row counts M, comma-separated")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"weights, of {','.join(SHAPES)}")
+    add_common_args(parser, rows="1,4,16,64")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"of {','.join(FORMATS)}")
     parser.add_argument("--cold-mb", type=int, default=128, help="bytes of weight copies per path (> the L3)")
     parser.add_argument("--budget-s", type=float, default=0.1, help="seconds per path, shape and round")
-    parser.add_argument("--out", default=None, help="write the raw samples and the summary as JSON here")
     args = parser.parse_args()
     mod = native.module()
     if mod is None or not mod.has_qgemm():

@@ -64,7 +64,7 @@ async def create_message(body: MessagesRequest, raw: Request):
     accounting = _Accounting(state, len(prompt), spans)
     if body.stream:
         events = _stream(group, message_id, model, accounting)
-        return await answer(raw, group, events, _no_build, error_event=_error_event, done=None)
+        return await answer(raw, group, events, error_event=_error_event, done=None)
     return await answer(raw, group, None, lambda finals: _message(finals[0], message_id, model, accounting))
 
 
@@ -128,10 +128,6 @@ def _message(final: RequestOutput, message_id: str, model: str, accounting: _Acc
         "stop_sequence": stop_sequence,
         "usage": accounting.usage(final.num_cached_tokens, len(completion.token_ids)),
     }
-
-
-def _no_build(finals: list) -> dict:
-    raise AssertionError("a streamed answer builds no JSON body")
 
 
 def _error_event(err: APIError) -> str:

@@ -98,34 +98,44 @@ class MessagesRequest(BaseModel):
             raise from_value_error(exc) from None
 
     def conversation(self) -> Conversation:
-        """The messages for the chat template and the cache breakpoints in prompt order; 400 when unsupported."""
-        if self.tools or self.tool_choice:
-            raise APIError(
-                "tools are not supported: this server's chat template renders no tool definitions", param="tools"
-            )
-        messages: list[dict[str, str]] = []
-        breakpoints: list[Breakpoint] = []
-        if self.system is not None:
-            text = _blocks_text(self.system, "system", 0, breakpoints)
-            messages.append({"role": "system", "content": text})
-        for i, m in enumerate(self.messages):
-            role = m.get("role")
-            if role not in ("user", "assistant"):
-                raise APIError(f"messages[{i}].role must be 'user' or 'assistant', got {role!r}", param="messages")
-            content = m.get("content")
-            if not isinstance(content, (str, list)):
-                raise APIError(f"messages[{i}].content must be a string or a list of blocks", param="messages")
-            text = _blocks_text(content, f"messages[{i}].content", len(messages), breakpoints)
-            messages.append({"role": role, "content": text})
-        if messages[-1]["role"] == "assistant":
-            raise APIError(
-                "the last message must be a user message (continuing an assistant prefill is not supported)",
-                param="messages",
-            )
-        if self.cache_control is not None:
-            breakpoints.append(Breakpoint("cache_control", self.cache_control.ttl))
-        _check_breakpoints(breakpoints)
-        return Conversation(messages, breakpoints)
+        return conversation_of(self.messages, self.system, self.cache_control, self.tools, self.tool_choice)
+
+
+def conversation_of(
+    messages: list[dict[str, Any]],
+    system: str | list[dict[str, Any]] | None,
+    cache_control: CacheControl | None,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: dict[str, Any] | None,
+) -> Conversation:
+    """The messages for the chat template and the cache breakpoints in prompt order; 400 when unsupported."""
+    if tools or tool_choice:
+        raise APIError(
+            "tools are not supported: this server's chat template renders no tool definitions", param="tools"
+        )
+    rendered: list[dict[str, str]] = []
+    breakpoints: list[Breakpoint] = []
+    if system is not None:
+        text = _blocks_text(system, "system", 0, breakpoints)
+        rendered.append({"role": "system", "content": text})
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise APIError(f"messages[{i}].role must be 'user' or 'assistant', got {role!r}", param="messages")
+        content = m.get("content")
+        if not isinstance(content, (str, list)):
+            raise APIError(f"messages[{i}].content must be a string or a list of blocks", param="messages")
+        text = _blocks_text(content, f"messages[{i}].content", len(rendered), breakpoints)
+        rendered.append({"role": role, "content": text})
+    if rendered[-1]["role"] == "assistant":
+        raise APIError(
+            "the last message must be a user message (continuing an assistant prefill is not supported)",
+            param="messages",
+        )
+    if cache_control is not None:
+        breakpoints.append(Breakpoint("cache_control", cache_control.ttl))
+    _check_breakpoints(breakpoints)
+    return Conversation(rendered, breakpoints)
 
 
 def _blocks_text(content: str | list[dict[str, Any]], where: str, message: int, out: list[Breakpoint]) -> str:
@@ -179,4 +189,4 @@ class CountTokensRequest(BaseModel):
     cache_control: CacheControl | None = None
 
     def conversation(self) -> Conversation:
-        return MessagesRequest(max_tokens=0, **self.model_dump()).conversation()
+        return conversation_of(self.messages, self.system, self.cache_control, self.tools, self.tool_choice)

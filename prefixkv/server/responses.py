@@ -49,7 +49,7 @@ async def create_response(body: ResponsesRequest, raw: Request):
     group = await submit(state, raw, response_id, [prompt], body.sampling_params(), body)
     made = _Made(state, owner, body, response_id, model, turn)
     if body.stream:
-        return await answer(raw, group, _stream(group, made), _no_build, error_event=_error_event, done=None)
+        return await answer(raw, group, _stream(group, made), error_event=_error_event, done=None)
     return await answer(raw, group, None, lambda finals: made.finish(finals[0]))
 
 
@@ -139,10 +139,6 @@ class _Made:
             messages = (*self.turn, {"role": "assistant", "content": text})
             self.state.responses.put(self.owner, self.id, StoredResponse(body, messages))
         return body
-
-
-def _no_build(finals: list) -> dict:
-    raise AssertionError("a streamed answer builds no JSON body")
 
 
 def _error_event(err: APIError) -> str:

@@ -154,7 +154,7 @@ async def answer(
     raw: Request,
     group,
     events: AsyncIterator[str] | None,
-    build: Callable[[list], dict],
+    build: Callable[[list], dict] | None = None,
     error_event: Callable[[APIError], str] = openai_error_event,
     done: str | None = DONE,
 ):
@@ -175,4 +175,5 @@ async def answer(
         return JSONResponse({}, status_code=499)
     finally:
         group.close()
+    assert build is not None, "a plain (non-streamed) answer needs build"
     return build(finals)
