@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from prefixkv.batch import Sample
+from prefixkv.cache_miss import CacheMiss
 
 
 class RequestOutputKind(enum.Enum):
@@ -67,4 +68,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    cache_miss: CacheMiss | None = None  # why the rest of the prompt was computed (cache_miss.py); None: not yet
     extra: dict = field(default_factory=dict)

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from prefixkv.cache_miss import CacheMiss
 from prefixkv.sampling_params import SamplingParams
 
 
@@ -58,6 +59,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated, the sequence whose KV we hold
     num_computed_tokens: int = 0  # tokens of token_ids whose KV is in the request's pages
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    cache_miss: CacheMiss | None = None  # why the rest of the prompt missed, at first admission (cache_miss.py)
     num_preemptions: int = 0
     arrival_step: int = 0  # engine step at which it arrived (for starvation bounds)
     first_scheduled_time: float | None = None

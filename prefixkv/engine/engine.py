@@ -319,6 +319,7 @@ class Engine:
             prefix_cache_readmission_queries=kv.stats.readmission_queries,
             prefix_cache_readmission_hits=kv.stats.readmission_hits,
             num_cached_pages=kv.num_cached_pages(),
+            prefix_cache_missed_by_cause=dict(kv.stats.missed_by_cause),
             **self.core.stats(),
         )
 
@@ -338,6 +339,24 @@ class Engine:
             return min(self.kv.lookup(probe), len(parsed.token_ids))
         finally:
             self.kv.free(probe)  # forgets the lookup's memo; the probe holds no pages
+
+    def release_retention(self, prompt: Prompt, cache_salt: str | None = None, keep_tokens: int = 0) -> int:
+        """End now the retention of `prompt`'s cached pages past its first `keep_tokens` tokens (a retained
+        prefix let go early: a server cache entry deleted or shortened); they stay cached as ordinary pages.
+        Returns how many pages were released. Nothing else changes."""
+        parsed = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, cache_salt)
+        probe = Request(
+            f"cache-probe-{next(self._ids)}",
+            [*parsed.token_ids, 0],  # as cached_prompt_tokens: the prompt's own last token's page counts too
+            SamplingParams(max_tokens=1),
+            cache_salt=parsed.cache_salt,
+            lora_id=parsed.lora_id,
+            mm_hashes=parsed.mm_hashes,
+        )
+        try:
+            return self.kv.release_retention(probe, keep_tokens)
+        finally:
+            self.kv.free(probe)
 
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         """Drop cached KV no request holds; salt_filter limits it to the namespaces (tenants) it accepts."""

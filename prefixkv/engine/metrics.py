@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -25,6 +25,8 @@ class EngineStats:
     prefix_cache_readmission_queries: int = 0
     prefix_cache_readmission_hits: int = 0
     num_cached_pages: int = 0  # pages a lookup can find (held by requests or not): what a router's index mirrors
+    # missed prompt tokens of first admissions by cause (cache_miss.CAUSES); they sum to queries - hits
+    prefix_cache_missed_by_cause: dict[str, int] = field(default_factory=dict)
     # the KV offload tier (kv_tier None: none configured, the rest stays 0)
     kv_tier: str | None = None  # "host" | "disk"
     kv_pool_hit_tokens: int = 0  # tokens admitted as cached from the pool (re-admissions included)

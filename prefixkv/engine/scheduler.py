@@ -18,6 +18,7 @@ manager has taken it (admit_request), and advances the request after each step (
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.policies import SchedulingPolicy
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.request import MultiModalHash, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -41,13 +44,20 @@ class SchedulerOutput:
 def admit_request(kv: KVCacheManager, request: Request, num_new_tokens: int, num_cached_tokens: int) -> bool:
     """Let `kv` take the hit and reserve pages for num_new_tokens more; once it has, the hit's tokens count as
     computed. The hit rate counts first admissions; a preempted request coming back is counted apart (its hit
-    is mostly its own earlier pages). False, with nothing changed, when the pages are short."""
+    is mostly its own earlier pages). A first admission also learns why the rest missed (request.cache_miss,
+    counted by cause in kv.stats). False, with nothing changed, when the pages are short."""
+    readmission = request.num_cached_tokens >= 0
+    miss = None if readmission else kv.explain_miss(request, num_cached_tokens)  # before pages are keyed
     if not kv.allocate(request, num_new_tokens, num_cached_tokens):
         return False
     request.num_computed_tokens = num_cached_tokens
-    readmission = request.num_cached_tokens >= 0
     if not readmission:
         request.num_cached_tokens = num_cached_tokens
+        if miss is not None:
+            request.cache_miss = miss
+            kv.stats.record_miss(miss)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("cache miss %s: %s", request.request_id, miss.to_json())
     kv.stats.record(request.num_tokens, num_cached_tokens, readmission=readmission)
     return True
 

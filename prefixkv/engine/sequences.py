@@ -99,4 +99,5 @@ def build_output(parent: ParentRequest) -> RequestOutput:
         finished=finished,
         num_cached_tokens=max(first.num_cached_tokens, 0),
         metrics=metrics,
+        cache_miss=first.cache_miss,
     )

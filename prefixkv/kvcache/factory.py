@@ -22,9 +22,11 @@ def create_kv_cache_manager(
     eviction: str = "lru",
     retained_pool_fraction: float = 0.2,
     clock: Callable[[], float] = time.monotonic,
+    miss_history: int | None = None,
 ) -> KVCacheManager:
     """eviction: one of eviction.EVICTION_POLICIES (ValueError otherwise); with caching off nothing is cached,
-    so it is checked and then has nothing to choose. retained_pool_fraction and clock: see retention.py."""
+    so it is checked and then has nothing to choose. retained_pool_fraction and clock: see retention.py;
+    miss_history: evicted pages remembered to explain misses (manager.PagedKVCache; -1: all)."""
     make_eviction_policy(eviction)
     if kind == "off":
         return NoPrefixCache(num_pages, page_size)
@@ -37,4 +39,5 @@ def create_kv_cache_manager(
         eviction=eviction,
         retained_pool_fraction=retained_pool_fraction,
         clock=clock,
+        miss_history=miss_history,
     )

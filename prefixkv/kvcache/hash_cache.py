@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prefixkv.cache_miss import CacheMiss
 from prefixkv.kvcache.events import block_removed, block_stored
 from prefixkv.kvcache.eviction import EvictionHeap, make_eviction_policy
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
@@ -74,9 +75,10 @@ class HashPrefixCache(PagedKVCache):
         retained_pool_fraction: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
         keys_in_flight_pages: bool = True,
+        miss_history: int | None = None,
     ) -> None:
         """keys_in_flight_pages=False keys a block only once computed (at commit), as a radix tree inserts."""
-        super().__init__(num_pages, page_size, retained_pool_fraction, clock)
+        super().__init__(num_pages, page_size, retained_pool_fraction, clock, miss_history)
         self.keys_in_flight_pages = keys_in_flight_pages and self.caching
         self._hash_fn = hash_function(hash_algo)
         self.hash_algo = hash_algo
@@ -134,6 +136,9 @@ class HashPrefixCache(PagedKVCache):
         memo.matched_blocks, memo.matched_at_evictions = n, self.num_evictions
         return n * self.page_size
 
+    def explain_miss(self, request: Request, num_cached_tokens: int) -> CacheMiss | None:
+        return self.misses.explain(request, num_cached_tokens) if self.caching else None
+
     def prefix_path(self, request: Request) -> list:
         """The keys of the cached prefix's blocks: a key names its whole prefix (it chains its parent's)."""
         num_blocks = self.lookup(request) // self.page_size
@@ -163,6 +168,8 @@ class HashPrefixCache(PagedKVCache):
 
         if held is None:
             held = self._held[request.request_id] = _Held([], [], len(hit_blocks), len(hit_blocks))
+            if self.caching:
+                self.misses.admitted(request, num_cached_tokens)
         blocks = held.blocks
         for b in hit_blocks:
             if b.ref_cnt == 0 and self._parked.pop(b.block_id, None) is None:
@@ -174,7 +181,7 @@ class HashPrefixCache(PagedKVCache):
             self._retain(request, hit_blocks, 0)
         for _ in range(max(0, num_new_blocks)):
             b = self._take_free_block()
-            self._evict(b)
+            self._evict(b, self.eviction.name)
             b.ref_cnt = 1
             blocks.append(b)
         held.page_ids.extend(b.block_id for b in blocks[len(held.page_ids) :])
@@ -221,6 +228,7 @@ class HashPrefixCache(PagedKVCache):
                 block.lora_id = request.lora_id
                 block.hits = 0
                 self.cached[key] = block
+                self.misses.stored(block.block_id, request, i)
                 if i >= held.num_committed:
                     self._in_flight[block.block_id] = request.request_id
                 if self._tails is not None:
@@ -244,6 +252,7 @@ class HashPrefixCache(PagedKVCache):
 
     def free(self, request: Request) -> None:
         self._keys.pop(request.request_id, None)
+        self.misses.forget(request.request_id)
         held = self._held.pop(request.request_id, None)
         if held is None:
             return
@@ -337,18 +346,23 @@ class HashPrefixCache(PagedKVCache):
             if self._in_flight.pop(b.block_id, None) is not None:
                 self._drop_key(b)
 
-    def _evict(self, block: Block) -> None:
-        if self._drop_key(block):
+    def _evict(self, block: Block, policy: str) -> None:
+        if self._drop_key(block, policy):
             self.stats.evicted_pages += 1
 
-    def _drop_key(self, block: Block) -> bool:
-        """Forget the block's key (BlockRemoved when it was findable: True then)."""
+    def _drop_key(self, block: Block, policy: str | None = None) -> bool:
+        """Forget the block's key (BlockRemoved when it was findable: True then). policy: what evicted it (the
+        miss listener remembers); None: not an eviction (a key taken back before its block was computed)."""
         key = block.block_hash
         if key is None:
             return False
         findable = self.cached.get(key) is block
-        if self.retention:
-            self.retention.discard(block.block_id)
+        if findable:
+            if policy is None:
+                self.misses.unstored(block.block_id)
+            else:
+                self.misses.evicted(block.block_id, policy, self.retention.lapsed(block.block_id))
+        self.retention.discard(block.block_id)
         if findable:
             del self.cached[key]
             if self._events is not None:
@@ -382,7 +396,7 @@ class HashPrefixCache(PagedKVCache):
                 self._unpark(block_id)
         for b in list(self.free_queue):
             if salt_filter is None or (b.block_hash is not None and salt_filter(b.cache_salt)):
-                self._evict(b)
+                self._evict(b, "reset")
                 if self._tails is not None:  # other policies keep uncached free blocks at the head
                     self.free_queue.remove(b)
                     self.free_queue.appendleft(b)
@@ -391,6 +405,13 @@ class HashPrefixCache(PagedKVCache):
                 self._collapse_full_reset(mark)
             return not self.cached
         return not any(salt_filter(b.cache_salt) for b in self.cached.values())
+
+    def release_retention(self, request: Request, keep_tokens: int = 0) -> int:
+        if not self.retention:
+            return 0
+        num_blocks = self.lookup(request) // self.page_size
+        keys = self.block_hashes(request, num_blocks)[keep_tokens // self.page_size : num_blocks]
+        return len(self.retention.release([self.cached[k].block_id for k in keys]))  # on_end unparks them
 
     def num_cached_pages(self) -> int:
         return len(self.cached)
@@ -431,6 +452,7 @@ class HashPrefixCache(PagedKVCache):
         num_free = len(free) + len(self._parked)
         assert num_free + len(in_use) == self.num_pages, f"{num_free} free + {len(in_use)} in use != {self.num_pages}"
         self.retention.check()
+        self.misses.check({b.block_id for b in self.cached.values()})
         for block_id in self.retention.pages():
             block = self.blocks[block_id]
             assert block.block_hash is not None and self.cached.get(block.block_hash) is block, "retained, not cached"

@@ -23,9 +23,11 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from prefixkv.cache_miss import CacheMiss
 from prefixkv.kvcache.events import AllBlocksCleared, KVCacheEvent
+from prefixkv.kvcache.miss_reasons import MissExplainer
 from prefixkv.kvcache.retention import RetentionTable
 from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.request import Request
@@ -44,10 +46,16 @@ class PrefixCacheStats:
     readmission_hits: int = 0
     readmissions: int = 0
     evicted_pages: int = 0  # cached pages dropped to make room or by a reset (counted by the manager itself)
+    # missed prompt tokens of first admissions by cause (cache_miss.py); they sum to queries - hits
+    missed_by_cause: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+    def record_miss(self, miss: CacheMiss) -> None:
+        for cause, tokens in miss.tokens_by_cause.items():
+            self.missed_by_cause[cause] = self.missed_by_cause.get(cause, 0) + tokens
 
     def record(self, num_tokens: int, num_hit: int, readmission: bool = False) -> None:
         if readmission:
@@ -139,10 +147,22 @@ class KVCacheManager(ABC):
     def free(self, request: Request) -> None:
         """Release the request's pages; computed KV stays in the cache where the cache keeps it."""
 
+    def explain_miss(self, request: Request, num_cached_tokens: int) -> CacheMiss | None:
+        """Why the request's prompt past its hit (num_cached_tokens, at first admission) was not served from the
+        cache (miss_reasons.py); None without a prefix cache."""
+        return None
+
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         """Drop cached KV no running request holds (with salt_filter: only the namespaces whose cache_salt it
         accepts, i.e. one tenant's). False when some request still holds pages of what was to go."""
         return True
+
+    def release_retention(self, request: Request, keep_tokens: int = 0) -> int:
+        """End now the retention of the cached pages of request.token_ids' prefix (whole pages, never the last
+        token's) that lie past its first `keep_tokens` tokens (a page wholly inside them stays retained: another
+        retained prefix still needs it). The pages stay cached as ordinary ones. Returns how many were released.
+        No effect on the request; a cache without retained pages releases nothing."""
+        return 0
 
     def summary(self) -> CacheSummary:
         """The cache's view of itself for humans (CLI, admin endpoint); caches add what they hold."""
@@ -178,7 +198,7 @@ class KVCacheManager(ABC):
 
 class PagedKVCache(KVCacheManager):
     """What every prefix cache over its own pool keeps: the pool's size, the retention table, the admission
-    stats and the KV event buffer (the hash, radix and off caches derive from it)."""
+    stats, the KV event buffer and the miss listener (the hash, radix and off caches derive from it)."""
 
     def __init__(
         self,
@@ -186,9 +206,12 @@ class PagedKVCache(KVCacheManager):
         page_size: int,
         retained_pool_fraction: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
+        miss_history: int | None = None,
     ) -> None:
         """retained_pool_fraction: the most of the pool that retained pages (retention.py) may hold; clock: what
-        retention deadlines are measured on (a simulation passes its simulated clock)."""
+        retention deadlines and eviction times are measured on (a simulation passes its simulated clock);
+        miss_history: evicted pages remembered to explain misses (default 8x the pool, at least 4,096; the
+        simulator passes -1: all of them)."""
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
         self.num_pages = num_pages
@@ -196,6 +219,9 @@ class PagedKVCache(KVCacheManager):
         self.retention = RetentionTable(num_pages, retained_pool_fraction, clock)
         self.stats = PrefixCacheStats()
         self._events: list[KVCacheEvent] | None = None  # None: events off
+        if miss_history is None:
+            miss_history = max(8 * num_pages, 4096)
+        self.misses = MissExplainer(page_size, clock, None if miss_history < 0 else miss_history)
 
     def enable_events(self) -> None:
         if self._events is None:

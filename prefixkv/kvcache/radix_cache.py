@@ -29,6 +29,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from prefixkv.cache_miss import CacheMiss
 from prefixkv.kvcache.events import block_removed, block_stored
 from prefixkv.kvcache.hashing import extend_block_keys, external_block_hash, hash_function
 from prefixkv.kvcache.manager import PagedKVCache
@@ -93,8 +94,9 @@ class RadixPrefixCache(PagedKVCache):
         eviction: str = "lru",
         retained_pool_fraction: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
+        miss_history: int | None = None,
     ) -> None:
-        super().__init__(num_pages, page_size, retained_pool_fraction, clock)
+        super().__init__(num_pages, page_size, retained_pool_fraction, clock, miss_history)
         self._hash_fn = hash_function(hash_algo)  # for KV events only: lookups compare tokens
         self._page_hash: list[int] = []  # by page id, for pages in the tree; filled with events on
         self.tree = RadixTree(page_size, eviction, self.retention)
@@ -203,17 +205,19 @@ class RadixPrefixCache(PagedKVCache):
     # -- changes -------------------------------------------------------------------------------------------
     def _take(self, n: int) -> list[int]:
         if len(self._free) < n:
-            self._release(self.tree.evict(n - len(self._free)))
+            self._release(self.tree.evict(n - len(self._free)), self.tree.eviction.name)
         taken = self._free[-n:] if n else []
         del self._free[len(self._free) - n :]
         return taken
 
-    def _release(self, evicted: list[int]) -> None:
-        """Evicted tree pages go to the free list, and into the eviction count."""
+    def _release(self, evicted: list[int], policy: str) -> None:
+        """Evicted tree pages go to the free list, and into the eviction count (policy: what evicted them, for the
+        miss listener)."""
         self.stats.evicted_pages += len(evicted)
-        if self.retention:
-            for page in evicted:
-                self.retention.discard(page)
+        retention, misses = self.retention, self.misses
+        for page in evicted:
+            misses.evicted(page, policy, retention.lapsed(page))
+            retention.discard(page)
         if self._events is not None and evicted:
             self._events.append(block_removed([self._page_hash[p] for p in evicted]))
         self._free.extend(evicted)
@@ -247,6 +251,7 @@ class RadixPrefixCache(PagedKVCache):
         self.tree.touch(node)
         if num_cached_tokens:
             self.tree.record_hit(node)
+        self.misses.admitted(request, num_cached_tokens)
         pages = self.tree.path_pages(node) + self._take(max(need, 0))
         self._requests[request.request_id] = _RequestState(node, num_cached_tokens, pages)
         if num_cached_tokens and request.retains:
@@ -270,36 +275,43 @@ class RadixPrefixCache(PagedKVCache):
         node, tree_pages = self.tree.insert(
             state.node, self._keys(request), state.committed, full, state.pages[first : full // ps]
         )
-        stored: list[int] | None = [] if self._events is not None else None
+        stored: list[int] = []  # indices of the request's pages it inserted itself
         for j, tree_page in enumerate(tree_pages):
             mine = state.pages[first + j]
             if mine != tree_page:  # someone cached these tokens first: share theirs, return ours
                 self._free.append(mine)
                 state.pages[first + j] = tree_page
-            elif stored is not None:
+            else:
                 stored.append(first + j)
         state.node, state.committed = node, full
-        if stored:
-            self._emit_stored(request, stored)
+        for i in stored:
+            self.misses.stored(state.pages[i], request, i)
+        if stored and self._events is not None:
+            self._emit_stored(request, self._block_keys(request, stored[-1] + 1), stored)
         if request.retains:
             self._retain(request, tree_pages, first)
 
-    def _emit_stored(self, request: Request, indices: list[int]) -> None:
-        """Record the hashes of the request's pages `indices` (just inserted into the tree) and one BlockStored
-        per run of consecutive ones."""
-        assert self._events is not None
-        ps = self.page_size
+    def _block_keys(self, request: Request, num_pages: int) -> list[bytes]:
+        """hashing.py's chain keys of the request's first num_pages pages (at least; memoised until free())."""
         keys = self._known(request).block_keys
-        extend_block_keys(
+        if len(keys) >= num_pages:
+            return keys
+        return extend_block_keys(
             keys,
             request.token_ids,
-            ps,
-            indices[-1] + 1,
+            self.page_size,
+            num_pages,
             self._hash_fn,
             request.lora_id,
             request.cache_salt,
             request.mm_hashes,
         )
+
+    def _emit_stored(self, request: Request, keys: list[bytes], indices: list[int]) -> None:
+        """Record the hashes of the request's pages `indices` (just inserted into the tree) and one BlockStored
+        per run of consecutive ones."""
+        assert self._events is not None
+        ps = self.page_size
         pages = self._requests[request.request_id].pages
         for i in indices:
             self._page_hash[pages[i]] = external_block_hash(keys[i])
@@ -310,8 +322,12 @@ class RadixPrefixCache(PagedKVCache):
                 if k + 1 < len(indices):
                     run_start = indices[k + 1]
 
+    def explain_miss(self, request: Request, num_cached_tokens: int) -> CacheMiss | None:
+        return self.misses.explain(request, num_cached_tokens)
+
     def free(self, request: Request) -> None:
         self._lookups.pop(request.request_id, None)
+        self.misses.forget(request.request_id)
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return
@@ -331,13 +347,13 @@ class RadixPrefixCache(PagedKVCache):
         AllBlocksCleared when nothing stayed cached."""
         if salt_filter is None:
             mark = len(self._events) if self._events is not None else 0
-            self._release(self.tree.evict(self.tree.evictable_tokens // self.page_size))
+            self._release(self.tree.evict(self.tree.evictable_tokens // self.page_size), "reset")
             if not self.tree.protected_tokens and not self.tree.evictable_tokens:
                 self._collapse_full_reset(mark)
             return not self._requests
         chosen = [ns for ns in self.tree.roots if isinstance(ns, tuple) and salt_filter(ns[1])]
         for namespace in chosen:
-            self._release(self.tree.evict_namespace(namespace))
+            self._release(self.tree.evict_namespace(namespace), "reset")
         return not any(ns in self.tree.roots for ns in chosen)
 
     def enable_events(self) -> None:
@@ -347,6 +363,14 @@ class RadixPrefixCache(PagedKVCache):
                 raise ValueError("enable KV events before the first request: the radix tree already holds pages")
             self._page_hash = [0] * self.num_pages
         super().enable_events()
+
+    def release_retention(self, request: Request, keep_tokens: int = 0) -> int:
+        """The tree reads the table when it evicts: a page out of it is an ordinary leaf page again."""
+        if not self.retention:
+            return 0
+        path, matched = self.tree.match(self._namespace(request), self._keys(request), request.num_tokens - 1)
+        pages = [page for node in path for page in node.pages][: matched // self.page_size]
+        return len(self.retention.release(pages[keep_tokens // self.page_size :]))
 
     def num_cached_pages(self) -> int:
         return (self.tree.evictable_tokens + self.tree.protected_tokens) // self.page_size
@@ -508,3 +532,4 @@ class RadixPrefixCache(PagedKVCache):
         assert len(owner) == self.num_pages, f"{self.num_pages - len(owner)} pages leaked"
         self.retention.check()
         assert all(owner[page] == "tree" for page in self.retention.pages()), "a retained page is not in the tree"
+        self.misses.check({page for page, who in owner.items() if who == "tree"})

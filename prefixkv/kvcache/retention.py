@@ -59,9 +59,11 @@ class RetentionTable:
         self._by_strength: list[tuple[int, float, int, int, int]] = []  # (priority, deadline, -depth, version, page)
         self._versions = itertools.count(1)
         self.released_by_cap = 0  # pages whose retention the cap ended early
-        # told of every page whose retention ends by expiry or the cap (not by discard(): the cache asked for that)
+        # told of every page whose retention ends by expiry, the cap or release() (not by discard(): the cache
+        # asked for that)
         self.on_end: Callable[[int], None] | None = None
         self.expired = 0  # pages whose retention ran out
+        self._lapsed: set[int] = set()  # cached pages whose retention ran out (not ended by the cap), until evicted
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -96,6 +98,7 @@ class RetentionTable:
                 priority_k, deadline_k = priority, deadline
             entry = _Entry(priority_k, deadline_k, first_depth + k, next(self._versions))
             self._entries[page] = entry
+            self._lapsed.discard(page)
             heapq.heappush(self._by_deadline, (entry.deadline, entry.version, page))
             heapq.heappush(self._by_strength, (entry.priority, entry.deadline, -entry.depth, entry.version, page))
         while len(self._entries) > self.capacity:
@@ -120,6 +123,19 @@ class RetentionTable:
             if self._current(page, version):
                 del self._entries[page]
                 self.expired += 1
+                self._lapsed.add(page)
+                ended.append(page)
+                if self.on_end is not None:
+                    self.on_end(page)
+        return ended
+
+    def release(self, pages: Sequence[int]) -> list[int]:
+        """End the retention of `pages` now (a retained prefix its owner let go: a deleted or shortened cache
+        entry). They stay cached, as ordinary pages of the eviction order; on_end hears of each, so a cache that
+        set one aside puts it back. Returns the pages that were retained."""
+        ended = []
+        for page in pages:
+            if self._entries.pop(page, None) is not None:
                 ended.append(page)
                 if self.on_end is not None:
                     self.on_end(page)
@@ -128,6 +144,15 @@ class RetentionTable:
     def discard(self, page: int) -> None:
         """The page left the cache (evicted, reset): its retention goes with it."""
         self._entries.pop(page, None)
+        self._lapsed.discard(page)
+
+    def lapsed(self, page: int) -> bool:
+        """Whether the page was retained and its deadline has passed (the cap ending it early does not count):
+        an eviction of it now is the TTL's doing (miss_reasons.py calls it expired)."""
+        if page in self._lapsed:
+            return True
+        entry = self._entries.get(page)
+        return entry is not None and entry.deadline <= self.clock()
 
     def _current(self, page: int, version: int) -> bool:
         entry = self._entries.get(page)

@@ -244,6 +244,13 @@ class AsyncEngine:
     async def cached_prompt_tokens(self, prompt: Prompt, cache_salt: str | None) -> int:
         return await self._call(lambda engine: engine.cached_prompt_tokens(prompt, cache_salt))
 
+    async def cached_prompt_tokens_of(self, prompts: Sequence[tuple[Prompt, str | None]]) -> list[int]:
+        """cached_prompt_tokens of many (prompt, cache_salt) pairs in one trip to the engine thread."""
+        return await self._call(lambda engine: [engine.cached_prompt_tokens(p, salt) for p, salt in prompts])
+
+    async def release_retention(self, prompt: Prompt, cache_salt: str | None, keep_tokens: int) -> int:
+        return await self._call(lambda engine: engine.release_retention(prompt, cache_salt, keep_tokens))
+
     async def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         return await self._call(lambda engine: engine.reset_prefix_cache(salt_filter))
 

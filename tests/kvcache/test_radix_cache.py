@@ -73,14 +73,14 @@ def test_eviction_takes_lru_leaf_first_then_the_parent_that_became_a_leaf():
     assert kv.tree.num_nodes == 3 and kv.tree.evictable_tokens == 8
     freed = kv.tree.evict(3)
     assert sorted(freed) == sorted(a_pages[2:])  # a's own tail, not the shared [1, 2]
-    kv._free.extend(freed)
+    kv._release(freed, "lru")
     kv.check_invariants()
     assert kv.lookup(make_request([1, 2, 3, 4, 90, 0])) == 2  # a's leaf went first
     assert kv.lookup(make_request([1, 2, 5, 6, 91, 0])) == 5
-    kv._free.extend(kv.tree.evict(3))  # then b's leaf; [1, 2] is now a leaf itself
+    kv._release(kv.tree.evict(3), "lru")  # then b's leaf; [1, 2] is now a leaf itself
     kv.check_invariants()
     assert kv.lookup(make_request([1, 2, 5, 6, 91, 0])) == 2
-    kv._free.extend(kv.tree.evict(2))
+    kv._release(kv.tree.evict(2), "lru")
     kv.check_invariants()
     assert kv.tree.num_nodes == 0 and kv.tree.roots == {} and kv.num_free_pages() == 64
 
@@ -88,7 +88,7 @@ def test_eviction_takes_lru_leaf_first_then_the_parent_that_became_a_leaf():
 def test_eviction_trims_a_leaf_from_its_tail_when_less_is_needed():
     kv = RadixPrefixCache(16, 1)
     cached_then_freed(kv, range(10))
-    kv._free.extend(kv.tree.evict(4))
+    kv._release(kv.tree.evict(4), "lru")
     kv.check_invariants()
     assert kv.lookup(make_request(range(12))) == 6
 
@@ -251,12 +251,12 @@ def test_lookup_memo_survives_evictions_elsewhere_and_sees_its_own():
     assert kv.lookup(on_a) == 10 and kv.lookup(on_b) == 8  # on_b stops inside B's leaf
     cached_then_freed(kv, range(100, 110))  # touch A: B is now the least recently used leaf
     memo_a = kv._lookups[on_a.request_id].memo
-    kv._free.extend(kv.tree.evict(3))  # trims B's tail (LRU leaf first)
+    kv._release(kv.tree.evict(3), "lru")  # trims B's tail (LRU leaf first)
     assert kv.lookup(on_b) == 7  # B lost its last 3 tokens: the match inside it shrinks
     assert kv.lookup(on_a) == 10 and kv._lookups[on_a.request_id].memo.node is memo_a.node  # resumed, not redone
-    kv._free.extend(kv.tree.evict(7))  # the rest of B
+    kv._release(kv.tree.evict(7), "lru")  # the rest of B
     assert kv.lookup(on_b) == 0 and kv.lookup(on_a) == 10
-    kv._free.extend(kv.tree.evict(10))  # A
+    kv._release(kv.tree.evict(10), "lru")  # A
     assert kv.lookup(on_a) == 0
     kv.check_invariants()
 
@@ -302,7 +302,7 @@ def test_long_decode_keeps_one_node(page_size):
     assert kv.tree.evictable_tokens == 1500 - 1500 % page_size
     conversation = make_request(list(range(500)) + list(range(10_000, 11_000)) + [7])
     assert kv.lookup(conversation) == 1500 - 1500 % page_size
-    kv._free.extend(kv.tree.evict(640 // page_size))  # the one big leaf is trimmed from its tail
+    kv._release(kv.tree.evict(640 // page_size), "lru")  # the one big leaf is trimmed from its tail
     kv.check_invariants()
     assert kv.lookup(conversation) == 1500 - 1500 % page_size - 640
 
@@ -511,7 +511,7 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 8))
     def evict(self, n):
         protected = self.kv.tree.protected_tokens
-        self.kv._free.extend(self.kv.tree.evict(n))
+        self.kv._release(self.kv.tree.evict(n), "lru")
         assert self.kv.tree.protected_tokens == protected
 
     @rule()

@@ -36,6 +36,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from prefixkv.cache_miss import CacheMiss
 from prefixkv.choices import KV_OFFLOAD_WRITE_POLICIES, check
 from prefixkv.kvcache.events import KVCacheEvent
 from prefixkv.kvcache.hashing import extend_block_keys, hash_function
@@ -400,6 +401,11 @@ class TieredKVCache(KVCacheManager):
         for key in list(self._unsaved):
             self._save_unsaved(key)
 
+    def explain_miss(self, request: Request, num_cached_tokens: int) -> CacheMiss | None:
+        """The inner cache's listener, past the whole hit (pool and tier): a page the pool evicted and the tier
+        could not serve reads as evicted."""
+        return self.inner.explain_miss(request, num_cached_tokens)
+
     def free(self, request: Request) -> None:
         self.inner.free(request)
         state = self._states.pop(request.request_id, None)
@@ -448,6 +454,10 @@ class TieredKVCache(KVCacheManager):
     def reset_prefix_cache(self, salt_filter: Callable[[str | None], bool] | None = None) -> bool:
         """Resets the pool only: the tier is the durable copy (a disk tier is emptied by deleting its files)."""
         return self.inner.reset_prefix_cache(salt_filter)
+
+    def release_retention(self, request: Request, keep_tokens: int = 0) -> int:
+        """The pool's retention only: the tier keeps no retention of its own."""
+        return self.inner.release_retention(request, keep_tokens)
 
     def prefix_path(self, request: Request) -> list[Hashable]:
         return self.inner.prefix_path(request)

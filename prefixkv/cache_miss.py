@@ -1,0 +1,47 @@
+"""Why a request's prompt was not all served from the prefix cache: the answer the engine gives per request.
+
+Every prompt misses at least its last token (its logits are needed), so every admitted request has one. The KV
+manager fills it in at first admission (kvcache/miss_reasons.py says how each cause is told apart); the server
+shows it on request (`usage.prompt_tokens_details.cache_miss`) and /metrics sums the tokens by cause.
+
+Causes, in the order a missed page is tested for them:
+- in_flight: another running request is computing that page right now (it was not findable when this one came).
+- evicted: the page was cached and dropped to make room (`policy`: the eviction policy, or "reset" for an admin
+  reset, or "retention_cap" never; `evicted_s_ago`: how long before this request arrived).
+- expired: the page was cached under a retention (a TTL, a cache breakpoint) that ran out, and was evicted after.
+- isolated: the same tokens are cached, but under another tenant's salt or another adapter.
+- never_seen: no page with these tokens was cached within the engine's eviction history.
+- granularity: the tail no hit can cover: a partial last page, and the last token (always recomputed).
+- routed: another replica holds the page (set by a router that knows; the engine itself never reports it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CAUSES = ("in_flight", "evicted", "expired", "isolated", "never_seen", "granularity", "routed")
+
+
+@dataclass(slots=True)
+class CacheMiss:
+    first_missed_token: int  # the prompt's first token not served from the cache (== the hit, in tokens)
+    cause: str  # why that token missed (one of CAUSES)
+    tokens_by_cause: dict[str, int] = field(default_factory=dict)  # every missed prompt token, by cause
+    policy: str | None = None  # evicted / expired: what evicted the first missed page
+    evicted_s_ago: float | None = None  # evicted / expired: seconds between that eviction and the request's admission
+
+    @property
+    def missed_tokens(self) -> int:
+        return sum(self.tokens_by_cause.values())
+
+    def to_json(self) -> dict:
+        out: dict = {
+            "first_missed_token": self.first_missed_token,
+            "cause": self.cause,
+            "tokens_by_cause": dict(self.tokens_by_cause),
+        }
+        if self.policy is not None:
+            out["policy"] = self.policy
+        if self.evicted_s_ago is not None:
+            out["evicted_s_ago"] = round(self.evicted_s_ago, 3)
+        return out
