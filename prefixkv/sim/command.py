@@ -17,9 +17,10 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine_args import add_engine_args, engine_kwargs
 from prefixkv.router import policy_options
 from prefixkv.sim import bounds, report
+from prefixkv.sim.cause_check import check_causes
 from prefixkv.sim.cost_model import PRESETS, StepCostModel, load_cost_model
 from prefixkv.sim.replicas import POOLED, ROUTERS, simulate_replicas, summarize_replicas
-from prefixkv.sim.simulator import simulate_trace, summarize_trace
+from prefixkv.sim.simulator import NO_TENANCY, Tenancy, simulate_trace, summarize_trace
 from prefixkv.sim.traces import FORMATS, ScaledRequest, TraceScaling, load_trace, scale_trace
 
 # EngineConfig fields the simulator does not model: the model's own take no flag; the second KV tier's and KV
@@ -119,6 +120,19 @@ def register(sub) -> argparse.ArgumentParser:
     add_trace_arguments(p)
     _sim_defaults(p)
     p.add_argument("--time-scale", type=float, default=1.0, help="arrival times x this: 2 = half the load")
+    m = p.add_argument_group("miss causes (cache_miss.py)")
+    m.add_argument(
+        "--tenants", type=int, default=1, help="give the requests this many cache salts (by session, else in turn)"
+    )
+    m.add_argument(
+        "--retention-seconds", type=float, default=None, help="retain every request's pages this long (simulated s)"
+    )
+    m.add_argument(
+        "--check-causes",
+        action="store_true",
+        help="after the run, remove each cause it blamed (evicted, expired, isolated) in a run of its own and "
+        "compare the hit rate with the one its breakdown predicts",
+    )
     p.set_defaults(func=run_command)
     return p
 
@@ -219,15 +233,18 @@ def _run_one(
     replicas: int = 1,
     router: str = "round-robin",
     router_options: dict | None = None,
+    tenancy: Tenancy = NO_TENANCY,
 ) -> tuple[dict, list[float], list[float]]:
     """One simulation: one engine, or `replicas` engines behind `router` (one replica needs no router)."""
     t0 = time.perf_counter()
     with _Progress(len(requests), quiet, desc) as on_done:
         if replicas == 1:
-            res, kv = simulate_trace(config, requests, cost, on_done=on_done)
+            res, kv = simulate_trace(config, requests, cost, on_done=on_done, tenancy=tenancy)
             summary = summarize_trace(res, kv)
         else:
-            fleet = simulate_replicas(config, requests, cost, replicas, router, router_options, on_done=on_done)
+            fleet = simulate_replicas(
+                config, requests, cost, replicas, router, router_options, on_done=on_done, tenancy=tenancy
+            )
             summary = summarize_replicas(fleet)
             res = fleet.merged()
     summary["wall_s"] = time.perf_counter() - t0
@@ -315,10 +332,19 @@ def run_command(args: argparse.Namespace) -> int:
     unbounded = _unbounded(accesses)
     offline = None if args.no_bounds else _offline(accesses, pool * args.replicas)  # the bound of all the KV there is
     options = router_options(args)
+    tenancy = Tenancy(args.tenants, args.retention_seconds)
     summary, ttfts, queues = _run_one(
-        config, requests, cost, args.quiet, "simulate", args.replicas, args.router, options
+        config, requests, cost, args.quiet, "simulate", args.replicas, args.router, options, tenancy
     )
     summary = _with_bounds(summary, unbounded, offline)
+    checks = None
+    if args.check_causes:
+
+        def rerun(cfg: EngineConfig, ten: Tenancy) -> dict:
+            removed = _run_one(cfg, requests, cost, args.quiet, "no cause", args.replicas, args.router, options, ten)
+            return removed[0]
+
+        checks = check_causes(summary, config, tenancy, requests, unique, rerun)
     results = {
         "command": "simulate",
         "trace": {"path": args.trace, "format": trace.format, "block_size": trace.block_size},
@@ -331,9 +357,12 @@ def run_command(args: argparse.Namespace) -> int:
         "options": _options(args),
         "bounds": {"unbounded": unbounded, "offline": offline},
         "summary": summary,
+        "cause_checks": checks,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     print(_run_table(summary))
+    if checks is not None:
+        print(_checks_table(checks))
     _write_results(results, args.output_dir, "simulate.json")
     png = os.path.join(args.output_dir, "simulate.png")
     title = f"{os.path.basename(args.trace)}: {described}\n{config.prefix_cache} cache, pages of {page}, pool {pool} "
@@ -355,11 +384,27 @@ def _run_table(s: dict) -> str:
         ["queueing p50 / p90 / p99 (sim s)", _ps(s["queue_s"])],
         ["output tok/s, req/s (sim)", f"{s['output_tok_s']:.1f}, {s['requests_per_s']:.3f}"],
         ["evicted pages, preemptions", f"{s['evicted_pages']}, {s['preemptions']}"],
+        ["missed prompt tokens by cause", _causes(s)],
         ["served, rejected requests", f"{s['served_requests']}, {s['rejected_requests']}"],
         ["replicas, router", f"{s['replicas']}, {s['router']}"],
         ["simulated span (s), steps, wall (s)", f"{s['sim_seconds']:.1f}, {s['steps']}, {s['wall_s']:.1f}"],
     ]
     return report.format_table(["metric", "value"], rows)
+
+
+def _checks_table(rows: list[dict]) -> str:
+    cells = [
+        [r["cause"], r["blamed_tokens"], r["predicted_hit_rate"], r["achieved_hit_rate"], f"{r['gap_points']:+.2f}"]
+        for r in rows
+    ]
+    headers = ["cause removed", "blamed tokens", "predicted hit rate", "achieved", "gap (points)"]
+    return report.format_table(headers, cells)
+
+
+def _causes(s: dict) -> str:
+    missed = s["prompt_tokens"] - s["hit_tokens"]
+    shares = [f"{cause} {tokens / missed:.1%}" for cause, tokens in s["missed_tokens_by_cause"].items() if tokens]
+    return ", ".join(shares)
 
 
 def _ps(d: dict) -> str:

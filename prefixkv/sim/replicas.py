@@ -18,11 +18,23 @@ from dataclasses import dataclass
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.policy_factory import create_policy as create_schedule_policy
-from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.kvcache.manager import KVCacheManager, PagedKVCache
 from prefixkv.router import ReplicaState, Router, RouteRequest, policy_options
 from prefixkv.router import create_policy as create_routing_policy
 from prefixkv.sim.cost_model import StepCostModel
-from prefixkv.sim.simulator import Arrival, SimClock, SimResult, Simulation, TimedRequest, create_kv, summarize_trace
+from prefixkv.sim.simulator import (
+    NO_TENANCY,
+    Arrival,
+    SimClock,
+    SimResult,
+    Simulation,
+    Tenancy,
+    TimedRequest,
+    create_kv,
+    missed_by_cause,
+    summarize_trace,
+    trace_arrivals,
+)
 
 POOLED = "pooled"
 ROUTERS = ("round-robin", "least-loaded", "power-of-two", "approximate", "precise", POOLED)
@@ -95,6 +107,7 @@ def simulate_replicas(
     router: str,
     router_options: dict | None = None,
     on_done: Callable[[int], None] | None = None,
+    tenancy: Tenancy = NO_TENANCY,
 ) -> ReplicaSetResult:
     """Serve `requests` (in arrival order) with `num_replicas` replicas, each configured by `config` (its pool is
     one replica's), behind the routing policy `router` (or the pooled bound)."""
@@ -118,15 +131,24 @@ def simulate_replicas(
             kv.enable_events()
         schedule_policy = create_schedule_policy(config)
         sims.append(Simulation(config, kv, schedule_policy, cost, clock="seconds", on_done=on_done, sim_clock=clock))
+    _tell_where_pages_are([s.kv for s in sims])
     loop = _Loop(Router(policy), ids, sims, listens)
-    loop.run(
-        Arrival(r.arrival_s, f"r{i}", r.prompt_len, r.output_len, r.prompt_tokens, getattr(r, "session", None) or "")
-        for i, r in enumerate(requests)
-    )
+    loop.run(trace_arrivals(requests, tenancy))
     for sim in sims:
         sim.result.steps = sim.scheduler.step_count
         sim.result.preemptions = sim.scheduler.num_preemptions
     return ReplicaSetResult([s.result for s in sims], [s.kv for s in sims], loop.routed, loop.router)
+
+
+def _tell_where_pages_are(kvs: list[KVCacheManager]) -> None:
+    """Each replica's miss listener learns which pages the others hold: a page missed here but held there was
+    the router's to find (cache_miss.py: routed)."""
+    listeners = [kv.misses for kv in kvs if isinstance(kv, PagedKVCache)]
+    if len(listeners) < 2:
+        return
+    for me in listeners:
+        others = [other for other in listeners if other is not me]
+        me.elsewhere = lambda key, others=others: any(other.holds(key) for other in others)
 
 
 class _Loop:
@@ -193,6 +215,7 @@ def summarize_replicas(fleet: ReplicaSetResult) -> dict:
     """summarize_trace's figures over all replicas together, and how the router spread the requests."""
     summary = summarize_trace(fleet.merged(), fleet.kvs[0])
     summary["evicted_pages"] = sum(kv.stats.evicted_pages for kv in fleet.kvs)
+    summary["missed_tokens_by_cause"] = missed_by_cause(fleet.kvs)
     summary["readmission_hit_tokens"] = sum(kv.stats.readmission_hits for kv in fleet.kvs)
     summary["pool_pages"] = sum(kv.num_pages for kv in fleet.kvs)
     summary["routed_per_replica"] = fleet.routed

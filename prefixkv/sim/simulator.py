@@ -16,11 +16,13 @@ tokens runs in the memory of the requests in flight.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from prefixkv.batch import Sample
+from prefixkv.cache_miss import CAUSES
 from prefixkv.choices import SchedulePolicy
 from prefixkv.config import EngineConfig
 from prefixkv.engine.core import EngineCore, StepComponent
@@ -29,6 +31,7 @@ from prefixkv.engine.policy_factory import create_policy
 from prefixkv.engine.scheduler import Scheduler, SchedulerOutput
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.kvcache.retention import validate_retention
 from prefixkv.request import Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.sim.cost_model import BatchShape, StepCostModel
@@ -323,6 +326,7 @@ def create_kv(config: EngineConfig, clock: SimClock) -> KVCacheManager:
         config.eviction,
         config.retained_pool_fraction,
         clock=clock.now,
+        miss_history=-1,  # every eviction remembered: the breakdown of misses by cause is exact
     )
 
 
@@ -366,12 +370,49 @@ def simulate(
     return sim.run(arrivals)
 
 
+@dataclass(frozen=True)
+class Tenancy:
+    """What a trace does not say and a run may add: `tenants` > 1 gives each request one of that many cache salts
+    (by its session where the trace has one, else round robin), and retention_seconds retains every request's
+    pages that long (simulated seconds). Both make misses of their own (isolated, expired) to study."""
+
+    tenants: int = 1
+    retention_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.tenants < 1:
+            raise ValueError(f"--tenants must be >= 1, got {self.tenants}")
+        validate_retention(self.retention_seconds, 0)
+
+
+NO_TENANCY = Tenancy()
+
+
+def trace_arrivals(requests: Iterable[TimedRequest], tenancy: Tenancy = NO_TENANCY) -> Iterator[Arrival]:
+    for i, r in enumerate(requests):
+        session = getattr(r, "session", None)
+        salt = None
+        if tenancy.tenants > 1:
+            salt = f"tenant-{(zlib.crc32(session.encode()) if session else i) % tenancy.tenants}"
+        yield Arrival(
+            r.arrival_s,
+            f"r{i}",
+            r.prompt_len,
+            r.output_len,
+            r.prompt_tokens,
+            session or "",
+            cache_salt=salt,
+            retention_seconds=tenancy.retention_seconds,
+        )
+
+
 def simulate_trace(
     config: EngineConfig,
     requests: Iterable[TimedRequest],
     cost: StepCostModel,
     on_done: Callable[[int], None] | None = None,
     check_every: int = 0,
+    tenancy: Tenancy = NO_TENANCY,
 ) -> tuple[SimResult, KVCacheManager]:
     """Time-driven: the KV manager, policy and scheduler `config` names serve `requests` (in arrival order) at
     their arrival times; returns the result and the KV manager (its stats: hits, evictions)."""
@@ -387,11 +428,7 @@ def simulate_trace(
         on_done=on_done,
         sim_clock=clock,
     )
-    arrivals = (
-        Arrival(r.arrival_s, f"r{i}", r.prompt_len, r.output_len, r.prompt_tokens, getattr(r, "session", None) or "")
-        for i, r in enumerate(requests)
-    )
-    return sim.run(arrivals), kv
+    return sim.run(trace_arrivals(requests, tenancy)), kv
 
 
 def _latency(values: list[float]) -> dict:
@@ -429,10 +466,21 @@ def summarize_trace(res: SimResult, kv: KVCacheManager) -> dict:
         "steps": res.steps,
         "preemptions": res.preemptions,
         "evicted_pages": kv.stats.evicted_pages,
+        "missed_tokens_by_cause": missed_by_cause([kv]),
         "readmission_hit_tokens": kv.stats.readmission_hits,
         "pool_pages": kv.num_pages,
         "page_size": kv.page_size,
     }
+
+
+def missed_by_cause(kvs: Sequence[KVCacheManager]) -> dict[str, int]:
+    """Missed prompt tokens of first admissions by cause (cache_miss.py), over `kvs` (one per replica); every
+    cause listed. They sum to the served prompt tokens minus their hits."""
+    out = dict.fromkeys(CAUSES, 0)
+    for kv in kvs:
+        for cause, tokens in kv.stats.missed_by_cause.items():
+            out[cause] += tokens
+    return out
 
 
 def summarize_run(res: SimResult, kv: KVCacheManager) -> dict:
