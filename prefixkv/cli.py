@@ -1,4 +1,4 @@
-"""prefixkv generate | chat | serve | bench | cache-tree | simulate"""
+"""prefixkv generate | chat | serve | bench | cache-tree | cache | simulate"""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from prefixkv.bench.registry import register_bench
 from prefixkv.engine_args import add_engine_args, engine_kwargs
+from prefixkv.server.cache_cli import register as register_cache
 from prefixkv.server.cli import register as register_serve
 from prefixkv.server.cli import serve
 from prefixkv.sim import command as simulate_command
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(t)
     t.set_defaults(func=cmd_cache_tree)
 
+    register_cache(sub)
     register_serve(sub).set_defaults(func=cmd_serve)
     register_bench(sub)
     register_simulate(sub)

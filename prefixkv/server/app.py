@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 
 from prefixkv.engine.client import EngineClient
-from prefixkv.server import admin, chat, completions, messages, prewarm, responses
+from prefixkv.server import admin, caches, chat, completions, gemini, messages, prewarm, responses
 from prefixkv.server.async_engine import AsyncEngine
 from prefixkv.server.auth import KeyRing, authenticate, isolation_mode, require_admin
 from prefixkv.server.errors import install_error_handlers
@@ -67,7 +67,16 @@ def build_app(engine: EngineClient, options: ServingOptions | None = None) -> Fa
     app.add_middleware(BoundedRequestBody, max_bytes=limits.max_request_body_bytes, timeout=limits.body_timeout)
     install_error_handlers(app)
     app.include_router(admin.public)
-    routers = (admin.router, completions.router, chat.router, messages.router, responses.router, prewarm.router)
+    routers = (
+        admin.router,
+        completions.router,
+        chat.router,
+        messages.router,
+        responses.router,
+        prewarm.router,
+        caches.router,
+        gemini.router,
+    )
     for router in routers:
         app.include_router(router, dependencies=[Depends(authenticate)])
     app.include_router(admin.admin_only, dependencies=[Depends(require_admin)])

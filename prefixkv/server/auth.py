@@ -127,12 +127,17 @@ def read_key_file(path: str) -> list[tuple[str, Principal]]:
 
 
 def request_api_key(request: Request) -> str | None:
-    """The key of `Authorization: Bearer <key>`, else of `x-api-key: <key>` (how Anthropic's clients send it)."""
+    """The key of `Authorization: Bearer <key>`, else of `x-api-key: <key>` (how Anthropic's clients send it), else
+    of `x-goog-api-key: <key>` (how Google's google-genai sends it)."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
-    return request.headers.get("x-api-key", "").strip() or None
+    for name in ("x-api-key", "x-goog-api-key"):
+        key = request.headers.get(name, "").strip()
+        if key:
+            return key
+    return None
 
 
 async def authenticate(request: Request) -> Principal:
@@ -142,7 +147,7 @@ async def authenticate(request: Request) -> Principal:
     principal = OPEN if keys is None else keys.identify(request_api_key(request))
     if principal is None:
         raise APIError(
-            "Invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+            "Invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key' / 'x-goog-api-key')",
             status=401,
             code="invalid_api_key",
         )

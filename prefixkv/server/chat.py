@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 
 from prefixkv.outputs import RequestOutput
+from prefixkv.server.cached_content import entry_for, use_retention
 from prefixkv.server.deltas import choice_deltas
 from prefixkv.server.logprobs import chat_logprobs
 from prefixkv.server.protocol import ChatCompletionRequest
@@ -29,9 +30,13 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     state = server_state(raw)
     model = state.check_model(body.model)
     params = body.sampling_params(state.max_n)
-    prompt = await state.tokenize_chat(body.template_messages())  # templated and tokenized in a worker thread
+    messages = body.template_messages()
+    entry = entry_for(state, raw, body.cached_content, "messages", body.user, body.cache_salt)
+    if entry is not None:  # served on top of a /v1/caches entry: its messages, then the request's
+        messages = [*entry.messages, *messages]
+    prompt = await state.tokenize_chat(messages)  # templated and tokenized in a worker thread
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    group = await submit(state, raw, request_id, [prompt], params, body)
+    group = await submit(state, raw, request_id, [prompt], params, body, use_retention(entry, body.retention(), prompt))
     created = int(time.time())
     events = _stream(state, body, group, request_id, model, created) if body.stream else None
     return await answer(
@@ -60,14 +65,14 @@ def _response(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage([final]),
+        "usage": usage([final], body.explain_cache_miss),
     }
 
 
 async def _stream(
     state: ServerState, body: ChatCompletionRequest, group, request_id: str, model: str, created: int
 ) -> AsyncIterator[str]:
-    tally = UsageTally()
+    tally = UsageTally(body.explain_cache_miss)
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     for index in range(body.n):  # OpenAI opens every choice with the role
         yield sse(

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from prefixkv.outputs import RequestOutput
+from prefixkv.server.cached_content import entry_for, prefixed_prompts, use_retention
 from prefixkv.server.deltas import choice_deltas
 from prefixkv.server.logprobs import completion_logprobs
 from prefixkv.server.protocol import CompletionRequest
@@ -27,7 +28,10 @@ async def create_completion(body: CompletionRequest, raw: Request):
     prompts = body.prompts(state.max_prompts_per_request, state.max_n)
     params = body.sampling_params()
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    group = await submit(state, raw, request_id, prompts, params, body)
+    entry = entry_for(state, raw, body.cached_content, "prompt", body.user, body.cache_salt)
+    if entry is not None:  # served on top of a /v1/caches entry: its tokens, then each prompt's
+        prompts = await prefixed_prompts(state, entry, prompts)
+    group = await submit(state, raw, request_id, prompts, params, body, use_retention(entry, body.retention()))
     created = int(time.time())
     events = _stream(state, body, group, request_id, model, created) if body.stream else None
     return await answer(raw, group, events, lambda finals: _response(state, body, finals, request_id, model, created))
@@ -58,14 +62,14 @@ def _response(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(finals),
+        "usage": usage(finals, body.explain_cache_miss),
     }
 
 
 async def _stream(
     state: ServerState, body: CompletionRequest, group, request_id: str, model: str, created: int
 ) -> AsyncIterator[str]:
-    tally = UsageTally()
+    tally = UsageTally(body.explain_cache_miss)
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
     async for d in choice_deltas(group, body.n, tally):
         logprobs = None

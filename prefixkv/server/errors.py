@@ -1,8 +1,9 @@
 """Every failure leaves the server as an error in its API's shape, so each SDK raises the right exception.
 
 OpenAI's shape: {"error": {"message", "type", "param", "code"}}; Anthropic's, on /v1/messages:
-{"type": "error", "error": {"type", "message"}}. FastAPI's own 422 for body validation is replaced by a 400
-naming the offending field, as OpenAI, Anthropic and vLLM answer.
+{"type": "error", "error": {"type", "message"}}; Google's, under /v1beta (its SDK reads code and status):
+{"error": {"code", "message", "status"}}. The path picks the shape (body_for). FastAPI's own 422 for body
+validation is replaced by a 400 naming the offending field, as OpenAI, Anthropic, Google and vLLM answer.
 """
 
 from __future__ import annotations
@@ -42,6 +43,24 @@ _ANTHROPIC_TYPES = {
 }
 ANTHROPIC_PATH = "/v1/messages"  # the routes that answer in Anthropic's shape (and those under it)
 
+# Google's canonical status names by HTTP status (google.rpc.Code), as the Gemini API writes them
+_GEMINI_STATUSES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    408: "DEADLINE_EXCEEDED",
+    409: "ABORTED",
+    413: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    500: "INTERNAL",
+    501: "UNIMPLEMENTED",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+GEMINI_PATH = "/v1beta/"  # every route under it answers in Gemini's shape
+
 
 class APIError(Exception):
     """Raised anywhere in a handler; becomes the JSON error response with its status."""
@@ -71,14 +90,28 @@ class APIError(Exception):
             "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"), "message": self.message},
         }
 
+    def gemini_body(self) -> dict:
+        status = _GEMINI_STATUSES.get(self.status, "INTERNAL" if self.status >= 500 else "FAILED_PRECONDITION")
+        return {"error": {"code": self.status, "message": self.message, "status": status}}
+
+    def body_for(self, path: str) -> dict:
+        """The body in the shape of the API that `path` belongs to."""
+        if path.startswith(GEMINI_PATH):
+            return self.gemini_body()
+        if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+            return self.anthropic_body()
+        return self.body()
+
     def response(self, anthropic: bool = False) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        body = self.anthropic_body() if anthropic else self.body()
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return self._response(self.anthropic_body() if anthropic else self.body())
 
     def response_for(self, request: Request) -> JSONResponse:
         """In the shape of the API `request` called."""
-        return self.response(anthropic=is_anthropic(request))
+        return self._response(self.body_for(request.url.path))
+
+    def _response(self, body: dict) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def is_anthropic(request: Request) -> bool:

@@ -22,8 +22,10 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import APIRouter, Request
 
+from prefixkv.cache_miss import CacheMiss
 from prefixkv.outputs import RequestOutput
 from prefixkv.server.auth import cache_salt_for
+from prefixkv.server.cached_content import entry_for, prefixed_conversation, use_retention
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.messages_protocol import (
     CACHE_TTL_SECONDS,
@@ -42,6 +44,9 @@ async def create_message(body: MessagesRequest, raw: Request):
     model = state.check_model(body.model)
     conversation = body.conversation()
     params = body.sampling_params()
+    entry = entry_for(state, raw, body.cached_content, "messages", body.user, body.cache_salt)
+    if entry is not None:  # served on top of a /v1/caches entry: its messages, then the request's
+        conversation = prefixed_conversation(entry, conversation)
     prompt, positions = await state.tokenize_conversation(conversation)
     spans = [
         (pos, CACHE_TTL_SECONDS[bp.ttl]) for bp, pos in zip(conversation.breakpoints, positions, strict=True) if pos
@@ -56,12 +61,13 @@ async def create_message(body: MessagesRequest, raw: Request):
             stream=body.stream,
             priority=body.priority,
             cache_salt=salt,
-            retention_spans=spans,
             prefill_only=body.max_tokens == 0,
+            **use_retention(entry, {"retention_spans": spans}, prompt),
         )
     except ValueError as exc:
         raise from_value_error(exc) from None
     accounting = _Accounting(state, len(prompt), spans)
+    accounting.explain_cache_miss = body.explain_cache_miss
     if body.stream:
         events = _stream(group, message_id, model, accounting)
         return await answer(raw, group, events, error_event=_error_event, done=None)
@@ -85,15 +91,17 @@ class _Accounting:
         self.caching = state.prefix_caching
         hour = CACHE_TTL_SECONDS["1h"]
         self.hour_end = max((pos for pos, seconds in spans if seconds >= hour), default=0)
+        self.explain_cache_miss = False
 
-    def usage(self, cached: int, output_tokens: int) -> dict:
+    def usage(self, cached: int, output_tokens: int, miss: CacheMiss | None = None) -> dict:
+        """Anthropic's usage; with explain_cache_miss asked (prefixkv's extension) and `miss` known, cache_miss."""
         cached = max(0, cached)
         written = written_1h = 0
         if self.caching:
             whole = self.prompt_tokens // self.page_size * self.page_size
             written = max(0, whole - cached)
             written_1h = max(0, min(whole, self.hour_end // self.page_size * self.page_size) - cached)
-        return {
+        out = {
             "input_tokens": self.prompt_tokens - cached - written,
             "cache_creation_input_tokens": written,
             "cache_read_input_tokens": cached,
@@ -103,6 +111,9 @@ class _Accounting:
             },
             "output_tokens": output_tokens,
         }
+        if self.explain_cache_miss and miss is not None:
+            out["cache_miss"] = miss.to_json()
+        return out
 
 
 def _stop(output: RequestOutput) -> tuple[str, str | None]:
@@ -126,7 +137,7 @@ def _message(final: RequestOutput, message_id: str, model: str, accounting: _Acc
         "content": [{"type": "text", "text": completion.text}] if completion.token_ids else [],
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
-        "usage": accounting.usage(final.num_cached_tokens, len(completion.token_ids)),
+        "usage": accounting.usage(final.num_cached_tokens, len(completion.token_ids), final.cache_miss),
     }
 
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
+from prefixkv.server.protocol import CACHED_CONTENT, MAX_CACHED_CONTENT_CHARS
 
 CACHE_TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 MAX_BREAKPOINTS = 4  # Anthropic's cap, the top-level one included
@@ -78,6 +79,8 @@ class MessagesRequest(BaseModel):
     # prefixkv / vLLM extensions, as on the OpenAI routes
     cache_salt: str | None = None
     priority: int = 0
+    cached_content: str | None = Field(None, max_length=MAX_CACHED_CONTENT_CHARS, description=CACHED_CONTENT)
+    explain_cache_miss: bool = False  # prefixkv's extension: usage.cache_miss says why the prompt missed the cache
 
     @property
     def user(self) -> str | None:

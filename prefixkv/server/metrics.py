@@ -11,6 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from prefixkv.cache_miss import CAUSES
 from prefixkv.engine.metrics import EngineStats
 from prefixkv.server.async_engine import FinishedRequest
 
@@ -102,6 +103,16 @@ class _EngineStatsCollector:
             "Of those, tokens served from the prefix cache.",
             float(stats.prefix_cache_readmission_hits),
         )
+        missed = CounterMetricFamily(
+            "prefixkv:prefix_cache_missed_tokens",
+            "Prompt tokens of first admissions not served from the prefix cache, by why (every cause is listed; "
+            "they sum to queries - hits): in_flight, evicted, expired, isolated, never_seen, granularity.",
+            labels=["model_name", "cause"],
+        )
+        for cause in CAUSES:
+            if cause != "routed":  # a router's answer: never an engine's
+                missed.add_metric([self.model_name, cause], float(stats.prefix_cache_missed_by_cause.get(cause, 0)))
+        yield missed
         yield counter(
             "prefixkv:num_preemptions", "Requests preempted (recomputed later).", float(stats.num_preemptions)
         )

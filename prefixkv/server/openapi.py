@@ -1,8 +1,9 @@
 """/openapi.json as the server really answers, so a client (or a schema fuzzer) is told every rule it can be.
 
-FastAPI's generated schema declares a 422 the server never sends (errors.py turns validation errors into
-OpenAI's 400), knows nothing of the API key's 401, the unknown model's 404 or the body limit's 413, and cannot
-see the caps that are server options (n, prompts per request). This fills those in from the running server.
+FastAPI's generated schema declares a 422 the server never sends (errors.py turns validation errors into a 400
+in the API's shape: OpenAI's, Anthropic's under /v1/messages, Google's under /v1beta), knows nothing of the API
+key's 401, the unknown model's 404 or the body limit's 413, and cannot see the caps that are server options (n,
+prompts per request). This fills those in from the running server.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ _ANTHROPIC_ERROR_BODY = {
         },
     },
 }
+GEMINI_ERROR_SCHEMA = "GeminiErrorResponse"
+_GEMINI_ERROR_BODY = {
+    "type": "object",
+    "description": "Google's error body: every non-2xx answer under /v1beta (the Gemini API) has this shape",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "message", "status"],
+            "properties": {"code": {"type": "integer"}, "message": {"type": "string"}, "status": {"type": "string"}},
+        }
+    },
+}
 _WHY = {
     400: "Invalid request: the message names the field (`param`)",
     401: "Missing or invalid API key",
@@ -54,7 +68,12 @@ _WHY = {
 }
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 _ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
-_MODEL_PATHS = (*_GENERATION_PATHS, "/v1/messages/count_tokens", "/v1/cache/prewarm")  # an unknown model: 404
+_GEMINI_MODEL_PATHS = (  # the model is in the path: another one is a 404
+    "/v1beta/models/{model}:generateContent",
+    "/v1beta/models/{model}:streamGenerateContent",
+    "/v1beta/models/{model}:countTokens",
+)
+_MODEL_PATHS = (*_GENERATION_PATHS, "/v1/messages/count_tokens", "/v1/cache/prewarm", *_GEMINI_MODEL_PATHS)
 # what ChatCompletionRequest.template_messages accepts (the model keeps it a plain dict, so a bad message
 # gets that method's 400 naming messages[i])
 _MESSAGE = {
@@ -108,6 +127,8 @@ def install_openapi(app: FastAPI, state: Any) -> None:
 
 def _error_response(status: int, path: str = "") -> dict:
     name = ANTHROPIC_ERROR_SCHEMA if path in _ANTHROPIC_PATHS else ERROR_SCHEMA
+    if path.startswith("/v1beta/"):
+        name = GEMINI_ERROR_SCHEMA
     return {
         "description": _WHY[status],
         "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
@@ -122,10 +143,11 @@ def _declare_errors(schema: dict, public_paths: set[str], admin_paths: set[str],
     components.pop("ValidationError", None)
     components[ERROR_SCHEMA] = _ERROR_BODY
     components[ANTHROPIC_ERROR_SCHEMA] = _ANTHROPIC_ERROR_BODY
+    components[GEMINI_ERROR_SCHEMA] = _GEMINI_ERROR_BODY
     for path, operations in schema.get("paths", {}).items():
         for method, op in operations.items():
             responses = op.setdefault("responses", {})
-            if responses.pop("422", None) is not None or path in _GENERATION_PATHS:  # it reads input
+            if responses.pop("422", None) is not None or path in (*_GENERATION_PATHS, *_GEMINI_MODEL_PATHS):
                 responses["400"] = _error_response(400, path)
             if method in ("post", "put", "patch"):
                 responses["413"] = _error_response(413, path)
@@ -141,7 +163,11 @@ def _declare_errors(schema: dict, public_paths: set[str], admin_paths: set[str],
                 responses["404"] = _error_response(404, path)
             if path == "/v1/responses/{response_id}":
                 responses["404"] = {**_error_response(404, path), "description": "No stored response of that id"}
-            if path in _GENERATION_PATHS:
+            if path in ("/v1/caches", "/v1beta/cachedContents") and method == "post":
+                responses["404"] = _error_response(404, path)  # an unknown model
+            if path in ("/v1/caches/{cache_id}", "/v1beta/cachedContents/{cache_id}"):
+                responses["404"] = {**_error_response(404, path), "description": "No cache entry of that id visible"}
+            if path in (*_GENERATION_PATHS, "/v1beta/models/{model}:streamGenerateContent"):
                 ok = responses.setdefault("200", {"description": "Successful Response"})
                 ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": _SSE_EVENT})
 
@@ -149,6 +175,13 @@ def _declare_errors(schema: dict, public_paths: set[str], admin_paths: set[str],
 def _declare_limits(schema: dict, state: Any) -> None:
     """The caps that are server options, and the token-id range the engine enforces."""
     components = schema.get("components", {}).get("schemas", {})
+    for path in _GEMINI_MODEL_PATHS:  # the model in the path: any other name is a 404
+        for param in schema.get("paths", {}).get(path, {}).get("post", {}).get("parameters", []):
+            if param.get("name") == "model":
+                param["schema"]["enum"] = [state.served_model_name]
+    gemini_model = components.get("CreateCachedContentRequest", {}).get("properties", {}).get("model")
+    if gemini_model is not None:
+        gemini_model["enum"] = [state.served_model_name, "models/" + state.served_model_name]
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = components.get(name, {}).get("properties", {})
         if "n" in props:
@@ -160,9 +193,20 @@ def _declare_limits(schema: dict, state: Any) -> None:
         model = components.get(name, {}).get("properties", {}).get("model")
         if model is not None:
             model["enum"] = [state.served_model_name]
-    for variant in components.get("ResponsesRequest", {}).get("properties", {}).get("model", {}).get("anyOf", []):
+    for name in ("ResponsesRequest", "CreateCacheRequest"):
+        for variant in components.get(name, {}).get("properties", {}).get("model", {}).get("anyOf", []):
+            if variant.get("type") == "string":
+                variant["enum"] = [state.served_model_name]
+    cache_props = components.get("CreateCacheRequest", {}).get("properties", {})
+    for variant in cache_props.get("messages", {}).get("anyOf", []):  # a /v1/caches entry of chat messages
+        if variant.get("type") == "array":
+            variant["items"] = _MESSAGE
+    for variant in cache_props.get("prompt", {}).get("anyOf", []):  # a /v1/caches entry of a prompt
         if variant.get("type") == "string":
-            variant["enum"] = [state.served_model_name]
+            variant["minLength"] = 1
+        elif variant.get("type") == "array":
+            variant["minItems"] = 1
+            variant["maxItems"] = max(1, state.max_model_len - 1)
     messages = components.get("ChatCompletionRequest", {}).get("properties", {}).get("messages")
     if messages is not None:
         messages["items"] = _MESSAGE

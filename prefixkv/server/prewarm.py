@@ -14,11 +14,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field
 
+from prefixkv.outputs import RequestOutput
 from prefixkv.prewarm import PREWARM_PARAMS
 from prefixkv.server.auth import cache_salt_for
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.protocol import PromptCacheFields, template_messages
-from prefixkv.server.state import record_prompt_cache_key, server_state
+from prefixkv.server.state import ServerState, record_prompt_cache_key, server_state
 
 router = APIRouter()
 
@@ -46,16 +47,7 @@ async def prewarm_cache(body: PrewarmRequest, raw: Request) -> dict:
     salt = cache_salt_for(state.tenant_isolation, raw, body.user, body.cache_salt)
     request_id = f"prewarm-{uuid.uuid4().hex}"
     record_prompt_cache_key(state, request_id, body.prompt_cache_key)
-    try:
-        group = await state.engine.submit(
-            [request_id], [prompt], PREWARM_PARAMS, stream=False, cache_salt=salt, prefill_only=True, **body.retention()
-        )
-    except ValueError as exc:
-        raise from_value_error(exc) from None
-    try:
-        (final,) = await group.collect()
-    finally:
-        group.close()
+    final = await warm(state, request_id, prompt, salt, **body.retention())
     cached = await state.engine.cached_prompt_tokens(prompt, salt)
     return {
         "id": request_id,
@@ -65,3 +57,19 @@ async def prewarm_cache(body: PrewarmRequest, raw: Request) -> dict:
         "cached_tokens": cached,
         "hit_tokens": final.num_cached_tokens,  # what was cached already when it arrived
     }
+
+
+async def warm(state: ServerState, request_id: str, prompt: Any, salt: str | None, **retention: Any) -> RequestOutput:
+    """Compute and cache `prompt` (a prefill-only request) with the engine's retention arguments; its final
+    output. Engine rejections (bad ids, too long) become 400s. /v1/caches creates and extends entries with it."""
+    try:
+        group = await state.engine.submit(
+            [request_id], [prompt], PREWARM_PARAMS, stream=False, cache_salt=salt, prefill_only=True, **retention
+        )
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    try:
+        (final,) = await group.collect()
+    finally:
+        group.close()
+    return final

@@ -24,6 +24,8 @@ DEFAULT_MAX_N = 128  # OpenAI's cap on n; the server's --max-n
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024  # the server's --max-prompts-per-request
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's, also when a client sends max_tokens: null
 MAX_PROMPT_CACHE_KEY_CHARS = 1024
+MAX_CACHED_CONTENT_CHARS = 256  # a /v1/caches entry's name
+CACHED_CONTENT = "a /v1/caches entry (id or name) to serve the request on top of (as Gemini's cachedContent)"
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
@@ -75,6 +77,9 @@ class _GenerationRequest(PromptCacheFields):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0
+    cached_content: str | None = Field(None, max_length=MAX_CACHED_CONTENT_CHARS, description=CACHED_CONTENT)
+    # prefixkv extension: usage.prompt_tokens_details.cache_miss says why the prompt was not all served from cache
+    explain_cache_miss: bool = False
 
     @property
     def include_usage(self) -> bool:

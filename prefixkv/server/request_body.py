@@ -2,7 +2,7 @@
 
 Why up front: FastAPI reads the whole body before validating it anyway, so reading it here costs no more
 memory, and it is the only place where an over-size or stalled body can still get a proper answer (413 / 408
-in OpenAI's error format) instead of a parse error from inside the handler.
+in the called API's error format) instead of a parse error from inside the handler.
 
 A body whose Content-Length is already too large is refused without reading it. The 413 is then sent in full,
 and the connection is held open for a bounded time (`_LINGER_SECONDS`, `_LINGER_BYTES`) while the rest of the
@@ -94,7 +94,7 @@ class BoundedRequestBody:
 
     async def _refuse(self, scope, receive, send, error: APIError, *, drain: bool) -> None:
         """Send the error with `Connection: close`; with drain, read and drop the upload before closing."""
-        payload = json.dumps(error.body()).encode()
+        payload = json.dumps(error.body_for(scope.get("path", ""))).encode()  # in the shape of the API called
         await send(
             {
                 "type": "http.response.start",

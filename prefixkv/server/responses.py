@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 
 from prefixkv.outputs import RequestOutput
 from prefixkv.server.auth import principal_of, request_api_key, tenant_owner
+from prefixkv.server.cached_content import entry_for, use_retention
 from prefixkv.server.errors import APIError
 from prefixkv.server.response_store import StoredResponse
 from prefixkv.server.responses_protocol import ResponsesRequest
@@ -44,9 +45,12 @@ async def create_response(body: ResponsesRequest, raw: Request):
         history = previous.messages
     turn = [*history, *body.input_messages()]
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-    prompt = await state.tokenize_chat(instructions + turn)
+    entry = entry_for(state, raw, body.cached_content, "messages", body.user, body.cache_salt)
+    cached = list(entry.messages) if entry is not None else []  # a /v1/caches entry's messages come first
+    prompt = await state.tokenize_chat(cached + instructions + turn)
     response_id = f"resp_{uuid.uuid4().hex}"
-    group = await submit(state, raw, response_id, [prompt], body.sampling_params(), body)
+    retention = use_retention(entry, body.retention(), prompt)
+    group = await submit(state, raw, response_id, [prompt], body.sampling_params(), body, retention)
     made = _Made(state, owner, body, response_id, model, turn)
     if body.stream:
         return await answer(raw, group, _stream(group, made), error_event=_error_event, done=None)
@@ -126,7 +130,7 @@ class _Made:
         prompt_tokens = len(final.prompt_token_ids)
         usage = {
             "input_tokens": prompt_tokens,
-            "input_tokens_details": {"cached_tokens": max(0, final.num_cached_tokens)},
+            "input_tokens_details": _input_details(self.body, final),
             "output_tokens": output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + output_tokens,
@@ -139,6 +143,13 @@ class _Made:
             messages = (*self.turn, {"role": "assistant", "content": text})
             self.state.responses.put(self.owner, self.id, StoredResponse(body, messages))
         return body
+
+
+def _input_details(body: ResponsesRequest, final: RequestOutput) -> dict:
+    details: dict = {"cached_tokens": max(0, final.num_cached_tokens)}
+    if body.explain_cache_miss and final.cache_miss is not None:  # prefixkv's extension, as on chat completions
+        details["cache_miss"] = final.cache_miss.to_json()
+    return details
 
 
 def _error_event(err: APIError) -> str:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from prefixkv.kvcache.retention import PROMPT_CACHE_RETENTION
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
-from prefixkv.server.protocol import MAX_PROMPT_CACHE_KEY_CHARS
+from prefixkv.server.protocol import CACHED_CONTENT, MAX_CACHED_CONTENT_CHARS, MAX_PROMPT_CACHE_KEY_CHARS
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 _ROLES = ("user", "assistant", "system", "developer")
@@ -41,6 +41,8 @@ class ResponsesRequest(BaseModel):
     # prefixkv / vLLM extensions, as on the other OpenAI routes
     cache_salt: str | None = None
     priority: int = 0
+    cached_content: str | None = Field(None, max_length=MAX_CACHED_CONTENT_CHARS, description=CACHED_CONTENT)
+    explain_cache_miss: bool = False  # usage.input_tokens_details.cache_miss: why the input missed the cache
 
     def retention(self) -> dict[str, Any]:
         return dict(PROMPT_CACHE_RETENTION[self.prompt_cache_retention or "in_memory"])

@@ -20,6 +20,7 @@ from fastapi import Request
 from prefixkv.engine.client import EngineTokenizer
 from prefixkv.server.async_engine import AsyncEngine, RequestGroup
 from prefixkv.server.auth import KeyRing, cache_salt_for
+from prefixkv.server.cache_store import CacheStore
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.messages_protocol import Conversation
 from prefixkv.server.metrics import ServerMetrics
@@ -48,6 +49,7 @@ class ServerState:
     max_prompt_chars: int = 0  # longer prompt text cannot fit max_model_len tokens: refused untokenized
     prefix_caching: bool = True  # False with prefix_cache "off": nothing is read from or written to a cache
     responses: ResponseStore = field(default_factory=ResponseStore)  # what /v1/responses stored
+    caches: CacheStore = field(default_factory=CacheStore)  # the entries of /v1/caches
     tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="prefixkv-tokenizer"
@@ -92,10 +94,13 @@ class ServerState:
                 out.append(p)
         return out
 
-    async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The engine prompt for chat messages (already checked by ChatCompletionRequest.template_messages)."""
+    async def tokenize_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The engine prompt for chat messages (already checked by ChatCompletionRequest.template_messages);
+        without the generation prompt: a conversation's prefix, as a /v1/caches entry holds it."""
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        prompt = await self._in_worker(_chat_prompt, self.tokenizer, messages, self.allow_special_tokens_in_content)
+        prompt = await self._in_worker(
+            _chat_prompt, self.tokenizer, messages, self.allow_special_tokens_in_content, add_generation_prompt
+        )
         self.check_prompt_tokens(len(prompt), "messages")
         return prompt
 
@@ -181,10 +186,17 @@ def _conversation_prompt(
 
 
 async def submit(
-    state: ServerState, raw: Request, request_id: str, prompts: list, params: Any, body: Any
+    state: ServerState,
+    raw: Request,
+    request_id: str,
+    prompts: list,
+    params: Any,
+    body: Any,
+    retention: dict[str, Any] | None = None,
 ) -> RequestGroup:
     """Add one engine request per prompt; engine rejections (too long, bad ids, ...) become 400s.
-    Text prompts are tokenized here, off the engine thread; chat handlers pass state.tokenize_chat's result."""
+    Text prompts are tokenized here, off the engine thread; chat handlers pass state.tokenize_chat's result.
+    retention: the engine's retention arguments when not just the body's (a cached_content entry adds its own)."""
     salt = cache_salt_for(state.tenant_isolation, raw, body.user, body.cache_salt)
     prompts = await state.tokenize(prompts)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -198,7 +210,7 @@ async def submit(
             priority=body.priority,
             cache_salt=salt,
             prompt_cache_key=body.prompt_cache_key,
-            **body.retention(),
+            **(body.retention() if retention is None else retention),
         )
     except ValueError as exc:
         raise from_value_error(exc) from None

@@ -160,3 +160,54 @@ def test_prewarm_file(tmp_path, llm, capsys):
         read_prewarm_file(str(bad))
     assert serve_main(["--prewarm", str(bad)]) == 2  # refused before any model loads
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def _counters(metrics: str, name: str) -> dict[str, float]:
+    """label set text -> value of every sample of `name` in Prometheus text."""
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, value = line.rsplit(" ", 1)
+            out[labels[len(name) :]] = float(value)
+    return out
+
+
+def test_a_miss_is_explained_when_asked_and_counted_by_cause(client, server, llm):
+    """usage.prompt_tokens_details.cache_miss on request (chat, completions streamed, Responses, Messages): a cold
+    prompt is never_seen, the same prompt again misses only its last page (granularity), and the causes add up to
+    the missed tokens; /metrics counts missed tokens by cause, summing to queries - hits."""
+    model = llm.llm_engine.model_name
+    messages = fresh_messages("Which spanner fits a pedal?")
+    explain = {"explain_cache_miss": True}
+    cold = client.chat.completions.create(model=model, messages=messages, max_tokens=1, extra_body=explain)
+    warm = client.chat.completions.create(model=model, messages=messages, max_tokens=1, extra_body=explain)
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert "cache_miss" not in (plain.usage.prompt_tokens_details.model_extra or {})  # only when asked
+    for usage, cause in ((cold.usage, "never_seen"), (warm.usage, "granularity")):
+        miss = usage.prompt_tokens_details.model_extra["cache_miss"]
+        details = usage.prompt_tokens_details
+        assert miss["cause"] == cause and miss["first_missed_token"] == details.cached_tokens, miss
+        assert sum(miss["tokens_by_cause"].values()) == usage.prompt_tokens - details.cached_tokens
+    stream = client.completions.create(
+        model=model,
+        prompt=f"[{uuid.uuid4().hex}] Spokes:",
+        max_tokens=1,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=explain,
+    )
+    (usage,) = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert usage.prompt_tokens_details.model_extra["cache_miss"]["cause"] == "never_seen"
+    r = _post(server, "/v1/responses", {"model": model, "input": "Chain oil?", "max_output_tokens": 1, **explain})
+    assert r.status_code == 200, r.text
+    assert "cause" in r.json()["usage"]["input_tokens_details"]["cache_miss"]
+    r = _post(server, "/v1/messages", {"model": model, "max_tokens": 1, "messages": messages[1:], **explain})
+    assert r.status_code == 200, r.text
+    assert "cause" in r.json()["usage"]["cache_miss"]
+    wait_no_pages_held(server, AUTH)
+    metrics = httpx.get(server + "/metrics", headers=AUTH).text
+    missed = _counters(metrics, "prefixkv:prefix_cache_missed_tokens_total")
+    assert len(missed) == 6 and missed[next(k for k in missed if 'cause="never_seen"' in k)] > 0
+    (queries,) = _counters(metrics, "prefixkv:prefix_cache_queries_total").values()
+    (hits,) = _counters(metrics, "prefixkv:prefix_cache_hits_total").values()
+    assert sum(missed.values()) == queries - hits

@@ -1,0 +1,178 @@
+"""Request bodies of Google's Gemini API (generateContent, countTokens, cachedContents) and their contents as the
+chat messages the model's template renders.
+
+Field names are Gemini's JSON (camelCase, what google-genai sends); snake_case is accepted too, as Google's
+protobuf JSON parser does. A content is a role ("user", or "model", which becomes "assistant") and text parts,
+joined; a systemInstruction becomes a system message first. Other part kinds (inline data, files, function
+calls), tools and structured output are 400s that say so: this server generates text only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from prefixkv.sampling_params import SamplingParams
+from prefixkv.server.errors import APIError, from_value_error
+from prefixkv.server.protocol import MAX_CACHED_CONTENT_CHARS
+
+MODEL_PREFIX = "models/"
+MAX_STOP_SEQUENCES = 5  # Gemini's cap
+INT32_MAX = 2**31 - 1  # topK, seed and counts are int32 in Gemini's protos
+_ROLES = {"user": "user", "model": "assistant"}
+_PART_METADATA = {"thoughtSignature", "thought_signature", "partMetadata", "part_metadata"}  # ride along with text
+_CONFIG = ConfigDict(
+    extra="ignore",
+    strict=True,
+    allow_inf_nan=False,
+    alias_generator=to_camel,
+    validate_by_name=True,
+    validate_by_alias=True,
+)
+
+
+def model_name(model: str) -> str:
+    """ "models/NAME" or "NAME" -> NAME (the URL and the bodies may carry either)."""
+    return model[len(MODEL_PREFIX) :] if model.startswith(MODEL_PREFIX) else model
+
+
+class Part(BaseModel):
+    """A text part. Other kinds stay in model_extra, so the 400 can name the one that came."""
+
+    model_config = ConfigDict(**{**_CONFIG, "extra": "allow"})
+    text: str | None = None
+    thought: bool | None = None  # a thought summary the model wrote: not sent back to the template
+
+
+class Content(BaseModel):
+    model_config = _CONFIG
+    role: str | None = Field(None, max_length=32, description="'user' (the default) or 'model'")
+    parts: list[Part] = Field(min_length=1)
+
+
+class GenerationConfig(BaseModel):
+    model_config = _CONFIG
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: float | None = Field(None, ge=1, le=INT32_MAX, description="an integer (google-genai sends 5.0)")
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    candidate_count: int | None = Field(None, ge=1, le=INT32_MAX, description="1: one candidate per request")
+    seed: int | None = Field(None, ge=-(2**31), le=INT32_MAX)
+    response_mime_type: str | None = Field(None, max_length=128, description="text/plain only")
+    response_schema: dict[str, Any] | None = None
+    response_json_schema: Any = None
+
+
+class GenerateContentRequest(BaseModel):
+    model_config = _CONFIG
+    model: str | None = Field(None, max_length=256, description="ignored: the URL names the model")
+    contents: list[Content] = Field(min_length=1)
+    system_instruction: Content | None = None
+    generation_config: GenerationConfig | None = None
+    cached_content: str | None = Field(None, max_length=MAX_CACHED_CONTENT_CHARS, description="cachedContents/ID")
+    tools: list[dict[str, Any]] | None = None
+    tool_config: dict[str, Any] | None = None
+    safety_settings: list[dict[str, Any]] | None = None  # accepted and ignored: this server filters nothing
+
+    def messages(self) -> list[dict[str, str]]:
+        """The chat messages to template; 400 for what this server cannot render."""
+        if self.tools or self.tool_config:
+            raise APIError("tools are not supported: this server's chat template renders no tool definitions")
+        return chat_messages(self.contents, self.system_instruction)
+
+    def sampling_params(self) -> SamplingParams:
+        """Gemini's knobs; without maxOutputTokens the answer may run to the end of the context (as chat's)."""
+        config = self.generation_config or GenerationConfig.model_validate({})
+        if config.candidate_count not in (None, 1):
+            raise APIError(f"candidateCount must be 1 on this server, got {config.candidate_count}")
+        if config.response_mime_type not in (None, "text/plain") or config.response_schema is not None:
+            raise APIError("structured output (responseMimeType, responseSchema) is not supported: text/plain only")
+        if config.response_json_schema is not None:
+            raise APIError("structured output (responseJsonSchema) is not supported: text/plain only")
+        if config.top_k is not None and not config.top_k.is_integer():
+            raise APIError(f"generationConfig.topK must be an integer, got {config.top_k}")
+        try:
+            return SamplingParams(
+                max_tokens=config.max_output_tokens,
+                temperature=1.0 if config.temperature is None else config.temperature,
+                top_p=1.0 if config.top_p is None else config.top_p,
+                top_k=-1 if config.top_k is None else int(config.top_k),
+                seed=config.seed,
+                stop=config.stop_sequences,
+            )
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+
+
+class CountTokensRequest(BaseModel):
+    """countTokens: `contents`, or a whole `generateContentRequest` (then its systemInstruction and cachedContent
+    count too), not both."""
+
+    model_config = _CONFIG
+    contents: list[Content] | None = Field(None, min_length=1)
+    generate_content_request: GenerateContentRequest | None = None
+
+    def request(self) -> GenerateContentRequest:
+        if (self.contents is None) == (self.generate_content_request is None):
+            raise APIError("give exactly one of 'contents' and 'generateContentRequest'")
+        if self.generate_content_request is not None:
+            return self.generate_content_request
+        assert self.contents is not None
+        return GenerateContentRequest.model_validate({"contents": self.contents})
+
+
+class CreateCachedContentRequest(BaseModel):
+    model_config = _CONFIG
+    model: str = Field(max_length=256, description="'models/NAME' (or NAME)")
+    contents: list[Content] | None = None
+    system_instruction: Content | None = None
+    ttl: str | None = Field(None, max_length=64, description="a duration, '300s'; not with expireTime")
+    expire_time: str | None = Field(None, max_length=64, description="RFC 3339 with a zone; not with ttl")
+    display_name: str | None = Field(None, max_length=128)
+    tools: list[dict[str, Any]] | None = None
+    tool_config: dict[str, Any] | None = None
+
+    def messages(self) -> list[dict[str, str]]:
+        if self.tools or self.tool_config:
+            raise APIError("tools are not supported: this server's chat template renders no tool definitions")
+        messages = chat_messages(self.contents or [], self.system_instruction)
+        if not messages:
+            raise APIError("a cached content needs contents or a systemInstruction")
+        return messages
+
+
+class UpdateCachedContentRequest(BaseModel):
+    """PATCH: only the expiry changes (as on Gemini); the rest of the resource may come along and is ignored."""
+
+    model_config = _CONFIG
+    ttl: str | None = Field(None, max_length=64, description="a duration, '300s'; exactly one of ttl, expireTime")
+    expire_time: str | None = Field(None, max_length=64, description="RFC 3339 with a zone")
+
+
+def chat_messages(contents: list[Content], system_instruction: Content | None) -> list[dict[str, str]]:
+    """Gemini contents as {role, content} chat messages: the system instruction first, "model" as "assistant"."""
+    out = []
+    if system_instruction is not None:
+        out.append({"role": "system", "content": _text(system_instruction.parts, "systemInstruction")})
+    for i, content in enumerate(contents):
+        role = content.role or "user"
+        if role not in _ROLES:
+            raise APIError(f"contents[{i}].role must be 'user' or 'model', got {role!r}")
+        out.append({"role": _ROLES[role], "content": _text(content.parts, f"contents[{i}]")})
+    return out
+
+
+def _text(parts: list[Part], where: str) -> str:
+    text = ""
+    for j, part in enumerate(parts):
+        other = [k for k, v in (part.model_extra or {}).items() if v is not None and k not in _PART_METADATA]
+        if other:
+            raise APIError(f"{where}.parts[{j}]: only text parts are supported, got {other[0]!r}")
+        if part.text is None:
+            raise APIError(f"{where}.parts[{j}] has no text: only text parts are supported")
+        if not part.thought:
+            text += part.text
+    return text

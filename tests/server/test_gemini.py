@@ -1,0 +1,208 @@
+"""Google's Gemini API through the unmodified google-genai SDK (pinned in pyproject.toml) against the real app:
+generate_content and its usage (cachedContentTokenCount: what the prefix cache served), the SSE stream, count_tokens,
+cachedContents created, read, listed, extended, used and deleted, tenant isolation on every route, and bad input
+answered as Gemini's errors (the SDK's ClientError with code and status) while a request in flight finishes. One
+server for the module on the suite's shared weights; tiny answers."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import pytest
+from google import genai
+from google.genai import errors, types
+
+from tests.server.live_server import running_server
+
+KEY_FILE = "alice-key alice\nbob-key bob\n"
+PAGE = 16  # the hash cache's default page size
+
+
+@pytest.fixture(scope="module")
+def served(new_engine, tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys.txt"
+    path.write_text(KEY_FILE)
+    engine = new_engine(kv_cache_tokens=4096, retained_pool_fraction=0.25)
+    with running_server(engine, api_key_file=str(path)) as (base, engine, _):
+        yield base, engine.model_name
+
+
+_CLIENTS: dict = {}  # held: a genai.Client closes its connection pool when it is collected
+
+
+def client(served, key: str = "alice-key") -> genai.Client:
+    if (served[0], key) not in _CLIENTS:
+        options = types.HttpOptions(base_url=served[0], api_version="v1beta", timeout=60_000)
+        _CLIENTS[served[0], key] = genai.Client(api_key=key, http_options=options)
+    return _CLIENTS[served[0], key]
+
+
+def config(max_tokens: int = 2, **kw) -> types.GenerateContentConfig:
+    return types.GenerateContentConfig(temperature=0, max_output_tokens=max_tokens, **kw)
+
+
+def rules(words: int = 24) -> str:
+    """A system instruction of its own (a tag up front), a few pages long."""
+    return f"[{uuid.uuid4().hex[:8]}] You are terse. " + " ".join(f"Rule {i}." for i in range(words))
+
+
+def test_generate_content_and_its_usage(served):
+    system = rules()
+    first = client(served).models.generate_content(
+        model=served[1], contents="Hi", config=config(system_instruction=system)
+    )
+    usage = first.usage_metadata
+    assert usage.cached_content_token_count == 0 and usage.prompt_token_count > 3 * PAGE
+    assert usage.total_token_count == usage.prompt_token_count + usage.candidates_token_count
+    candidate = first.candidates[0]
+    assert candidate.content.role == "model" and candidate.finish_reason in ("STOP", "MAX_TOKENS")
+    assert first.text is not None and first.model_version == served[1] and first.response_id
+
+    again = client(served).models.generate_content(
+        model="models/" + served[1], contents="Hello", config=config(system_instruction=system)
+    )  # the same system instruction, read from the cache
+    assert again.usage_metadata.cached_content_token_count >= 3 * PAGE
+
+
+def test_the_stream_joins_to_the_plain_answer_and_counts_tokens(served):
+    contents = [
+        types.Content(role="user", parts=[types.Part(text="Name a colour.")]),
+        types.Content(role="model", parts=[types.Part(text="Blue.")]),
+        types.Content(role="user", parts=[types.Part(text="Another?")]),
+    ]
+    gemini = client(served)
+    plain = gemini.models.generate_content(model=served[1], contents=contents, config=config(6))
+    chunks = list(gemini.models.generate_content_stream(model=served[1], contents=contents, config=config(6)))
+    assert len(chunks) > 1 and "".join(c.text or "" for c in chunks) == plain.text
+    assert all(c.usage_metadata is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.candidates[0].finish_reason == plain.candidates[0].finish_reason
+    assert last.usage_metadata.prompt_token_count == plain.usage_metadata.prompt_token_count
+    assert last.usage_metadata.candidates_token_count == plain.usage_metadata.candidates_token_count
+    counted = gemini.models.count_tokens(model=served[1], contents=contents)
+    assert counted.total_tokens == plain.usage_metadata.prompt_token_count
+
+
+def test_a_cached_content_created_used_extended_and_deleted(served):
+    gemini = client(served)
+    made = gemini.caches.create(
+        model=served[1],
+        config=types.CreateCachedContentConfig(
+            system_instruction=rules(), contents=["Remember: the code is 42."], ttl="300s", display_name="rules"
+        ),
+    )
+    total = made.usage_metadata.total_token_count
+    assert made.name.startswith("cachedContents/") and made.model == "models/" + served[1]
+    assert made.display_name == "rules" and total > 2 * PAGE
+    assert abs((made.expire_time - datetime.now(UTC)).total_seconds() - 300) < 30
+    assert gemini.caches.get(name=made.name).expire_time == made.expire_time
+    assert made.name in [c.name for c in gemini.caches.list(config={"page_size": 100})]
+
+    used = gemini.models.generate_content(
+        model=served[1], contents="What is the code?", config=config(cached_content=made.name)
+    )  # served on top of it: its messages, then the request's
+    assert used.usage_metadata.prompt_token_count > total
+    assert used.usage_metadata.cached_content_token_count >= total // PAGE * PAGE
+    chat = httpx.post(  # the same entry on the OpenAI route, by its Gemini name
+        served[0] + "/v1/chat/completions",
+        headers={"Authorization": "Bearer alice-key"},
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "cached_content": made.name},
+        timeout=60,
+    )
+    assert chat.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= total // PAGE * PAGE
+
+    longer = gemini.caches.update(name=made.name, config=types.UpdateCachedContentConfig(ttl="900s"))
+    assert longer.expire_time > made.expire_time and longer.update_time >= longer.create_time
+    when = (datetime.now(UTC) + timedelta(seconds=120)).replace(microsecond=0)
+    shorter = gemini.caches.update(name=made.name, config=types.UpdateCachedContentConfig(expire_time=when))
+    assert shorter.expire_time == when
+
+    gemini.caches.delete(name=made.name)
+    with pytest.raises(errors.ClientError) as gone:
+        gemini.caches.get(name=made.name)
+    assert gone.value.code == 404 and gone.value.status == "NOT_FOUND"
+    with pytest.raises(errors.ClientError) as unusable:
+        gemini.models.generate_content(model=served[1], contents="Hi", config=config(cached_content=made.name))
+    assert unusable.value.code == 400 and unusable.value.status == "INVALID_ARGUMENT"
+
+
+def test_tenants_see_and_use_only_their_own_cached_contents(served):
+    alice, bob = client(served), client(served, "bob-key")
+    made = alice.caches.create(
+        model=served[1], config=types.CreateCachedContentConfig(system_instruction=rules(8), ttl="600s")
+    )
+    attempts = (
+        lambda: bob.caches.get(name=made.name),
+        lambda: bob.caches.update(name=made.name, config=types.UpdateCachedContentConfig(ttl="5s")),
+        lambda: bob.caches.delete(name=made.name),
+    )
+    for attempt in attempts:
+        with pytest.raises(errors.ClientError) as info:
+            attempt()
+        assert info.value.code == 404 and info.value.status == "NOT_FOUND"
+    assert made.name not in [c.name for c in bob.caches.list()]
+    with pytest.raises(errors.ClientError) as used:
+        bob.models.generate_content(model=served[1], contents="Hi", config=config(cached_content=made.name))
+    assert used.value.code == 400 and used.value.status == "INVALID_ARGUMENT"
+    mine = alice.caches.get(name=made.name)  # alice lost nothing
+    assert mine.expire_time == made.expire_time and mine.usage_metadata == made.usage_metadata
+    with pytest.raises(errors.ClientError) as stranger:
+        client(served, "nobody").models.count_tokens(model=served[1], contents="Hi")
+    assert stranger.value.code == 401 and stranger.value.status == "UNAUTHENTICATED"
+
+
+def test_bad_input_gets_gemini_errors_while_another_request_finishes(served):
+    gemini = client(served)
+    streamed: list = []
+    in_flight = threading.Thread(
+        target=lambda: streamed.extend(
+            gemini.models.generate_content_stream(model=served[1], contents="Count to ten.", config=config(24))
+        )
+    )
+    in_flight.start()
+    image = types.Part.from_bytes(data=b"\x89PNG", mime_type="image/png")
+    bad = [
+        (dict(contents=[image]), "only text parts"),
+        (dict(contents="Hi", config=config(candidate_count=2)), "candidateCount"),
+        (dict(contents="Hi", config=config(cached_content="cachedContents/cache_none")), "not found"),
+        (dict(contents="Hi", config=config(response_mime_type="application/json")), "structured output"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(errors.ClientError, match=message) as info:
+            gemini.models.generate_content(model=served[1], **kwargs)
+        assert info.value.code == 400 and info.value.status == "INVALID_ARGUMENT"
+    with pytest.raises(errors.ClientError) as missing:
+        gemini.models.generate_content(model="gemini-9-ultra", contents="Hi")
+    assert missing.value.code == 404 and missing.value.status == "NOT_FOUND"
+    raw = [  # what the SDK would not send: the server's own validation, in Gemini's shape too
+        (":generateContent", {"contents": [{"role": "assistant", "parts": [{"text": "a"}]}]}),
+        (":generateContent", {"contents": [], "generationConfig": {"temperature": "hot"}}),
+        (":streamGenerateContent", {"contents": [{"parts": [{"text": "a"}]}]}),  # no ?alt=sse
+    ]
+    for method, body in raw:
+        r = httpx.post(
+            f"{served[0]}/v1beta/models/{served[1]}{method}", json=body, headers={"x-goog-api-key": "alice-key"}
+        )
+        error = r.json()["error"]
+        assert r.status_code == 400 and set(error) == {"code", "message", "status"}, r.text
+        assert error["code"] == 400 and error["status"] == "INVALID_ARGUMENT"
+    in_flight.join(60)
+    assert streamed and streamed[-1].candidates[0].finish_reason in ("STOP", "MAX_TOKENS")
+    assert streamed[-1].usage_metadata.candidates_token_count > 0
+
+
+def test_openapi_declares_the_routes_and_their_gemini_errors(served):
+    schema = httpx.get(served[0] + "/openapi.json").json()
+    error = schema["components"]["schemas"]["GeminiErrorResponse"]["properties"]["error"]
+    assert set(error["required"]) == {"code", "message", "status"}
+    for path in ("/v1beta/models/{model}:generateContent", "/v1beta/cachedContents"):
+        responses = schema["paths"][path]["post"]["responses"]
+        for status in ("400", "401", "404", "413"):
+            ref = responses[status]["content"]["application/json"]["schema"]["$ref"]
+            assert ref == "#/components/schemas/GeminiErrorResponse", (path, status)
+    stream = schema["paths"]["/v1beta/models/{model}:streamGenerateContent"]["post"]["responses"]["200"]
+    assert "text/event-stream" in stream["content"]
+    assert set(schema["paths"]["/v1beta/cachedContents/{cache_id}"]) == {"get", "patch", "delete"}
