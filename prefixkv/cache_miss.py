@@ -6,13 +6,13 @@ shows it on request (`usage.prompt_tokens_details.cache_miss`) and /metrics sums
 
 Causes, in the order a missed page is tested for them:
 - in_flight: another running request is computing that page right now (it was not findable when this one came).
+- routed: another replica holds the page (only where something sees the fleet: the replica simulator).
 - evicted: the page was cached and dropped to make room (`policy`: the eviction policy, or "reset" for an admin
-  reset, or "retention_cap" never; `evicted_s_ago`: how long before this request arrived).
+  reset; `evicted_s_ago`: how long before this request's admission).
 - expired: the page was cached under a retention (a TTL, a cache breakpoint) that ran out, and was evicted after.
 - isolated: the same tokens are cached, but under another tenant's salt or another adapter.
 - never_seen: no page with these tokens was cached within the engine's eviction history.
 - granularity: the tail no hit can cover: a partial last page, and the last token (always recomputed).
-- routed: another replica holds the page (set by a router that knows; the engine itself never reports it).
 """
 
 from __future__ import annotations

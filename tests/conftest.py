@@ -136,12 +136,34 @@ def llm_factory(new_llm):
     cache.clear()
 
 
+_RUNNERS_BUILT = [0]  # ModelRunners made in this process: every engine has one, and each holds a KV pool
+
+
+def _count_runners() -> None:
+    from prefixkv.model.runner import ModelRunner
+
+    build = ModelRunner.__init__
+
+    def counted(self, *args, **kwargs):
+        _RUNNERS_BUILT[0] += 1
+        build(self, *args, **kwargs)
+
+    ModelRunner.__init__ = counted  # type: ignore[method-assign]
+
+
+_count_runners()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _free_dropped_engines():
-    """Collect after each module: an engine is a web of objects with cycles, so the pool of one a module dropped
-    would otherwise wait for a collection triggered by object counts, not by the hundreds of MB it holds."""
+    """Collect after each module that built a runner (an engine, or a model test's own): an engine is a web of
+    objects with cycles, so the pool of one a module dropped would otherwise wait for a collection triggered by
+    object counts, not by the hundreds of MB it holds. A module that built none skips it (a full collection of
+    this process's heap takes most of a second, and most modules build none)."""
+    built = _RUNNERS_BUILT[0]
     yield
-    gc.collect()
+    if _RUNNERS_BUILT[0] != built:
+        gc.collect()
 
 
 def pytest_configure(config):

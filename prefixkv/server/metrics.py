@@ -110,7 +110,7 @@ class _EngineStatsCollector:
             labels=["model_name", "cause"],
         )
         for cause in CAUSES:
-            if cause != "routed":  # a router's answer: never an engine's
+            if cause != "routed":  # only something that sees the fleet can tell: never one engine
                 missed.add_metric([self.model_name, cause], float(stats.prefix_cache_missed_by_cause.get(cause, 0)))
         yield missed
         yield counter(

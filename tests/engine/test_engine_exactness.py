@@ -12,7 +12,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def _prompts(tok) -> list[list[int]]:
-    """16 prompts of mixed lengths (5..300 tokens), some sharing prefixes."""
+    """16 prompts of mixed lengths (5..170 tokens), some sharing prefixes."""
     rng = random.Random(0)
     base = (
         tok.encode(
@@ -26,7 +26,7 @@ def _prompts(tok) -> list[list[int]]:
         if i % 3 == 0:
             out.append(base[: 20 + 17 * i] + [rng.randrange(100, 40000) for _ in range(i + 1)])
         else:
-            out.append([rng.randrange(100, 40000) for _ in range(5 + 19 * i)])
+            out.append([rng.randrange(100, 40000) for _ in range(5 + 11 * i)])
     return out
 
 
@@ -52,7 +52,7 @@ def test_batch_of_16_mixed_lengths_matches_alone(llm_factory, reference):
 
 def test_tiny_token_budget_forces_chunked_prefill(llm_factory, reference):
     prompts, alone = reference
-    llm = llm_factory(prefix_cache="off", max_num_batched_tokens=32)
+    llm = llm_factory(prefix_cache="off", max_num_batched_tokens=64)  # prompts of up to 170 tokens: 1-3 chunks
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert _tokens(outs) == alone
 

@@ -8,7 +8,7 @@ import pytest
 
 from prefixkv.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10)
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 SYSTEM = (
     "You are a meticulous support agent for Northwind Bikes. Always answer in two sentences, mention the "
