@@ -13,7 +13,7 @@ from prefixkv.sampling_params import SamplingParams
 from tests.model.conftest import hf_greedy
 from tests.model.helpers import PagePool, Sequence, greedy_generate, run_batch
 
-NEW_TOKENS = 32
+NEW_TOKENS = 20
 TIE = 1e-4
 
 
