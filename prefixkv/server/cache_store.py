@@ -97,6 +97,7 @@ def entry_id_of(name: str) -> str:
 
 
 def shared_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+    """How many leading token ids a and b have in common."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

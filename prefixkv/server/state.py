@@ -20,7 +20,7 @@ from fastapi import Request
 from prefixkv.engine.client import EngineTokenizer
 from prefixkv.server.async_engine import AsyncEngine, RequestGroup
 from prefixkv.server.auth import KeyRing, cache_salt_for
-from prefixkv.server.cache_store import CacheStore
+from prefixkv.server.cache_store import CacheStore, shared_prefix
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.messages_protocol import Conversation
 from prefixkv.server.metrics import ServerMetrics
@@ -176,12 +176,7 @@ def _conversation_prompt(
     positions = []
     for bp in conversation.breakpoints:
         cut = _chat_prompt(tokenizer, conversation.cut(bp), allow_special, add_generation_prompt=False)
-        shared = 0
-        for a, b in zip(cut, prompt):
-            if a != b:
-                break
-            shared += 1
-        positions.append(shared)
+        positions.append(shared_prefix(cut, prompt))
     return prompt, positions
 
 

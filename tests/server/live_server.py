@@ -6,6 +6,7 @@ see what a request handed it). The engine thread starts and stops with the app's
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -52,6 +53,19 @@ def running_server(
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+
+
+def metric_samples(base: str, headers: dict) -> dict[str, float]:
+    """Every sample of /metrics as {"name{labels}": value}."""
+    out = {}
+    for line in httpx.get(base + "/metrics", headers=headers).text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
 
 
 def cache_summary(base: str, headers: dict) -> dict:

@@ -17,7 +17,7 @@ import pytest
 from prefixkv.prewarm import prewarm_from_file, read_prewarm_file
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.cli import main as serve_main
-from tests.server.live_server import running_server, wait_no_pages_held
+from tests.server.live_server import metric_samples, running_server, wait_no_pages_held
 
 KEY = "cache-control-key"
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -162,16 +162,6 @@ def test_prewarm_file(tmp_path, llm, capsys):
     assert "bad.jsonl:2" in capsys.readouterr().err
 
 
-def _counters(metrics: str, name: str) -> dict[str, float]:
-    """label set text -> value of every sample of `name` in Prometheus text."""
-    out = {}
-    for line in metrics.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            labels, value = line.rsplit(" ", 1)
-            out[labels[len(name) :]] = float(value)
-    return out
-
-
 def test_a_miss_is_explained_when_asked_and_counted_by_cause(client, server, llm):
     """usage.prompt_tokens_details.cache_miss on request (chat, completions streamed, Responses, Messages): a cold
     prompt is never_seen, the same prompt again misses only its last page (granularity), and the causes add up to
@@ -205,9 +195,9 @@ def test_a_miss_is_explained_when_asked_and_counted_by_cause(client, server, llm
     assert r.status_code == 200, r.text
     assert "cause" in r.json()["usage"]["cache_miss"]
     wait_no_pages_held(server, AUTH)
-    metrics = httpx.get(server + "/metrics", headers=AUTH).text
-    missed = _counters(metrics, "prefixkv:prefix_cache_missed_tokens_total")
+    samples = metric_samples(server, AUTH)
+    missed = {k: v for k, v in samples.items() if k.startswith("prefixkv:prefix_cache_missed_tokens_total{")}
     assert len(missed) == 6 and missed[next(k for k in missed if 'cause="never_seen"' in k)] > 0
-    (queries,) = _counters(metrics, "prefixkv:prefix_cache_queries_total").values()
-    (hits,) = _counters(metrics, "prefixkv:prefix_cache_hits_total").values()
+    (queries,) = [v for k, v in samples.items() if k.startswith("prefixkv:prefix_cache_queries_total{")]
+    (hits,) = [v for k, v in samples.items() if k.startswith("prefixkv:prefix_cache_hits_total{")]
     assert sum(missed.values()) == queries - hits

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from prefixkv.sampling_params import SamplingParams
-from tests.server.live_server import cache_summary, running_server, wait_no_pages_held
+from tests.server.live_server import cache_summary, metric_samples, running_server, wait_no_pages_held
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -65,18 +65,8 @@ def _wait_no_pages_held(base: str, timeout: float = 20.0) -> dict:
     return wait_no_pages_held(base, AUTH, timeout)
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
-
-
 def _metrics(base: str) -> dict[str, float]:
-    """Every sample of /metrics as {"name{labels}": value}."""
-    text = httpx.get(base + "/metrics", headers=AUTH).text
-    out = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
+    return metric_samples(base, AUTH)
 
 
 def test_multi_prompt_and_n(client, engine, reference):
