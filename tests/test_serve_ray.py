@@ -148,11 +148,10 @@ def test_replica_killed_under_load(base_url):
     answers: list[tuple[str, int, str]] = results  # type: ignore[assignment]
     assert all(text == reference for _, _, text in answers)  # greedy: the same text whichever replica answered
     retried = [(replica, retries) for replica, retries, _ in answers if retries]
-    # each request the victim held was either answered by it before the kill took effect or retried elsewhere
-    answered_by_victim = sum(1 for replica, retries, _ in answers if replica == victim and not retries)
-    assert len(retried) >= 1 and len(retried) + answered_by_victim >= in_flight >= 1, (
-        f"{in_flight} in flight on the victim when it was killed: {answers}"
-    )
+    # at least one request the victim held was lost with it and retried; which ones is the ingress's count below.
+    # (Ray's ongoing count is not that set: a run saw 4 "ongoing" on the victim, 2 lost and retried and the other
+    # 2 answered by the survivor without a retry, so Ray had moved them itself.)
+    assert len(retried) >= 1 and in_flight >= 1, f"{in_flight} in flight on the victim when it was killed: {answers}"
     assert all(replica != victim for replica, _ in retried)  # the survivor answered every retried request
     after = _ingress_stats(base_url)
     lost = Counter(after["lost_attempts_by_replica_actor"]) - Counter(before["lost_attempts_by_replica_actor"])
