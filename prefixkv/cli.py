@@ -12,6 +12,7 @@ from prefixkv.server.cache_cli import register as register_cache
 from prefixkv.server.cli import register as register_serve
 from prefixkv.server.cli import serve
 from prefixkv.sim import command as simulate_command
+from prefixkv.sim.session_command import register_sessions
 
 
 def _sampling(args):
@@ -110,8 +111,9 @@ SIMULATE_MODEL_COMMANDS = {"fit": "prefixkv.bench.sim_fit", "validate": "prefixk
 def register_simulate(sub) -> None:
     """`simulate` (one run) with its subcommands: sweep, and fit / validate where their modules are present."""
     parser = simulate_command.register(sub)
-    simulate_sub = parser.add_subparsers(dest="simulate_command", metavar="{sweep,fit,validate}")
+    simulate_sub = parser.add_subparsers(dest="simulate_command", metavar="{sweep,sessions,fit,validate}")
     simulate_command.register_sweep(simulate_sub)
+    register_sessions(simulate_sub)
     for name, module_name in SIMULATE_MODEL_COMMANDS.items():
         try:
             module = importlib.import_module(module_name)

@@ -24,6 +24,8 @@ step's abort), free() takes the key back (BlockRemoved), so no later lookup find
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +98,10 @@ class HashPrefixCache(PagedKVCache):
         self._num_children: dict[bytes, int] = {}
         self._release_clock = 0  # counts free() calls: the last_access the policy sees
         self._parked: dict[int, Block] = {}  # retained free blocks set aside by eviction, by block id
+        # the parked blocks weakest first: (retention rank when parked, park order, block id); stale entries (the
+        # block left, or its retention was strengthened) are skipped or re-ranked when they come up
+        self._parked_order: list[tuple[tuple[int, float, int], int, int]] = []
+        self._park_seq = itertools.count()
         self.retention.on_end = self._unpark  # a parked block whose retention ends is ordinary again
 
     # -- keys ----------------------------------------------------------------------------------------------
@@ -292,12 +298,31 @@ class HashPrefixCache(PagedKVCache):
                 if priority is not None:
                     self.eviction.evicted(priority)
                 return block
-            self._parked[block.block_id] = block
-        if not self._parked:
-            raise IndexError("no free blocks")
-        weakest = min(self._parked, key=retention.rank)
-        retention.discard(weakest)
-        return self._parked.pop(weakest)
+            self._park(block)
+        return self._take_weakest_parked()
+
+    def _park(self, block: Block) -> None:
+        self._parked[block.block_id] = block
+        heapq.heappush(self._parked_order, (self.retention.rank(block.block_id), next(self._park_seq), block.block_id))
+        if len(self._parked_order) > 2 * len(self._parked) + 64:
+            live = [e for e in self._parked_order if e[2] in self._parked]
+            heapq.heapify(live)
+            self._parked_order = live
+
+    def _take_weakest_parked(self) -> Block:
+        """Every free block is retained: the weakest retention (retention.rank) loses its block."""
+        order, retention = self._parked_order, self.retention
+        while order:
+            rank, _, block_id = heapq.heappop(order)
+            if block_id not in self._parked:
+                continue
+            now = retention.rank(block_id)
+            if now != rank:  # retained again since it was parked: ranked anew
+                heapq.heappush(order, (now, next(self._park_seq), block_id))
+                continue
+            retention.discard(block_id)
+            return self._parked.pop(block_id)
+        raise IndexError("no free blocks")
 
     def _pop_free_block(self) -> tuple[Block, float | None]:
         """The next block in the policy's order, out of the free queue, with its eviction priority when it came
@@ -405,6 +430,14 @@ class HashPrefixCache(PagedKVCache):
                 self._collapse_full_reset(mark)
             return not self.cached
         return not any(salt_filter(b.cache_salt) for b in self.cached.values())
+
+    def retain_cached(self, request: Request, seconds: float, priority: int = 0) -> int:
+        if not self.retention.capacity:
+            return 0
+        num_blocks = self.lookup(request) // self.page_size
+        pages = [self.cached[k].block_id for k in self.block_hashes(request, num_blocks)[:num_blocks]]
+        self.retention.retain(pages, 0, priority, seconds)  # a free page is parked when eviction reaches it
+        return len(pages)
 
     def release_retention(self, request: Request, keep_tokens: int = 0) -> int:
         if not self.retention:

@@ -157,6 +157,13 @@ class KVCacheManager(ABC):
         accepts, i.e. one tenant's). False when some request still holds pages of what was to go."""
         return True
 
+    def retain_cached(self, request: Request, seconds: float, priority: int = 0) -> int:
+        """Retain now, for `seconds` at `priority`, the cached pages of request.token_ids' prefix (whole pages,
+        never the last token's): a pin set between requests, e.g. when an agent's turn ends and its tool runs
+        (sim/sessions.py). A page already retained keeps the stronger retention; the retention cap applies.
+        Returns how many pages were retained. No effect on the request."""
+        return 0
+
     def release_retention(self, request: Request, keep_tokens: int = 0) -> int:
         """End now the retention of the cached pages of request.token_ids' prefix (whole pages, never the last
         token's) that lie past its first `keep_tokens` tokens (a page wholly inside them stays retained: another

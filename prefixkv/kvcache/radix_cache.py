@@ -364,13 +364,24 @@ class RadixPrefixCache(PagedKVCache):
             self._page_hash = [0] * self.num_pages
         super().enable_events()
 
+    def retain_cached(self, request: Request, seconds: float, priority: int = 0) -> int:
+        """The tree reads the table when it evicts: a retained leaf page is spared while anything else can go."""
+        if not self.retention.capacity:
+            return 0
+        pages = self._cached_pages(request)
+        self.retention.retain(pages, 0, priority, seconds)
+        return len(pages)
+
     def release_retention(self, request: Request, keep_tokens: int = 0) -> int:
         """The tree reads the table when it evicts: a page out of it is an ordinary leaf page again."""
         if not self.retention:
             return 0
+        return len(self.retention.release(self._cached_pages(request)[keep_tokens // self.page_size :]))
+
+    def _cached_pages(self, request: Request) -> list[int]:
+        """The tree's pages of request.token_ids' cached prefix (whole pages, never the last token's)."""
         path, matched = self.tree.match(self._namespace(request), self._keys(request), request.num_tokens - 1)
-        pages = [page for node in path for page in node.pages][: matched // self.page_size]
-        return len(self.retention.release(pages[keep_tokens // self.page_size :]))
+        return [page for node in path for page in node.pages][: matched // self.page_size]
 
     def num_cached_pages(self) -> int:
         return (self.tree.evictable_tokens + self.tree.protected_tokens) // self.page_size

@@ -17,6 +17,8 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine_args import add_engine_args, engine_kwargs
 from prefixkv.router import policy_options
 from prefixkv.sim import bounds, report
+from prefixkv.sim.agent_traces import describe as describe_sessions
+from prefixkv.sim.agent_traces import is_agent_trace, load_agent_trace
 from prefixkv.sim.cause_check import check_causes
 from prefixkv.sim.cost_model import PRESETS, StepCostModel, load_cost_model
 from prefixkv.sim.replicas import POOLED, ROUTERS, simulate_replicas, summarize_replicas
@@ -120,6 +122,9 @@ def register(sub) -> argparse.ArgumentParser:
     add_trace_arguments(p)
     _sim_defaults(p)
     p.add_argument("--time-scale", type=float, default=1.0, help="arrival times x this: 2 = half the load")
+    p.add_argument(
+        "--describe", action="store_true", help="print the trace's facts (and, for agent sessions, their hit rates)"
+    )
     m = p.add_argument_group("miss causes (cache_miss.py)")
     m.add_argument(
         "--tenants", type=int, default=1, help="give the requests this many cache salts (by session, else in turn)"
@@ -309,6 +314,8 @@ def _options(args: argparse.Namespace) -> dict:
 
 def run_command(args: argparse.Namespace) -> int:
     """One run: load, scale, simulate, compare with the bounds; print, and write simulate.json + simulate.png."""
+    if args.describe:
+        return describe_command(args)
     _require_trace(args)
     cost = load_cost_model(args.cost_model)
     base = _base_config(args)
@@ -371,6 +378,33 @@ def run_command(args: argparse.Namespace) -> int:
         title += f", {args.replicas} replicas, {args.router} router"
     if not args.no_plot:
         _try_plot(lambda: report.plot_run(summary, ttfts, queues, title, png), png)
+    return 0
+
+
+def describe_command(args: argparse.Namespace) -> int:
+    """--describe: the trace's facts. Agent sessions (a directory or one .json file): sessions, requests, tokens
+    and each session's hit rate with an unbounded cache; a JSON-lines trace: requests, span, lengths, and the
+    unbounded-cache hit rate at its own block size."""
+    if not args.trace:
+        raise ValueError("--trace PATH is required")
+    if is_agent_trace(args.trace):
+        facts = describe_sessions(load_agent_trace(args.trace))
+    else:
+        _require_trace(args)
+        trace = load_trace(args.trace, args.format)
+        reqs = trace.requests
+        scaled = scale_trace(trace, TraceScaling(), seed=args.trace_seed)
+        facts = {
+            "format": trace.format,
+            "requests": len(reqs),
+            "span_s": reqs[-1].arrival_s - reqs[0].arrival_s,
+            "input_tokens": sum(r.input_length for r in reqs),
+            "mean_input_tokens": sum(r.input_length for r in reqs) / len(reqs),
+            "mean_output_tokens": sum(r.output_length for r in reqs) / len(reqs),
+            "max_input_tokens": max(r.input_length for r in reqs),
+            "unbounded_hit_rate": bounds.unbounded_hit_tokens(scaled, trace.block_size).rate,
+        }
+    print(report.format_table(["fact", "value"], [[k, v] for k, v in facts.items()]))
     return 0
 
 

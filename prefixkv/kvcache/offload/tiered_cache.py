@@ -455,6 +455,10 @@ class TieredKVCache(KVCacheManager):
         """Resets the pool only: the tier is the durable copy (a disk tier is emptied by deleting its files)."""
         return self.inner.reset_prefix_cache(salt_filter)
 
+    def retain_cached(self, request: Request, seconds: float, priority: int = 0) -> int:
+        """The pool's pages only: the tier keeps no retention of its own."""
+        return self.inner.retain_cached(request, seconds, priority)
+
     def release_retention(self, request: Request, keep_tokens: int = 0) -> int:
         """The pool's retention only: the tier keeps no retention of its own."""
         return self.inner.release_retention(request, keep_tokens)

@@ -1,0 +1,203 @@
+"""`prefixkv simulate sessions`: coding-agent sessions replayed closed loop, one run per pool size x policy.
+
+N sessions are drawn (seeded) from a kv-cache-tester trace directory and start within --stagger-s of each other;
+each run reports the hit rate beside the offline bound on the order it served, and the job completion time (JCT:
+a session's first request to its last answer, subagents included) beside each session's solo run. Writes
+sessions.json and sessions.png. See docs/agent_traces.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import time
+
+from prefixkv.config import EngineConfig
+from prefixkv.engine_args import add_engine_args, engine_kwargs
+from prefixkv.sim import bounds, report
+from prefixkv.sim.agent_traces import (
+    AgentScaling,
+    AgentSession,
+    describe,
+    draw_sessions,
+    is_agent_trace,
+    load_agent_trace,
+    token_mapping,
+)
+from prefixkv.sim.command import _MODEL_ONLY, _NOT_SIMULATED, _NotSimulated, _split, _try_plot, _write_results
+from prefixkv.sim.cost_model import PRESETS, load_cost_model
+from prefixkv.sim.sessions import POLICIES, SessionPolicy, replay_sessions
+from prefixkv.stats import ratio
+
+
+def register_sessions(simulate_sub) -> None:
+    p = simulate_sub.add_parser(
+        "sessions",
+        help="agent sessions (Claude Code traces) replayed closed loop under session-aware cache policies",
+        description=__doc__,
+        allow_abbrev=False,
+    )
+    t = p.add_argument_group("sessions")
+    t.add_argument("--trace", required=True, help="a directory of kv-cache-tester session files (or one .json)")
+    t.add_argument("--sessions", type=int, default=16, help="concurrent sessions drawn from the set (default 16)")
+    t.add_argument("--session-seed", type=int, default=0, help="seed of the draw and of the start times")
+    t.add_argument("--stagger-s", type=float, default=60.0, help="sessions start uniformly within this many seconds")
+    t.add_argument("--tokens-per-block", type=int, default=4, help="tokens per 64-token block (default 4: 115K -> 7K)")
+    t.add_argument("--output-scale", type=float, default=None, help="output lengths x this (default: as prompts)")
+    t.add_argument("--think-scale", type=float, default=1.0, help="think times x this (default 1: as recorded)")
+    t.add_argument(
+        "--max-think-s",
+        type=float,
+        default=3600.0,
+        help="cut longer pauses to this (default 3600: a session left for days is a new day, not a tool call)",
+    )
+    t.add_argument("--trace-seed", type=int, default=0, help="seed of the hash id -> token ids mapping")
+    t.add_argument("--policies", default=",".join(POLICIES), help=f"session policies ({', '.join(POLICIES)})")
+    t.add_argument("--pin-seconds", type=float, default=300.0, help="ttl policy: the fixed pin (default 300 s)")
+    t.add_argument("--grace", type=float, default=1.25, help="pause policy: the pin lasts the pause x this + 1 s")
+    t.add_argument(
+        "--fractions", default="0.25", help="pool sizes as fractions of the working set (the sessions' peak contexts)"
+    )
+    add_engine_args(
+        p, exclude=_MODEL_ONLY + _NOT_SIMULATED + ("kv_cache_tokens",), aliases={"prefix_cache": ("--cache",)}
+    )
+    for name in _NOT_SIMULATED:
+        p.add_argument(
+            f"--{name.replace('_', '-')}", action=_NotSimulated, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
+    s = p.add_argument_group("output")
+    s.add_argument("--cost-model", default="smollm2-cpu-2t", help=f"a preset ({', '.join(PRESETS)}) or a fit's JSON")
+    s.add_argument("--no-solo", action="store_true", help="skip each session's solo run (no slowdowns)")
+    s.add_argument("--no-bounds", action="store_true", help="skip the offline bound")
+    s.add_argument("--output-dir", default="sim_results", help="where sessions.json and sessions.png go")
+    s.add_argument("--no-plot", action="store_true", help="write the JSON only")
+    # pins need room: most of the pool may be retained (the engine's default cap, 0.2, is for per-request retention)
+    p.set_defaults(func=sessions_command, prefix_caching_hash_algo="xxhash", retained_pool_fraction=0.9)
+
+
+def working_set(sessions: list[AgentSession], scaling: AgentScaling) -> int:
+    """What the sessions hold at their peaks, all at once: the sum of each session's largest scaled prompt."""
+    return sum(max(scaling.prompt_len(r) for r in s.requests()) for s in sessions)
+
+
+def start_times(count: int, stagger_s: float, seed: int) -> list[float]:
+    if stagger_s < 0:
+        raise ValueError(f"--stagger-s must be >= 0, got {stagger_s}")
+    rng = random.Random(seed + 1)
+    return sorted(rng.uniform(0, stagger_s) for _ in range(count))
+
+
+def sessions_command(args: argparse.Namespace) -> int:
+    if not is_agent_trace(args.trace):
+        raise ValueError(f"--trace {args.trace}: expected a directory of session .json files or one .json file")
+    cost = load_cost_model(args.cost_model)
+    policies = [SessionPolicy(name, args.pin_seconds, args.grace) for name in _split(args.policies)]
+    fractions = _split(args.fractions, float)
+    scaling = AgentScaling(args.tokens_per_block, args.output_scale, args.think_scale, args.max_think_s)
+    trace = load_agent_trace(args.trace)
+    mapping = token_mapping(trace, scaling, seed=args.trace_seed)
+    drawn = draw_sessions(trace, args.sessions, args.session_seed)
+    starts = start_times(len(drawn), args.stagger_s, args.session_seed)
+    base = EngineConfig.from_kwargs(**(engine_kwargs(args) | {"kv_cache_tokens": None}))
+    page = base.tokens_per_page
+    need = working_set(drawn, scaling)
+    print(f"trace {args.trace}: {len(trace.sessions)} sessions; {len(drawn)} drawn (seed {args.session_seed})")
+    print(f"{scaling.describe()}; working set {need} tokens; cost model {cost.name}", flush=True)
+    solo: dict[str, float] = {}
+    runs = []
+    for fraction in fractions:
+        pool = max(1, round(fraction * need / page)) * page
+        config = dataclasses.replace(base, kv_cache_tokens=pool)
+        if not args.no_solo:
+            solo = _solo_jcts(config, cost, scaling, mapping, drawn)
+        for policy in policies:
+            t0 = time.perf_counter()
+            result = replay_sessions(config, cost, scaling, mapping, policy, drawn, starts)
+            summary = result.summary
+            summary.update(fraction=fraction, pool_tokens=pool, wall_s=time.perf_counter() - t0)
+            if not args.no_bounds:
+                acc = bounds.page_accesses(result.served, page)
+                summary["unbounded_hit_rate"] = bounds.unbounded_hit_tokens(acc, page).rate
+                summary["offline_bound_hit_rate"] = bounds.offline_hit_tokens(acc, page, pool // page).rate
+                summary["of_offline_bound"] = ratio(summary["token_hit_rate"], summary["offline_bound_hit_rate"])
+            if solo:
+                slow = [jct / solo[sid.split(":", 1)[1]] for sid, jct in summary["jct_by_session"].items()]
+                summary["slowdown_vs_solo"] = {"mean": sum(slow) / len(slow), "max": max(slow)}
+            runs.append(summary)
+            print(
+                f"  pool {fraction:g} ({pool} tokens) {policy.name}: hit {summary['token_hit_rate']:.3f}, mean JCT "
+                f"{summary['jct_s']['mean']:.0f} s ({summary['wall_s']:.1f} s wall)",
+                flush=True,
+            )
+    results = {
+        "command": "simulate sessions",
+        "trace": {"path": args.trace, "sessions": len(trace.sessions), "facts": describe(trace)},
+        "drawn": [s.id for s in drawn],
+        "starts_s": starts,
+        "scaling": scaling.describe(),
+        "working_set_tokens": need,
+        "engine_config": dataclasses.asdict(base),
+        "cost_model": cost.to_json(),
+        "solo_jct_s": solo,
+        "runs": runs,
+        "targets": targets(runs),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    print(_table(runs))
+    _write_results(results, args.output_dir, "sessions.json")
+    png = os.path.join(args.output_dir, "sessions.png")
+    if not args.no_plot:
+        _try_plot(lambda: report.plot_sessions(results, png), png)
+    return 0
+
+
+def _solo_jcts(config, cost, scaling, mapping, drawn: list[AgentSession]) -> dict[str, float]:
+    """Each distinct session alone on the engine (LRU, the same pool): the JCT it would have with no company."""
+    out: dict[str, float] = {}
+    for session in drawn:
+        if session.id not in out:
+            res = replay_sessions(config, cost, scaling, mapping, SessionPolicy("lru"), [session], [0.0])
+            out[session.id] = res.sessions[0].end_s or 0.0
+    return out
+
+
+def targets(runs: list[dict]) -> list[dict]:
+    """Per pool size: the best policy by mean JCT against LRU and the fixed TTL, and its share of the bound."""
+    out = []
+    for fraction in sorted({r["fraction"] for r in runs}):
+        cell = {r["policy"]: r for r in runs if r["fraction"] == fraction}
+        best = min(cell.values(), key=lambda r: r["jct_s"]["mean"])
+        row = {"fraction": fraction, "best_policy": best["policy"], "of_offline_bound": best.get("of_offline_bound")}
+        for other in ("lru", "ttl"):
+            if other in cell:
+                row[f"jct_{other}_over_best"] = ratio(cell[other]["jct_s"]["mean"], best["jct_s"]["mean"])
+        row["max_slowdown_vs_solo"] = best.get("slowdown_vs_solo", {}).get("max")
+        out.append(row)
+    return out
+
+
+def _table(runs: list[dict]) -> str:
+    headers = ["pool", "policy", "hit rate", "offline", "/bound", "JCT mean s", "JCT p90 s", "slowdown mean", "max"]
+    headers += ["evicted", "rejected", "wall s"]
+    rows = []
+    for r in runs:
+        slow = r.get("slowdown_vs_solo", {})
+        rows.append(
+            [
+                r["fraction"],
+                r["policy"],
+                r["token_hit_rate"],
+                r.get("offline_bound_hit_rate", float("nan")),
+                r.get("of_offline_bound") or float("nan"),
+                r["jct_s"]["mean"],
+                r["jct_s"]["p90"],
+                slow.get("mean", float("nan")),
+                slow.get("max", float("nan")),
+                r["evicted_pages"],
+                r["rejected_requests"],
+                r["wall_s"],
+            ]
+        )
+    return report.format_table(headers, rows)
