@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from prefixkv.bench.session_options import add_session_arguments
+from prefixkv.sim.agent_traces import is_agent_trace
 from prefixkv.sim.bounds import unbounded_hit_tokens
 from prefixkv.sim.traces import FORMATS, ScaledRequest, Trace, TraceScaling, load_trace, scale_trace
 
@@ -333,6 +335,14 @@ async def run_async(args: argparse.Namespace) -> dict:
     base = args.base_url.rstrip("/")
     if base.endswith("/v1"):
         base = base[:-3]
+    if args.trace and is_agent_trace(args.trace):
+        from prefixkv.bench.session_replay import replay_live  # it imports this module
+
+        async def settings_for(client: httpx.AsyncClient) -> Settings:
+            model = args.model or await _resolve_model(client)
+            return Settings(base, model, args.api_key, 0, True, args.timeout)  # ignore_eos: the trace fixes lengths
+
+        return await replay_live(args, base, headers, settings_for)
     if args.trace:
         return await _replay_trace(args, base, headers)
     if args.concurrency is None:
@@ -403,6 +413,11 @@ async def _replay_trace(args: argparse.Namespace, base: str, headers: dict) -> d
 
 def run(args: argparse.Namespace) -> dict:
     summary = asyncio.run(run_async(args))
+    if "jct_s" in summary:  # agent sessions
+        from prefixkv.bench.session_replay import print_summary
+
+        print_summary(summary)
+        return summary
     t = summary["ttft_ms"]
     if "scaling" in summary:
         print(f"trace {summary['config']['trace']} ({summary['config']['trace_format']}): {summary['scaling']}")
@@ -435,6 +450,18 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
+    if "jct_s" in results:  # agent sessions: measured JCT per session beside the simulator's
+        x = range(len(results["sessions"]))
+        ax.bar([i - 0.2 for i in x], results["jct_s"], width=0.4, label="measured")
+        if "simulated" in results:
+            ax.bar([i + 0.2 for i in x], results["simulated"]["jct_s"], width=0.4, label="simulated")
+        ax.set_xticks(list(x), results["sessions"], rotation=30, fontsize=7)
+        ax.set_ylabel("job completion time (s)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return
     if results.get("per_turn"):
         turns = sorted(results["per_turn"], key=int)
         ax.plot([int(t) for t in turns], [results["per_turn"][t]["ttft_ms"] for t in turns], marker="o")
@@ -481,7 +508,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0, help="also picks the token runs a trace's hash ids map to")
     t = p.add_argument_group("trace replay (docs/traces.md)")
-    t.add_argument("--trace", default=None, help="replay this trace file instead of a synthetic --workload")
+    t.add_argument(
+        "--trace",
+        default=None,
+        help="replay this trace file instead of a synthetic --workload; a directory of agent sessions (or one "
+        ".json session) is replayed closed loop",
+    )
     t.add_argument("--trace-format", choices=tuple(FORMATS), default=None, help="default: detected")
     t.add_argument("--tokens-per-block", type=int, default=None, help="default: the trace's own block size")
     t.add_argument("--time-scale", type=float, default=1.0, help="multiplies arrival times (2 = half the load)")
@@ -492,6 +524,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--bound-page-size", type=int, default=16, help="the server's page size, for the unbounded hit rate printed"
     )
+    add_session_arguments(t)
 
 
 def register(subparsers) -> argparse.ArgumentParser:

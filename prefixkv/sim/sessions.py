@@ -5,16 +5,19 @@ in reality); a group of subagents starts at the recorded offsets and the parent 
 The engine is the simulator's (simulator.Simulation: the real scheduler and KV cache on a simulated clock); this
 module only decides when requests arrive and what the cache is told between them.
 
-Policies (what the cache is told at the pauses; the eviction order stays the cache's own):
+Policies (what the cache is told at the pauses; the eviction order among unpinned pages stays the cache's own):
 - lru: nothing (today's engine: a paused session's pages age like any other).
 - ttl: every answer pins the agent's prompt for a fixed time (`pin_seconds`), as a hosted API's cache TTL does.
 - pause: every answer pins the prompt through the pause the client announces (the next think time, or the
-  subagents' expected span), a little longer (`grace`): CacheTTL's pin through a tool call.
-- session: a-posteriori priority. Every answer pins the prompt until the agent's next request supersedes it: then
-  the pages that request did not extend are released, and an agent that ends (a finished subagent, a finished
-  session) releases all of its pins. Pins are ranked by the announced pause (the longest pause is released first
-  when the retention cap is reached), so the cap keeps the sessions that come back soonest.
-The retention cap (`retained_pool_fraction`) bounds every policy's pins, so none can starve admission.
+  subagents' recorded span), a little longer (`grace`): CacheTTL's pin through a tool call.
+- session: a-posteriori priority. Every answer pins the prompt with no deadline; when the agent's next request
+  arrives, the pages it extends stay pinned and the rest are let go; an agent that ends (a finished subagent, a
+  finished session) lets go of all of its pins.
+The hinted pins (pause, session) are ranked by when the agent is expected back (its answer time + the announced
+pause): when the retention cap is reached, or only pinned pages are left to evict, the latest return goes first.
+A new pin of an agent replaces its last one. The retention cap (`retained_pool_fraction`) bounds every policy's
+pins, so none can starve admission. Known simplification: subagents of one session that share a prefix pin it
+each, and one letting go unpins the shared pages for both.
 """
 
 from __future__ import annotations
@@ -63,9 +66,11 @@ class SessionPolicy:
             raise ValueError(f"grace must be >= 1, got {self.grace}")
 
 
-def pause_priority(pause_s: float) -> int:
-    """Shorter announced pauses rank stronger: -1 per doubling of the pause (0 s and 1 s: 0, 2-3 s: -1, ...)."""
-    return -int(math.log2(1 + max(pause_s, 0.0)))
+def return_priority(now_s: float, pause_s: float) -> int:
+    """A pin's rank from the client's hint: the sooner the agent is expected back (now + the announced pause, in
+    whole seconds), the stronger, so the retention cap and eviction let go of the latest return first (Belady's
+    rule with the hint standing in for the future)."""
+    return -int(now_s + max(pause_s, 0.0))
 
 
 @dataclass
@@ -109,7 +114,9 @@ class Answered:
 @dataclass
 class SessionResult:
     sessions: list[_Session]
-    served: list[AgentPrompt] = field(default_factory=list)  # in arrival order: the bounds' access sequence
+    # the requests served (not rejected), in arrival order: the bounds' access sequence, over the same prompts
+    # as the hit rate
+    served: list[AgentPrompt] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     answered: list[Answered] = field(default_factory=list)  # in the order they were answered
 
@@ -138,7 +145,8 @@ class SessionReplay:
         self._by_request: dict[str, tuple[_Agent, AgentPrompt]] = {}
         self._ids = itertools.count()
         self._seen_metrics = 0
-        self.served: list[AgentPrompt] = []
+        self._arrived: list[tuple[str, AgentPrompt]] = []  # (request id, prompt) in arrival order
+        self._rejected: set[str] = set()
         self.answered: list[Answered] = []
 
     # -- the loop ----------------------------------------------------------------------------------------------
@@ -165,7 +173,8 @@ class SessionReplay:
             self._answers()
         if any(run.end_s is None for run in runs):
             raise RuntimeError("a session did not finish (a subagent join was lost)")
-        return SessionResult(runs, self.served, self._summary(runs), self.answered)
+        served = [prompt for rid, prompt in self._arrived if rid not in self._rejected]
+        return SessionResult(runs, served, self._summary(runs), self.answered)
 
     def _at(self, due: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (due, next(self._seq), action))
@@ -181,6 +190,7 @@ class SessionReplay:
             run.requests += 1
             if m.rejected:
                 run.rejected += 1
+                self._rejected.add(m.request_id)
             else:
                 run.prompt_tokens += m.prompt_tokens
                 run.hit_tokens += m.hit_tokens
@@ -213,7 +223,7 @@ class SessionReplay:
         self._superseded(agent, prompt)
         request_id = f"s{next(self._ids)}"
         self._by_request[request_id] = (agent, prompt)
-        self.served.append(prompt)
+        self._arrived.append((request_id, prompt))
         arrival = Arrival(due, request_id, prompt.prompt_len, self.scaling.output_len(step), prompt.prompt_tokens)
         arrival.group = agent.root.id
         self.sim.arrive(arrival)
@@ -225,9 +235,7 @@ class SessionReplay:
         self._next_step(agent)
 
     def _ended(self, agent: _Agent, now: float) -> None:
-        if self.policy.name == "session" and agent.pinned is not None:
-            self._release(agent.pinned, 0)
-            agent.pinned = None
+        self._unpin(agent)  # the client says the agent is done (pause and session policies)
         parent = agent.parent
         if parent is None:
             agent.root.end_s = now
@@ -262,15 +270,23 @@ class SessionReplay:
             return
         if name == "ttl":
             self._retain(prompt, self.policy.pin_seconds, 0)
-        elif name == "pause":
-            self._retain(prompt, pause_s * self.policy.grace + 1.0, 0)
-        else:
-            self._retain(prompt, UNTIL_RELEASED_S, pause_priority(pause_s))
-            agent.pinned = prompt
+            return
+        # the new pin replaces the agent's last one (a page keeps the stronger of two pins, so the old rank stays
+        # unless let go first)
+        self._unpin(agent)
+        seconds = pause_s * self.policy.grace + 1.0 if name == "pause" else UNTIL_RELEASED_S
+        self._retain(prompt, seconds, return_priority(self.clock.now(), pause_s))
+        agent.pinned = prompt
+
+    def _unpin(self, agent: _Agent) -> None:
+        if agent.pinned is not None:
+            self._release(agent.pinned, 0)
+            agent.pinned = None
 
     def _superseded(self, agent: _Agent, prompt: AgentPrompt) -> None:
-        """The session policy's a-posteriori step: the agent's new prompt shows which of its pinned pages it
-        extends; the rest lose their pin (they stay cached, as ordinary pages)."""
+        """The session policy's a-posteriori step, when the agent's next request arrives: its prompt shows which
+        of the pinned pages it extends; those stay pinned, ranked as due now (the request may wait in the queue),
+        and the rest lose their pin (they stay cached, as ordinary pages)."""
         if self.policy.name != "session" or agent.pinned is None:
             return
         old, common = agent.pinned, 0
@@ -278,8 +294,12 @@ class SessionReplay:
             if a != b:
                 break
             common += 1
-        self._release(old, min(common * self.scaling.tokens_per_block, old.prompt_len, prompt.prompt_len))
-        agent.pinned = None
+        self._unpin(agent)
+        kept = min(common * self.scaling.tokens_per_block, old.prompt_len, prompt.prompt_len)
+        if kept:
+            extended = AgentPrompt(kept, old.block_ids[:common], old.tokens_per_block, old.mapping)
+            self._retain(extended, UNTIL_RELEASED_S, return_priority(self.clock.now(), 0.0))
+            agent.pinned = extended
 
     def _probe(self, prompt: AgentPrompt) -> Request:
         # the prompt's own last page counts too (as the engine's release_retention probes it)

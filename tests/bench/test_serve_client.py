@@ -60,6 +60,7 @@ def test_bench_serve_workloads(tmp_path, new_engine):
         assert bad["num_errors"] == 1 and "404" in bad["errors"][0]
 
         check_trace_replay(base, tmp_path)  # on the same server: one engine and server start for the file
+        check_session_replay(base, tmp_path)
 
 
 def test_percentiles_nearest_rank():
@@ -115,3 +116,28 @@ def test_bench_serve_trace_errors_name_line_and_field(tmp_path):
     path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n{"timestamp": 1}\n')
     with pytest.raises(SystemExit, match=rf"{path}:2: field 'input_length' is missing"):
         run(_args("http://127.0.0.1:9", "--trace", str(path)))
+
+
+def check_session_replay(base: str, tmp_path) -> None:
+    """An agent session closed loop: a request, one subagent, the parent again (extending its first prompt); the
+    parent's second prompt hits its first one's pages, and the simulator predicts the same hits."""
+    request = {"type": "n", "out": 16, "think_time": 1.0}
+    session = {
+        "requests": [
+            {**request, "t": 0, "in": 256, "hash_ids": [1, 2, 3, 4]},
+            {
+                "t": 2,
+                "type": "subagent",
+                "duration_ms": 3000,
+                "requests": [{**request, "t": 0, "in": 64, "hash_ids": [9]}],
+            },
+            {**request, "t": 9, "in": 320, "hash_ids": [1, 2, 3, 4, 5]},
+        ]
+    }
+    path = tmp_path / "session.json"
+    path.write_text(json.dumps(session))
+    flags = ["--trace", str(path), "--tokens-per-block", "16", "--think-scale", "0.01", "--sessions", "1"]
+    res = run(_args(base, *flags, "--sim-kv-cache-tokens", "4096"))
+    assert res["requests"] == 3 and res["failed_requests"] == 0
+    assert res["prompt_tokens"] == 64 + 16 + 80 and res["cached_tokens"] == 64
+    assert res["jct_s"][0] > 0 and res["simulated"]["hit_rate"] == res["hit_rate"] == 64 / 160

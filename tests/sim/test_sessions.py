@@ -163,15 +163,17 @@ def test_the_session_policy_lets_go_of_every_pin_when_its_agents_end(tmp_path):
 
 def test_simulate_sessions_on_the_shipped_slice(tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["simulate", "sessions", "--trace", SLICE, "--sessions", "4", "--fractions", "0.5", "--no-plot"]
+    argv = ["simulate", "sessions", "--trace", SLICE, "--sessions", "4", "--fractions", "0.2,0.5", "--no-plot"]
     assert main([*argv, "--output-dir", str(out), "--max-num-seqs", "8"]) == 0
     results = json.loads((out / "sessions.json").read_text())
-    runs = {r["policy"]: r for r in results["runs"]}
-    assert sorted(runs) == ["lru", "pause", "session", "ttl"]
-    for r in runs.values():
+    assert sorted({r["policy"] for r in results["runs"]}) == ["lru", "pause", "session", "ttl"]
+    for r in results["runs"]:
+        # the bound is over the same requests as the hit rate: a rejected request (too long for the small pool)
+        # counts in neither
         assert r["token_hit_rate"] <= r["offline_bound_hit_rate"] + 1e-9 <= r["unbounded_hit_rate"] + 2e-9
         assert sum(r["missed_tokens_by_cause"].values()) == r["prompt_tokens"] - r["hit_tokens"]
         assert r["slowdown_vs_solo"]["max"] >= 1.0 - 1e-9
-        assert r["sessions"] == 4 and r["rejected_requests"] == 0
-    assert results["targets"][0]["best_policy"] in runs
+        assert r["sessions"] == 4
+        assert (r["rejected_requests"] > 0) == (r["fraction"] == 0.2)
+    assert results["targets"][0]["best_policy"] in {"lru", "pause", "session", "ttl"}
     assert "JCT mean s" in capsys.readouterr().out

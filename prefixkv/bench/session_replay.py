@@ -1,0 +1,137 @@
+"""`prefixkv bench serve --trace DIR`: agent sessions replayed closed loop against a real server, beside the
+simulator's prediction of the same slice.
+
+Each session is a task: it waits its think time after each answer, sends the request (a token-id prompt to
+/v1/completions, streamed, the output length fixed by ignore_eos), and starts its subagents concurrently at their
+recorded offsets, resuming after the last of them, exactly as sim/sessions.py schedules them. The job completion
+time (first request due -> last answer) of each session is printed beside the simulator's for the same sessions,
+start times, scaling and cost model, with a pool of --sim-kv-cache-tokens (the server's pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import time
+
+import httpx
+
+from prefixkv.bench.serve_client import Settings, stream_completion
+from prefixkv.config import EngineConfig
+from prefixkv.sim.agent_traces import (
+    AgentRequest,
+    AgentScaling,
+    AgentSession,
+    SubagentGroup,
+    draw_sessions,
+    load_agent_trace,
+    scaled_prompt,
+    token_mapping,
+)
+from prefixkv.sim.cost_model import load_cost_model
+from prefixkv.sim.session_command import start_times
+from prefixkv.sim.sessions import SessionPolicy, replay_sessions
+from prefixkv.sim.traces import BlockTokens
+
+
+@dataclasses.dataclass
+class _Live:
+    client: httpx.AsyncClient
+    settings: Settings
+    scaling: AgentScaling
+    mapping: BlockTokens
+    t0: float
+    failures: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+async def _run_agent(live: _Live, session: AgentSession, start_s: float, joined: bool = False) -> float:
+    """Run one agent from `start_s` (seconds since t0); returns the time of its last answer."""
+    base = start_s
+    for step in session.steps:
+        if isinstance(step, AgentRequest):
+            due = base + (0.0 if joined else live.scaling.pause(step.think_s))
+            joined = False
+            await asyncio.sleep(max(0.0, live.t0 + due - time.perf_counter()))
+            prompt = scaled_prompt(step, live.scaling, live.mapping)
+            result = await stream_completion(
+                live.client, live.settings, prompt.prompt_tokens(), live.scaling.output_len(step)
+            )
+            live.requests += 1
+            live.failures += not result.ok
+            live.prompt_tokens += result.prompt_tokens
+            live.cached_tokens += result.cached_tokens
+            base = time.perf_counter() - live.t0
+            continue
+        assert isinstance(step, SubagentGroup)
+        ends = await asyncio.gather(
+            *(
+                _run_agent(live, agent, base + live.scaling.pause(delay))
+                for delay, agent in zip(step.delays_s, step.agents, strict=True)
+            )
+        )
+        base = max(ends) + live.scaling.pause(step.resume_s)
+        joined = True
+    return base
+
+
+async def replay_live(args: argparse.Namespace, base_url: str, headers: dict, settings_for) -> dict:
+    """The closed-loop replay against the server, then the simulator on the same slice."""
+    scaling = AgentScaling(args.tokens_per_block or 4, args.output_scale, args.think_scale, args.max_think_s)
+    trace = load_agent_trace(args.trace)
+    mapping = token_mapping(trace, scaling, seed=args.seed)
+    drawn = draw_sessions(trace, args.sessions, args.seed)
+    starts = start_times(len(drawn), args.stagger_s, args.seed)
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=args.timeout) as client:
+        settings = await settings_for(client)
+        live = _Live(client, settings, scaling, mapping, time.perf_counter())
+        ends = await asyncio.gather(*(_run_agent(live, s, start) for s, start in zip(drawn, starts, strict=True)))
+    measured = [end - start for end, start in zip(ends, starts, strict=True)]
+    out = {
+        "workload": "agent sessions (closed loop)",
+        "trace": args.trace,
+        "sessions": [s.id for s in drawn],
+        "starts_s": starts,
+        "scaling": scaling.describe(),
+        "requests": live.requests,
+        "failed_requests": live.failures,
+        "prompt_tokens": live.prompt_tokens,
+        "cached_tokens": live.cached_tokens,
+        "hit_rate": live.cached_tokens / live.prompt_tokens if live.prompt_tokens else None,
+        "jct_s": measured,
+    }
+    if args.sim_kv_cache_tokens:
+        config = EngineConfig(kv_cache_tokens=args.sim_kv_cache_tokens, prefix_caching_hash_algo="xxhash")
+        cost = load_cost_model(args.sim_cost_model)
+        sim = replay_sessions(config, cost, scaling, mapping, SessionPolicy("lru"), drawn, starts)
+        predicted = [run.end_s - run.start_s for run in sim.sessions if run.end_s is not None]
+        out["simulated"] = {
+            "cost_model": cost.name,
+            "kv_cache_tokens": args.sim_kv_cache_tokens,
+            "jct_s": predicted,
+            "hit_rate": sim.summary["token_hit_rate"],
+            "measured_over_simulated": [m / p if p else None for m, p in zip(measured, predicted, strict=True)],
+        }
+    return out
+
+
+def print_summary(out: dict) -> None:
+    print(f"{len(out['sessions'])} sessions of {out['trace']} ({out['scaling']}), closed loop")
+    print(
+        f"{out['requests']} requests, {out['failed_requests']} failed; hit rate "
+        f"{out['hit_rate'] if out['hit_rate'] is None else round(out['hit_rate'], 4)}"
+    )
+    sim = out.get("simulated")
+    for k, sid in enumerate(out["sessions"]):
+        line = f"  {sid}: JCT {out['jct_s'][k]:.2f} s"
+        if sim:
+            line += (
+                f", simulated {sim['jct_s'][k]:.2f} s (measured / simulated {sim['measured_over_simulated'][k]:.3f})"
+            )
+        print(line)
+    if sim:
+        print(f"simulated hit rate {sim['hit_rate']:.4f} (cost model {sim['cost_model']})")
