@@ -18,6 +18,7 @@ KVEventsFormat = Literal["vllm", "array"]  # prefixkv/kv_events/wire.py's layout
 KVOffloadWritePolicy = Literal["write_through", "write_back"]  # prefixkv/kvcache/offload/tiered_cache.py
 KVOffloadOnMismatch = Literal["refuse", "ignore"]
 WeightFormat = Literal["dense", "gguf", "q8_0"]  # prefixkv/model/quantized.py
+SessionPinPolicy = Literal["none", "ttl", "pause", "session"]  # prefixkv/engine/agent_sessions.py
 
 PREFIX_CACHES: tuple[str, ...] = get_args(PrefixCache)
 SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)
@@ -28,6 +29,7 @@ KV_EVENTS_FORMATS: tuple[str, ...] = get_args(KVEventsFormat)
 KV_OFFLOAD_WRITE_POLICIES: tuple[str, ...] = get_args(KVOffloadWritePolicy)
 KV_OFFLOAD_ON_MISMATCH: tuple[str, ...] = get_args(KVOffloadOnMismatch)
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
+SESSION_PIN_POLICIES: tuple[str, ...] = get_args(SessionPinPolicy)
 
 
 def check(option: str, value: Any, choices: tuple[str, ...]) -> None:

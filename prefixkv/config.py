@@ -20,6 +20,7 @@ from prefixkv.choices import (
     KV_OFFLOAD_WRITE_POLICIES,
     PREFIX_CACHES,
     SCHEDULE_POLICIES,
+    SESSION_PIN_POLICIES,
     WEIGHT_FORMATS,
     Dtype,
     Eviction,
@@ -29,6 +30,7 @@ from prefixkv.choices import (
     KVOffloadWritePolicy,
     PrefixCache,
     SchedulePolicy,
+    SessionPinPolicy,
     WeightFormat,
 )
 
@@ -91,6 +93,13 @@ class EngineConfig:
         "the most of the KV pool that pages kept by per-request retention (retention_seconds, "
         "prompt_cache_retention) may hold; past it the weakest retention is released, so retention never starves "
         "admission",
+    )
+    session_policy: SessionPinPolicy = _option(
+        "session",
+        "what requests with an agent-session hint (session id, expected pause, release) pin between turns: "
+        "session (until the next turn supersedes it), pause (through the announced pause), ttl (5 minutes), none "
+        "(docs/agent_traces.md); requests without a hint are not affected",
+        SESSION_PIN_POLICIES,
     )
     schedule_policy: SchedulePolicy = _option("fcfs", "order in which waiting requests are admitted", SCHEDULE_POLICIES)
     lpm_fallback_threshold: int | None = _option(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from prefixkv.cache_miss import CacheMiss
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.session_hint import SessionHint
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +55,7 @@ class Request:
     retention_spans: tuple[tuple[int, float], ...] = ()
     prefill_only: bool = False  # prewarm: compute and cache the prompt, sample nothing, finish
     prompt_cache_key: str | None = None  # the client's grouping hint (OpenAI's field), recorded only
+    session: SessionHint | None = None  # the agent session it is a turn of (engine/agent_sessions.py)
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + generated, the sequence whose KV we hold

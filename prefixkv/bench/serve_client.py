@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from prefixkv.bench.session_options import add_session_arguments
+from prefixkv.bench.session_replay import add_session_arguments, print_summary, replay_live
 from prefixkv.sim.agent_traces import is_agent_trace
 from prefixkv.sim.bounds import unbounded_hit_tokens
 from prefixkv.sim.traces import FORMATS, ScaledRequest, Trace, TraceScaling, load_trace, scale_trace
@@ -336,13 +336,12 @@ async def run_async(args: argparse.Namespace) -> dict:
     if base.endswith("/v1"):
         base = base[:-3]
     if args.trace and is_agent_trace(args.trace):
-        from prefixkv.bench.session_replay import replay_live  # it imports this module
 
         async def settings_for(client: httpx.AsyncClient) -> Settings:
             model = args.model or await _resolve_model(client)
             return Settings(base, model, args.api_key, 0, True, args.timeout)  # ignore_eos: the trace fixes lengths
 
-        return await replay_live(args, base, headers, settings_for)
+        return await replay_live(args, base, headers, settings_for, stream_completion)
     if args.trace:
         return await _replay_trace(args, base, headers)
     if args.concurrency is None:
@@ -414,8 +413,6 @@ async def _replay_trace(args: argparse.Namespace, base: str, headers: dict) -> d
 def run(args: argparse.Namespace) -> dict:
     summary = asyncio.run(run_async(args))
     if "jct_s" in summary:  # agent sessions
-        from prefixkv.bench.session_replay import print_summary
-
         print_summary(summary)
         return summary
     t = summary["ttft_ms"]

@@ -14,10 +14,11 @@ import argparse
 import asyncio
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 
-from prefixkv.bench.serve_client import Settings, stream_completion
 from prefixkv.config import EngineConfig
 from prefixkv.sim.agent_traces import (
     AgentRequest,
@@ -38,7 +39,8 @@ from prefixkv.sim.traces import BlockTokens
 @dataclasses.dataclass
 class _Live:
     client: httpx.AsyncClient
-    settings: Settings
+    settings: Any  # serve_client.Settings
+    send: Callable[..., Awaitable[Any]]  # serve_client.stream_completion
     scaling: AgentScaling
     mapping: BlockTokens
     t0: float
@@ -57,9 +59,7 @@ async def _run_agent(live: _Live, session: AgentSession, start_s: float, joined:
             joined = False
             await asyncio.sleep(max(0.0, live.t0 + due - time.perf_counter()))
             prompt = scaled_prompt(step, live.scaling, live.mapping)
-            result = await stream_completion(
-                live.client, live.settings, prompt.prompt_tokens(), live.scaling.output_len(step)
-            )
+            result = await live.send(live.client, live.settings, prompt.prompt_tokens(), live.scaling.output_len(step))
             live.requests += 1
             live.failures += not result.ok
             live.prompt_tokens += result.prompt_tokens
@@ -78,8 +78,15 @@ async def _run_agent(live: _Live, session: AgentSession, start_s: float, joined:
     return base
 
 
-async def replay_live(args: argparse.Namespace, base_url: str, headers: dict, settings_for) -> dict:
-    """The closed-loop replay against the server, then the simulator on the same slice."""
+async def replay_live(
+    args: argparse.Namespace,
+    base_url: str,
+    headers: dict,
+    settings_for: Callable[[httpx.AsyncClient], Awaitable[Any]],
+    send: Callable[..., Awaitable[Any]],
+) -> dict:
+    """The closed-loop replay against the server (`send`: serve_client.stream_completion, handed in so that this
+    module does not import the client that imports it), then the simulator on the same slice."""
     scaling = AgentScaling(args.tokens_per_block or 4, args.output_scale, args.think_scale, args.max_think_s)
     trace = load_agent_trace(args.trace)
     mapping = token_mapping(trace, scaling, seed=args.seed)
@@ -88,7 +95,7 @@ async def replay_live(args: argparse.Namespace, base_url: str, headers: dict, se
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=args.timeout) as client:
         settings = await settings_for(client)
-        live = _Live(client, settings, scaling, mapping, time.perf_counter())
+        live = _Live(client, settings, send, scaling, mapping, time.perf_counter())
         ends = await asyncio.gather(*(_run_agent(live, s, start) for s, start in zip(drawn, starts, strict=True)))
     measured = [end - start for end, start in zip(ends, starts, strict=True)]
     out = {
@@ -135,3 +142,18 @@ def print_summary(out: dict) -> None:
         print(line)
     if sim:
         print(f"simulated hit rate {sim['hit_rate']:.4f} (cost model {sim['cost_model']})")
+
+
+def add_session_arguments(t: argparse._ArgumentGroup) -> None:
+    """The session replay's options (the trace group of `bench serve`)."""
+    t.add_argument("--sessions", type=int, default=4, help="agent traces: sessions drawn (seeded by --seed)")
+    t.add_argument("--stagger-s", type=float, default=2.0, help="agent traces: sessions start within this many s")
+    t.add_argument("--think-scale", type=float, default=1.0, help="agent traces: think times x this")
+    t.add_argument("--max-think-s", type=float, default=3600.0, help="agent traces: longer pauses are cut to this")
+    t.add_argument(
+        "--sim-kv-cache-tokens",
+        type=int,
+        default=None,
+        help="agent traces: also simulate the slice with this pool (the server's) and print the predicted JCTs",
+    )
+    t.add_argument("--sim-cost-model", default="smollm2-cpu-2t", help="agent traces: the simulator's cost model")

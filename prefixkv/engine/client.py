@@ -16,6 +16,7 @@ from prefixkv.engine.metrics import EngineStats
 from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.outputs import RequestOutput, RequestOutputKind
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.session_hint import SessionHint
 
 Prompt = str | list[int] | dict  # text, token ids, or {"prompt" | "prompt_token_ids", "cache_salt", ...}
 
@@ -71,6 +72,7 @@ class EngineClient(Protocol):
         retention_spans: Sequence[tuple[int, float]] | None = None,
         prefill_only: bool = False,
         prompt_cache_key: str | None = None,
+        session: SessionHint | None = None,
     ) -> str:
         """Queue a request (ValueError, nothing queued, when it is bad); its id."""
         ...

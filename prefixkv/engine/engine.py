@@ -22,6 +22,7 @@ from typing import Protocol
 
 from prefixkv.batch import BatchItem, Sample
 from prefixkv.config import EngineConfig
+from prefixkv.engine.agent_sessions import SessionPins
 from prefixkv.engine.client import EngineTokenizer, ModelShape, Prompt
 from prefixkv.engine.core import EngineCore, StepComponent
 from prefixkv.engine.detokenizer import IncrementalDetokenizer
@@ -36,6 +37,7 @@ from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.outputs import RequestOutput, RequestOutputKind
 from prefixkv.request import Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.session_hint import SessionHint
 
 
 class ModelExecutor(Protocol):
@@ -115,6 +117,7 @@ class Engine:
         self.kv = kv
         self.policy = create_policy(config)
         self.scheduler = Scheduler(config, self.kv, self.policy)
+        self.sessions = SessionPins(self.kv, config.session_policy)  # what session hints pin between turns
         self._executor = RunnerExecutor(runner, kv)
         self.core = EngineCore(self.scheduler, self._executor, components)
         self._parents: dict[str, ParentRequest] = {}
@@ -147,6 +150,7 @@ class Engine:
         retention_spans: Sequence[tuple[int, float]] | None = None,
         prefill_only: bool = False,
         prompt_cache_key: str | None = None,
+        session: SessionHint | None = None,
     ) -> str:
         """Validate and queue a request; raise ValueError (and queue nothing) when it is bad.
 
@@ -156,6 +160,8 @@ class Engine:
         compute and cache the prompt's KV, sample nothing; the request finishes ("length", no tokens) once its
         prompt is computed.
         prompt_cache_key: the client's grouping hint (OpenAI's field), recorded on the Request.
+        session: the agent session the request is a turn of (session_hint.py): what config.session_policy pins
+        between its turns (engine/agent_sessions.py); with n > 1, the first completion's sequence is pinned.
 
         output_kind (vLLM's RequestOutputKind): "cumulative" outputs carry everything generated so far, "delta"
         outputs only what is new since the request's previous output (memory linear in the output length),
@@ -175,6 +181,8 @@ class Engine:
         spans = validate_retention_spans(retention_spans)
         if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
             raise ValueError(f"prompt_cache_key must be a string, got {prompt_cache_key!r}")
+        if session is not None and not isinstance(session, SessionHint):
+            raise ValueError(f"session must be a SessionHint, got {type(session).__name__}")
         if prefill_only and params.n != 1:
             raise ValueError("a prefill-only (prewarm) request computes one prompt: n must be 1")
 
@@ -201,6 +209,7 @@ class Engine:
                 retention_spans=spans,
                 prefill_only=prefill_only,
                 prompt_cache_key=prompt_cache_key,
+                session=session if i == 0 else None,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -212,6 +221,7 @@ class Engine:
             sequences.append(seq)
         parent = ParentRequest(request_id, parsed.text, list(token_ids), sequences, arrival, kind)
         self._parents[request_id] = parent
+        self.sessions.on_add(sequences[0].request)
         for seq in sequences:
             self._seqs[seq.request.request_id] = seq
             self.core.add(seq.request)
@@ -294,6 +304,7 @@ class Engine:
 
     def _finish(self, seq: SequenceState, status: RequestStatus) -> None:
         self.scheduler.finish(seq.request, status)
+        self.sessions.on_finish(seq.request, aborted=status is RequestStatus.FINISHED_ABORTED)
         seq.finish_reason = status.value
         seq.request.finish_time = time.monotonic()
         self._seqs.pop(seq.request.request_id, None)

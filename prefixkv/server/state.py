@@ -26,6 +26,7 @@ from prefixkv.server.messages_protocol import Conversation
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from prefixkv.server.response_store import ResponseStore
+from prefixkv.server.session_hints import session_hint
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +206,7 @@ async def submit(
             priority=body.priority,
             cache_salt=salt,
             prompt_cache_key=body.prompt_cache_key,
+            session=session_hint(raw),
             **(body.retention() if retention is None else retention),
         )
     except ValueError as exc:

@@ -29,6 +29,8 @@ from prefixkv.sim.traces import FORMATS, ScaledRequest, TraceScaling, load_trace
 # events' flags are refused with an error that says so (a flag that is recorded and does nothing would be a bug);
 # every other field (cache, pool, policies, eviction, retention cap...) is a flag the simulator honours
 _MODEL_ONLY = ("model", "dtype", "device", "weight_format", "kv_cache_memory", "num_threads", "seed", "kernel_options")
+# trace requests carry no session hints (`simulate sessions` chooses its policies with --policies)
+_NO_HINTS = ("session_policy",)
 _NOT_SIMULATED = (
     "kv_events_endpoint",
     "kv_events_replay_endpoint",
@@ -59,7 +61,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--start-s", type=float, default=0.0, help="slice: start at this trace second")
     t.add_argument("--duration-s", type=float, default=None, help="slice: this many trace seconds")
     t.add_argument("--trace-seed", type=int, default=0, help="seed of the hash id -> token ids mapping")
-    add_engine_args(p, exclude=_MODEL_ONLY + _NOT_SIMULATED, aliases={"prefix_cache": ("--cache",)})
+    add_engine_args(p, exclude=_MODEL_ONLY + _NOT_SIMULATED + _NO_HINTS, aliases={"prefix_cache": ("--cache",)})
     for name in _NOT_SIMULATED:
         flag = f"--{name.replace('_', '-')}"
         p.add_argument(flag, action=_NotSimulated, default=argparse.SUPPRESS, help=argparse.SUPPRESS)

@@ -26,7 +26,15 @@ from prefixkv.sim.agent_traces import (
     load_agent_trace,
     token_mapping,
 )
-from prefixkv.sim.command import _MODEL_ONLY, _NOT_SIMULATED, _NotSimulated, _split, _try_plot, _write_results
+from prefixkv.sim.command import (
+    _MODEL_ONLY,
+    _NO_HINTS,
+    _NOT_SIMULATED,
+    _NotSimulated,
+    _split,
+    _try_plot,
+    _write_results,
+)
 from prefixkv.sim.cost_model import PRESETS, load_cost_model
 from prefixkv.sim.sessions import POLICIES, SessionPolicy, replay_sessions
 from prefixkv.stats import ratio
@@ -61,7 +69,9 @@ def register_sessions(simulate_sub) -> None:
         "--fractions", default="0.25", help="pool sizes as fractions of the working set (the sessions' peak contexts)"
     )
     add_engine_args(
-        p, exclude=_MODEL_ONLY + _NOT_SIMULATED + ("kv_cache_tokens",), aliases={"prefix_cache": ("--cache",)}
+        p,
+        exclude=_MODEL_ONLY + _NOT_SIMULATED + _NO_HINTS + ("kv_cache_tokens",),
+        aliases={"prefix_cache": ("--cache",)},
     )
     for name in _NOT_SIMULATED:
         p.add_argument(

@@ -5,19 +5,10 @@ in reality); a group of subagents starts at the recorded offsets and the parent 
 The engine is the simulator's (simulator.Simulation: the real scheduler and KV cache on a simulated clock); this
 module only decides when requests arrive and what the cache is told between them.
 
-Policies (what the cache is told at the pauses; the eviction order among unpinned pages stays the cache's own):
-- lru: nothing (today's engine: a paused session's pages age like any other).
-- ttl: every answer pins the agent's prompt for a fixed time (`pin_seconds`), as a hosted API's cache TTL does.
-- pause: every answer pins the prompt through the pause the client announces (the next think time, or the
-  subagents' recorded span), a little longer (`grace`): CacheTTL's pin through a tool call.
-- session: a-posteriori priority. Every answer pins the prompt with no deadline; when the agent's next request
-  arrives, the pages it extends stay pinned and the rest are let go; an agent that ends (a finished subagent, a
-  finished session) lets go of all of its pins.
-The hinted pins (pause, session) are ranked by when the agent is expected back (its answer time + the announced
-pause): when the retention cap is reached, or only pinned pages are left to evict, the latest return goes first.
-A new pin of an agent replaces its last one. The retention cap (`retained_pool_fraction`) bounds every policy's
-pins, so none can starve admission. Known simplification: subagents of one session that share a prefix pin it
-each, and one letting go unpins the shared pages for both.
+The policies are the engine's own (engine/agent_sessions.py: SessionPins, the same code `prefixkv serve` runs on
+session hints): each request carries the hint an agent framework would send (session id, parent, the pause after
+its answer, release at the agent's last request), and the simulation's engine pins as the real one does. `lru` is
+the engine's `none` (hints ignored: today's behaviour).
 """
 
 from __future__ import annotations
@@ -30,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prefixkv.config import EngineConfig
+from prefixkv.engine.agent_sessions import SessionPins
 from prefixkv.engine.policy_factory import create_policy
 from prefixkv.kvcache.manager import KVCacheManager
-from prefixkv.request import Request
-from prefixkv.sampling_params import SamplingParams
+from prefixkv.session_hint import SessionHint
 from prefixkv.sim.agent_traces import (
     AgentPrompt,
     AgentRequest,
@@ -47,8 +38,7 @@ from prefixkv.sim.simulator import Arrival, SimClock, Simulation, create_kv, mis
 from prefixkv.sim.traces import BlockTokens
 from prefixkv.stats import percentile, ratio
 
-POLICIES = ("lru", "ttl", "pause", "session")
-UNTIL_RELEASED_S = 1e12  # a session pin's deadline: it ends when superseded, not by time
+POLICIES = ("lru", "ttl", "pause", "session")  # lru: the engine's session policy "none"
 
 
 @dataclass(frozen=True)
@@ -66,13 +56,6 @@ class SessionPolicy:
             raise ValueError(f"grace must be >= 1, got {self.grace}")
 
 
-def return_priority(now_s: float, pause_s: float) -> int:
-    """A pin's rank from the client's hint: the sooner the agent is expected back (now + the announced pause, in
-    whole seconds), the stronger, so the retention cap and eviction let go of the latest return first (Belady's
-    rule with the hint standing in for the future)."""
-    return -int(now_s + max(pause_s, 0.0))
-
-
 @dataclass
 class _Agent:
     """One agent's progress through its steps (a session or a subagent)."""
@@ -84,7 +67,7 @@ class _Agent:
     base_s: float = 0.0  # when its next step's wait began (its last answer, its subagents' join, its start)
     waiting_for: int = 0  # subagents still running
     joined_s: float = 0.0  # the latest subagent end of the group it waits for
-    pinned: AgentPrompt | None = None  # its last prompt, while the policy keeps a pin on it
+    hint_id: str = ""  # its session id in the hints: unique per drawn session (a session may be drawn twice)
     joined: bool = False  # its subagents just joined: the recorded resume gap replaces the next think time
 
 
@@ -137,8 +120,19 @@ class SessionReplay:
         self.config, self.scaling, self.mapping, self.policy = config, scaling, mapping, policy
         self.clock = SimClock()
         self.kv: KVCacheManager = create_kv(config, self.clock)
+        pins = SessionPins(
+            self.kv, "none" if policy.name == "lru" else policy.name, ttl_seconds=policy.pin_seconds, grace=policy.grace
+        )
+        self.pins = pins
         self.sim = Simulation(
-            config, self.kv, create_policy(config), cost, clock="seconds", check_every=check_every, sim_clock=self.clock
+            config,
+            self.kv,
+            create_policy(config),
+            cost,
+            clock="seconds",
+            check_every=check_every,
+            sim_clock=self.clock,
+            sessions=pins,
         )
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -157,7 +151,7 @@ class SessionReplay:
         for k, (session, start) in enumerate(zip(sessions, starts, strict=True)):
             run = _Session(f"{k}:{session.id}", start)
             runs.append(run)
-            agent = _Agent(session, run, None, base_s=start)
+            agent = _Agent(session, run, None, base_s=start, hint_id=run.id)
             self._at(start, functools.partial(self._next_step, agent))
         sim, sched = self.sim, self.sim.scheduler
         while self._events or sched.has_work():
@@ -215,27 +209,37 @@ class SessionReplay:
         agent.waiting_for = len(step.agents)
         agent.joined_s = agent.base_s
         for delay, sub in zip(step.delays_s, step.agents, strict=True):
-            child = _Agent(sub, agent.root, agent, base_s=agent.base_s + self.scaling.pause(delay))
+            child = _Agent(
+                sub,
+                agent.root,
+                agent,
+                base_s=agent.base_s + self.scaling.pause(delay),
+                hint_id=f"{agent.hint_id}/{sub.id}",
+            )
             self._at(child.base_s, functools.partial(self._next_step, child))
 
     def _issue(self, agent: _Agent, step: AgentRequest, due: float) -> None:
         prompt = scaled_prompt(step, self.scaling, self.mapping)
-        self._superseded(agent, prompt)
+        last = agent.step == len(agent.session.steps) - 1
+        hint = SessionHint(
+            agent.hint_id,
+            agent.parent.hint_id if agent.parent is not None else None,
+            self._pause_after(agent, agent.step + 1),
+            "release" if last else "keep",
+        )
         request_id = f"s{next(self._ids)}"
         self._by_request[request_id] = (agent, prompt)
         self._arrived.append((request_id, prompt))
         arrival = Arrival(due, request_id, prompt.prompt_len, self.scaling.output_len(step), prompt.prompt_tokens)
-        arrival.group = agent.root.id
+        arrival.group, arrival.session = agent.root.id, hint
         self.sim.arrive(arrival)
 
     def _answered(self, agent: _Agent, prompt: AgentPrompt, now: float) -> None:
         agent.step += 1
         agent.base_s = now
-        self._pin(agent, prompt, self._pause_after(agent))
         self._next_step(agent)
 
     def _ended(self, agent: _Agent, now: float) -> None:
-        self._unpin(agent)  # the client says the agent is done (pause and session policies)
         parent = agent.parent
         if parent is None:
             agent.root.end_s = now
@@ -250,74 +254,18 @@ class SessionReplay:
             parent.joined = True  # the next request's recorded think time counted the wait for the subagents
             self._next_step(parent)
 
-    def _pause_after(self, agent: _Agent) -> float:
-        """The pause the client announces after an answer: the next think time, or its subagents' recorded span."""
-        if agent.step >= len(agent.session.steps):
-            return 0.0
-        step = agent.session.steps[agent.step]
+    def _pause_after(self, agent: _Agent, index: int) -> float | None:
+        """The pause the client announces before step `index`: its think time, or the subagents' recorded span;
+        None after the agent's last step."""
+        if index >= len(agent.session.steps):
+            return None
+        step = agent.session.steps[index]
         if isinstance(step, AgentRequest):
             return self.scaling.pause(step.think_s)
         pause = self.scaling.pause
         return max(pause(d) + a.recorded_s for d, a in zip(step.delays_s, step.agents, strict=True)) + pause(
             step.resume_s
         )
-
-    # -- what the cache is told -------------------------------------------------------------------------------
-    def _pin(self, agent: _Agent, prompt: AgentPrompt, pause_s: float) -> None:
-        name = self.policy.name
-        last = agent.step >= len(agent.session.steps)
-        if name == "lru" or (last and name != "ttl"):
-            return
-        if name == "ttl":
-            self._retain(prompt, self.policy.pin_seconds, 0)
-            return
-        # the new pin replaces the agent's last one (a page keeps the stronger of two pins, so the old rank stays
-        # unless let go first)
-        self._unpin(agent)
-        seconds = pause_s * self.policy.grace + 1.0 if name == "pause" else UNTIL_RELEASED_S
-        self._retain(prompt, seconds, return_priority(self.clock.now(), pause_s))
-        agent.pinned = prompt
-
-    def _unpin(self, agent: _Agent) -> None:
-        if agent.pinned is not None:
-            self._release(agent.pinned, 0)
-            agent.pinned = None
-
-    def _superseded(self, agent: _Agent, prompt: AgentPrompt) -> None:
-        """The session policy's a-posteriori step, when the agent's next request arrives: its prompt shows which
-        of the pinned pages it extends; those stay pinned, ranked as due now (the request may wait in the queue),
-        and the rest lose their pin (they stay cached, as ordinary pages)."""
-        if self.policy.name != "session" or agent.pinned is None:
-            return
-        old, common = agent.pinned, 0
-        for a, b in zip(old.block_ids, prompt.block_ids, strict=False):
-            if a != b:
-                break
-            common += 1
-        self._unpin(agent)
-        kept = min(common * self.scaling.tokens_per_block, old.prompt_len, prompt.prompt_len)
-        if kept:
-            extended = AgentPrompt(kept, old.block_ids[:common], old.tokens_per_block, old.mapping)
-            self._retain(extended, UNTIL_RELEASED_S, return_priority(self.clock.now(), 0.0))
-            agent.pinned = extended
-
-    def _probe(self, prompt: AgentPrompt) -> Request:
-        # the prompt's own last page counts too (as the engine's release_retention probes it)
-        return Request(f"pin-{next(self._ids)}", [*prompt.prompt_tokens(), 0], SamplingParams(max_tokens=1))
-
-    def _retain(self, prompt: AgentPrompt, seconds: float, priority: int) -> None:
-        probe = self._probe(prompt)
-        try:
-            self.kv.retain_cached(probe, seconds, priority)
-        finally:
-            self.kv.free(probe)
-
-    def _release(self, prompt: AgentPrompt, keep_tokens: int) -> None:
-        probe = self._probe(prompt)
-        try:
-            self.kv.release_retention(probe, keep_tokens)
-        finally:
-            self.kv.free(probe)
 
     # -- figures -----------------------------------------------------------------------------------------------
     def _summary(self, runs: list[_Session]) -> dict:
@@ -348,6 +296,7 @@ class SessionReplay:
             "missed_tokens_by_cause": missed_by_cause([self.kv]),
             "retention_released_by_cap": retention["retention_released_by_cap"],
             "retention_expired": retention["retention_expired"],
+            **self.pins.summary(),
             "pool_pages": self.kv.num_pages,
             "page_size": self.kv.page_size,
         }

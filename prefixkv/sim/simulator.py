@@ -25,6 +25,7 @@ from prefixkv.batch import Sample
 from prefixkv.cache_miss import CAUSES
 from prefixkv.choices import SchedulePolicy
 from prefixkv.config import EngineConfig
+from prefixkv.engine.agent_sessions import SessionPins
 from prefixkv.engine.core import EngineCore, StepComponent
 from prefixkv.engine.policies import SchedulingPolicy
 from prefixkv.engine.policy_factory import create_policy
@@ -34,6 +35,7 @@ from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.kvcache.retention import validate_retention
 from prefixkv.request import Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.session_hint import SessionHint
 from prefixkv.sim.cost_model import BatchShape, StepCostModel
 from prefixkv.stats import percentile, ratio, summarize
 
@@ -85,6 +87,7 @@ class Arrival:
     cache_salt: str | None = None
     retention_seconds: float | None = None  # simulated seconds (kvcache/retention.py)
     retention_priority: int = 0
+    session: SessionHint | None = None  # an agent session's hint (engine/agent_sessions.py)
 
 
 @dataclass(slots=True)
@@ -175,10 +178,12 @@ class Simulation:
         on_done: Callable[[int], None] | None = None,
         sim_clock: SimClock | None = None,
         components: Iterable[StepComponent] = (),
+        sessions: SessionPins | None = None,
     ) -> None:
         """sim_clock: the simulated time (a new one at 0 by default); a KV manager whose requests ask for
         retention must have been built with clock=sim_clock.now. components: step components beside the
-        scheduler and the cost model (engine/core.py), e.g. a probe of each step's schedule."""
+        scheduler and the cost model (engine/core.py), e.g. a probe of each step's schedule. sessions: the engine's
+        session pins over `kv`, told of each hinted request as the engine tells them (arrival, finish)."""
         if clock not in ("seconds", "steps"):
             raise ValueError(f"clock must be 'seconds' or 'steps', got {clock!r}")
         self.kv = kv
@@ -194,6 +199,7 @@ class Simulation:
         self.capacity = min(kv.num_pages * kv.page_size, config.max_model_len or kv.num_pages * kv.page_size)
         self.result = SimResult()
         self._live: dict[Request, RequestMetrics] = {}
+        self.sessions = sessions
 
     def now(self) -> float:
         """The simulated time, in seconds (both clocks charge each step its cost)."""
@@ -256,6 +262,7 @@ class Simulation:
             cache_salt=arrival.cache_salt,
             retention_seconds=arrival.retention_seconds,
             retention_priority=arrival.retention_priority,
+            session=arrival.session,
         )
         request.max_tokens = arrival.output_len
         if arrival.retention_seconds is not None and self.kv.retention.clock != self.sim_clock.now:
@@ -263,6 +270,8 @@ class Simulation:
                 "a request asks for retention, but the KV manager's retention clock is not this simulation's: "
                 "build it with clock=sim_clock.now (create_kv(config, sim_clock))"
             )
+        if self.sessions is not None:
+            self.sessions.on_add(request)
         self.core.add(request)
         self._live[request] = metrics
         if self.keep_requests:
@@ -292,6 +301,8 @@ class Simulation:
                 metrics.ttft_s = res.sim_seconds - metrics.arrival_s
             if request.num_output_tokens >= request.max_tokens:
                 sched.finish(request, RequestStatus.FINISHED_LENGTH)
+                if self.sessions is not None:
+                    self.sessions.on_finish(request)
                 self._finished(request, metrics)
         if self.check_every and step % self.check_every == 0:
             self.kv.check_invariants()

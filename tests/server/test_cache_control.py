@@ -201,3 +201,45 @@ def test_a_miss_is_explained_when_asked_and_counted_by_cause(client, server, llm
     (queries,) = [v for k, v in samples.items() if k.startswith("prefixkv:prefix_cache_queries_total{")]
     (hits,) = [v for k, v in samples.items() if k.startswith("prefixkv:prefix_cache_hits_total{")]
     assert sum(missed.values()) == queries - hits
+
+
+def test_session_hints_pin_a_turn_until_the_next_and_let_go_at_the_end(server, client, llm):
+    """x-session-* headers (docs/agent_traces.md): an answer pins the turn's sequence (prompt + answer) for the
+    announced pause, the next turn finds it cached, and the turn sent with action release ends the session."""
+    pins = llm.llm_engine.sessions
+    model = client.models.list().data[0].id
+    session = {"x-session-id": f"agent-{uuid.uuid4().hex}", "x-session-expected-pause-s": "30"}
+    messages = fresh_messages("Which tool opens a bottom bracket?")
+    before = pins.summary()
+    first = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=2, temperature=0, extra_headers=session
+    )
+    pinned = pins.summary()
+    assert pinned["tracked_sessions"] == before["tracked_sessions"] + 1
+    assert pinned["session_pinned_pages"] > before["session_pinned_pages"]
+    assert len(llm.llm_engine.kv.retention) > 0
+    turn = [*messages, {"role": "assistant", "content": first.choices[0].message.content}]
+    second = client.chat.completions.create(
+        model=model,
+        messages=[*turn, {"role": "user", "content": "And the torque?"}],
+        max_tokens=2,
+        temperature=0,
+        extra_headers={**session, "x-session-action": "release"},
+    )
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    ended = pins.summary()
+    assert ended["tracked_sessions"] == before["tracked_sessions"]
+    assert ended["session_released_pages"] > pinned["session_released_pages"]
+    for headers, param in (
+        ({"x-session-id": "a", "x-session-expected-pause-s": "soon"}, "x-session-expected-pause-s"),
+        ({"x-session-action": "release"}, "x-session-action"),
+        ({"x-session-id": "a", "x-session-action": "forget"}, "x-session-action"),
+        ({"x-session-id": "a", "x-session-expected-pause-s": "-1"}, "x-session-expected-pause-s"),
+    ):
+        r = httpx.post(
+            server + "/v1/chat/completions",
+            headers={**AUTH, **headers},
+            content=json.dumps({"model": model, "messages": messages, "max_tokens": 1}),
+            timeout=60,
+        )
+        _assert_400_naming(r, param)

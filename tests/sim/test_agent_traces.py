@@ -151,6 +151,10 @@ def test_describe_from_the_cli(capsys):
     assert main(["simulate", "--describe", "--trace", SLICE]) == 0
     out = capsys.readouterr().out
     assert "session_hit_rate_median" in out and "subagents" in out
+    mooncake = os.path.join(SLICE, "..", "mooncake_slice.jsonl")
+    assert main(["simulate", "--describe", "--trace", mooncake]) == 0
+    out = capsys.readouterr().out
+    assert "unbounded_hit_rate  0.0593" in out and "requests            200" in out  # docs/data/README.md: 5.9%
 
 
 @pytest.mark.skipif(not os.path.isdir(SHARED), reason="../shared/traces/claude_code is not here")
