@@ -12,6 +12,8 @@ the file named by $PREFIXKV_TEST_SUMMARY, which .ci/run shows last).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import os
 import resource
@@ -79,10 +81,36 @@ def hf_smol():
     from prefixkv.model.loader import default_model_path
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
+    with _gguf_work_done_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        )
     return model.eval()
+
+
+@contextlib.contextmanager
+def _gguf_work_done_once():
+    """transformers' GGUF load without its repeated pure work: it builds gguf's tensor name map (the same one) once
+    per module of the model, ~400 times (~5 s), and parses the whole file twice, for the config and for the weights
+    (~3 s). Within this block both are memoized; what is read, and how it is dequantized, un-permuted and mapped,
+    stays transformers' and gguf's own."""
+    import gguf
+
+    get_tensor_name_map, reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    readers: dict = {}
+
+    def read_once(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(get_tensor_name_map)
+    gguf.GGUFReader = read_once
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map, gguf.GGUFReader = get_tensor_name_map, reader
 
 
 @pytest.fixture(scope="session")

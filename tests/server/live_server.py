@@ -23,14 +23,19 @@ from prefixkv.server.serving import make_server
 
 @contextmanager
 def running_server(
-    engine: Any, *, send_buffer_bytes: int | None = None, **app_kwargs
+    engine: Any, *, send_buffer_bytes: int | None = None, write_buffer_bytes: int | None = None, **app_kwargs
 ) -> Iterator[tuple[str, Any, Any]]:
     """Yield (base_url, engine, app) while uvicorn serves build_app(engine, **app_kwargs); pass
     limits=ServerLimits(...) to change a limit (shutdown at exit waits up to limits.shutdown_timeout).
 
     send_buffer_bytes: the kernel send buffer of every accepted connection (inherited from the listening
     socket). On loopback it autotunes to ~4 MB, which a client that never reads would take minutes of
-    generation to fill; a small one makes the server's writes block after a few KB, as over a real network."""
+    generation to fill; a small one makes the server's writes block after a few KB, as over a real network.
+
+    write_buffer_bytes: the high-water mark of asyncio's own write buffer on every accepted connection (64 KiB by
+    default), above which the transport pauses the protocol and uvicorn's send waits for it to drain. A client
+    that never reads fills it after the kernel buffers; at ~1 KB of stream per token that takes seconds of
+    generation, a small mark a few tokens. Only the amount buffered changes: the same pause, the same waits."""
     app = build_app(engine, ServingOptions(**app_kwargs))
     sock = socket.socket()
     if send_buffer_bytes is not None:
@@ -38,6 +43,8 @@ def running_server(
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = make_server(app, log_level="warning")  # the uvicorn setup `prefixkv serve` runs, limits included
+    if write_buffer_bytes is not None:
+        server.config.http = _with_write_buffer(server.config.http, write_buffer_bytes)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
@@ -53,6 +60,24 @@ def running_server(
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def _with_write_buffer(protocol_factory: Any, high: int) -> Any:
+    """The server's own protocol factory, each connection's transport given a write buffer high-water mark of
+    `high` bytes before the protocol sees it (the protocol, its flow control and its limits are unchanged)."""
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        protocol = protocol_factory(*args, **kwargs)
+        connection_made = protocol.connection_made
+
+        def with_limits(transport: Any) -> None:
+            transport.set_write_buffer_limits(high=high)
+            connection_made(transport)
+
+        protocol.connection_made = with_limits
+        return protocol
+
+    return make
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")

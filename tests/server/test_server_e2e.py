@@ -2,7 +2,8 @@
 
 One server for the whole module, in this process (uvicorn on a free port, the engine on the session's shared
 weights); each test leaves it idle with no page held by a request, and checks that itself where it matters. The
-last test starts the real `python -m prefixkv.server` process once.
+real `python -m prefixkv.server` process is started by test_server_shutdown.py, which checks that it serves the
+same (its key enforced, the in-process LLM's greedy text) before it sends that process SIGTERM.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import openai
 import pytest
 
 from prefixkv.sampling_params import SamplingParams
-from tests.server.live_server import cache_summary, running_server, server_process, wait_no_pages_held
+from tests.server.live_server import cache_summary, running_server, wait_no_pages_held
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -39,7 +40,7 @@ SYSTEM = (
 @pytest.fixture(scope="module")
 def server(new_engine):
     """What `python -m prefixkv.server --api-key KEY` serves (default options), run in this process on the shared
-    weights; test_the_server_command_serves_greedy_text starts the real command once."""
+    weights; test_server_shutdown.py starts the real command."""
     with running_server(new_engine(), api_key=KEY) as (base, _, _):
         yield base
 
@@ -265,20 +266,3 @@ def test_bench_client_against_server(server):
     )
     assert res["num_ok"] == 4 and res["output_tokens"] == 16
     assert res["cached_tokens"] > 0 and res["ttft_ms"]["p99"] > 0
-
-
-def test_the_server_command_serves_greedy_text(tmp_path, llm_factory):
-    """`python -m prefixkv.server` as a user starts it: it comes up, enforces its key and serves the same greedy
-    text as the in-process LLM. The deadlines only guard against a hang: start-up takes seconds."""
-    flags = ("--api-key", KEY, "--log-level", "warning", "--kv-cache-tokens", "8192")
-    with server_process(tmp_path, *flags) as (_, base, _):
-        assert httpx.get(base + "/v1/models").status_code == 401
-        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=600)
-        model = client.models.list().data[0].id
-        got = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0)
-        want = (
-            llm_factory(prefix_cache="off")
-            .generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-            .outputs[0]
-        )
-        assert got.choices[0].text == want.text

@@ -294,7 +294,7 @@ def _abort_count(base: str, model: str) -> float:
 def test_client_that_never_reads_is_dropped(engine, limits):
     """A stream whose client never reads: the request is aborted (its pages freed) and the connection
     dropped, by the write timeout or by the queue cap; a stream beside it finishes normally."""
-    with running_server(engine, limits=limits, send_buffer_bytes=4096) as (base, _, _):
+    with running_server(engine, limits=limits, send_buffer_bytes=4096, write_buffer_bytes=4096) as (base, _, _):
         aborts = _abort_count(base, engine.model_name)
         body = json.dumps(
             {
