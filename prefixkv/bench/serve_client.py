@@ -113,7 +113,12 @@ async def stream_chat(
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, s: Settings, prompt: list[int], max_tokens: int, start: float | None = None
+    client: httpx.AsyncClient,
+    s: Settings,
+    prompt: list[int],
+    max_tokens: int,
+    start: float | None = None,
+    headers: dict | None = None,
 ) -> RequestResult:
     """One streamed /v1/completions request with a token-id prompt; TTFT counts from `start` (the moment the
     request was due, so a client-side wait counts too) up to the first generated token's event."""
@@ -137,7 +142,7 @@ async def stream_completion(
                 result.ttft = time.perf_counter() - start
             events += 1
 
-    if await _stream(client, "/v1/completions", body, s.timeout, result, on_event):
+    if await _stream(client, "/v1/completions", body, s.timeout, result, on_event, headers):
         result.e2e = time.perf_counter() - start
         result.output_tokens = result.output_tokens or events
         result.ok = True

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from prefixkv.config import EngineConfig
+from prefixkv.session_hint import SessionHint
 from prefixkv.sim.agent_traces import (
     AgentRequest,
     AgentScaling,
@@ -32,7 +33,7 @@ from prefixkv.sim.agent_traces import (
 )
 from prefixkv.sim.cost_model import load_cost_model
 from prefixkv.sim.session_command import start_times
-from prefixkv.sim.sessions import SessionPolicy, replay_sessions
+from prefixkv.sim.sessions import SessionPolicy, replay_sessions, step_hint
 from prefixkv.sim.traces import BlockTokens
 
 
@@ -48,18 +49,34 @@ class _Live:
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    hints: bool = True  # send each request's session hint (the x-session-* headers)
 
 
-async def _run_agent(live: _Live, session: AgentSession, start_s: float, joined: bool = False) -> float:
+def hint_headers(hint: SessionHint) -> dict[str, str]:
+    """A session hint as the x-session-* headers (server/session_hints.py)."""
+    headers = {"x-session-id": hint.id, "x-session-action": hint.action}
+    if hint.parent is not None:
+        headers["x-session-parent-id"] = hint.parent
+    if hint.expected_pause_s is not None:
+        headers["x-session-expected-pause-s"] = f"{hint.expected_pause_s:.3f}"
+    return headers
+
+
+async def _run_agent(
+    live: _Live, session: AgentSession, start_s: float, hint_id: str, parent_id: str | None, joined: bool = False
+) -> float:
     """Run one agent from `start_s` (seconds since t0); returns the time of its last answer."""
     base = start_s
-    for step in session.steps:
+    for index, step in enumerate(session.steps):
         if isinstance(step, AgentRequest):
             due = base + (0.0 if joined else live.scaling.pause(step.think_s))
             joined = False
             await asyncio.sleep(max(0.0, live.t0 + due - time.perf_counter()))
             prompt = scaled_prompt(step, live.scaling, live.mapping)
-            result = await live.send(live.client, live.settings, prompt.prompt_tokens(), live.scaling.output_len(step))
+            headers = hint_headers(step_hint(session, index, hint_id, parent_id, live.scaling)) if live.hints else None
+            result = await live.send(
+                live.client, live.settings, prompt.prompt_tokens(), live.scaling.output_len(step), headers=headers
+            )
             live.requests += 1
             live.failures += not result.ok
             live.prompt_tokens += result.prompt_tokens
@@ -69,7 +86,7 @@ async def _run_agent(live: _Live, session: AgentSession, start_s: float, joined:
         assert isinstance(step, SubagentGroup)
         ends = await asyncio.gather(
             *(
-                _run_agent(live, agent, base + live.scaling.pause(delay))
+                _run_agent(live, agent, base + live.scaling.pause(delay), f"{hint_id}/{agent.id}", hint_id)
                 for delay, agent in zip(step.delays_s, step.agents, strict=True)
             )
         )
@@ -95,8 +112,12 @@ async def replay_live(
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=args.timeout) as client:
         settings = await settings_for(client)
-        live = _Live(client, settings, send, scaling, mapping, time.perf_counter())
-        ends = await asyncio.gather(*(_run_agent(live, s, start) for s, start in zip(drawn, starts, strict=True)))
+        live = _Live(client, settings, send, scaling, mapping, time.perf_counter(), hints=not args.no_session_hints)
+        runs = [
+            _run_agent(live, s, start, f"{k}:{s.id}", None)
+            for k, (s, start) in enumerate(zip(drawn, starts, strict=True))
+        ]
+        ends = await asyncio.gather(*runs)
     measured = [end - start for end, start in zip(ends, starts, strict=True)]
     out = {
         "workload": "agent sessions (closed loop)",
@@ -114,10 +135,12 @@ async def replay_live(
     if args.sim_kv_cache_tokens:
         config = EngineConfig(kv_cache_tokens=args.sim_kv_cache_tokens, prefix_caching_hash_algo="xxhash")
         cost = load_cost_model(args.sim_cost_model)
-        sim = replay_sessions(config, cost, scaling, mapping, SessionPolicy("lru"), drawn, starts)
+        policy = SessionPolicy("lru" if args.no_session_hints else args.sim_session_policy)
+        sim = replay_sessions(config, cost, scaling, mapping, policy, drawn, starts)
         predicted = [run.end_s - run.start_s for run in sim.sessions if run.end_s is not None]
         out["simulated"] = {
             "cost_model": cost.name,
+            "session_policy": policy.name,
             "kv_cache_tokens": args.sim_kv_cache_tokens,
             "jct_s": predicted,
             "hit_rate": sim.summary["token_hit_rate"],
@@ -157,3 +180,12 @@ def add_session_arguments(t: argparse._ArgumentGroup) -> None:
         help="agent traces: also simulate the slice with this pool (the server's) and print the predicted JCTs",
     )
     t.add_argument("--sim-cost-model", default="smollm2-cpu-2t", help="agent traces: the simulator's cost model")
+    t.add_argument(
+        "--sim-session-policy",
+        default="session",
+        choices=("ttl", "pause", "session"),
+        help="agent traces: the server's --session-policy, for the simulation (default: the server's default)",
+    )
+    t.add_argument(
+        "--no-session-hints", action="store_true", help="agent traces: send no x-session-* headers (plain LRU)"
+    )

@@ -56,6 +56,22 @@ class SessionPolicy:
             raise ValueError(f"grace must be >= 1, got {self.grace}")
 
 
+def step_hint(
+    session: AgentSession, index: int, hint_id: str, parent_id: str | None, scaling: AgentScaling
+) -> SessionHint:
+    """The hint an agent framework would send with the request at step `index` of `session`: the pause before its
+    next step (the next think time, or the subagents' recorded span) and release on its last step."""
+    pause: float | None = None
+    if index + 1 < len(session.steps):
+        nxt = session.steps[index + 1]
+        if isinstance(nxt, AgentRequest):
+            pause = scaling.pause(nxt.think_s)
+        else:
+            spans = (scaling.pause(d) + a.recorded_s for d, a in zip(nxt.delays_s, nxt.agents, strict=True))
+            pause = max(spans) + scaling.pause(nxt.resume_s)
+    return SessionHint(hint_id, parent_id, pause, "keep" if pause is not None else "release")
+
+
 @dataclass
 class _Agent:
     """One agent's progress through its steps (a session or a subagent)."""
@@ -220,13 +236,8 @@ class SessionReplay:
 
     def _issue(self, agent: _Agent, step: AgentRequest, due: float) -> None:
         prompt = scaled_prompt(step, self.scaling, self.mapping)
-        last = agent.step == len(agent.session.steps) - 1
-        hint = SessionHint(
-            agent.hint_id,
-            agent.parent.hint_id if agent.parent is not None else None,
-            self._pause_after(agent, agent.step + 1),
-            "release" if last else "keep",
-        )
+        parent = agent.parent.hint_id if agent.parent is not None else None
+        hint = step_hint(agent.session, agent.step, agent.hint_id, parent, self.scaling)
         request_id = f"s{next(self._ids)}"
         self._by_request[request_id] = (agent, prompt)
         self._arrived.append((request_id, prompt))
@@ -253,19 +264,6 @@ class SessionReplay:
             parent.base_s = parent.joined_s + self.scaling.pause(group.resume_s)
             parent.joined = True  # the next request's recorded think time counted the wait for the subagents
             self._next_step(parent)
-
-    def _pause_after(self, agent: _Agent, index: int) -> float | None:
-        """The pause the client announces before step `index`: its think time, or the subagents' recorded span;
-        None after the agent's last step."""
-        if index >= len(agent.session.steps):
-            return None
-        step = agent.session.steps[index]
-        if isinstance(step, AgentRequest):
-            return self.scaling.pause(step.think_s)
-        pause = self.scaling.pause
-        return max(pause(d) + a.recorded_s for d, a in zip(step.delays_s, step.agents, strict=True)) + pause(
-            step.resume_s
-        )
 
     # -- figures -----------------------------------------------------------------------------------------------
     def _summary(self, runs: list[_Session]) -> dict:

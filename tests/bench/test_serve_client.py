@@ -60,7 +60,7 @@ def test_bench_serve_workloads(tmp_path, new_engine):
         assert bad["num_errors"] == 1 and "404" in bad["errors"][0]
 
         check_trace_replay(base, tmp_path)  # on the same server: one engine and server start for the file
-        check_session_replay(base, tmp_path)
+        check_session_replay(base, tmp_path, engine)
 
 
 def test_percentiles_nearest_rank():
@@ -118,9 +118,11 @@ def test_bench_serve_trace_errors_name_line_and_field(tmp_path):
         run(_args("http://127.0.0.1:9", "--trace", str(path)))
 
 
-def check_session_replay(base: str, tmp_path) -> None:
+def check_session_replay(base: str, tmp_path, engine) -> None:
     """An agent session closed loop: a request, one subagent, the parent again (extending its first prompt); the
-    parent's second prompt hits its first one's pages, and the simulator predicts the same hits."""
+    parent's second prompt hits its first one's pages, and the simulator predicts the same hits. Each request
+    carried its session hint: the engine pinned the answered turns and forgot both sessions at their last turns."""
+    pins_before = engine.sessions.summary()
     request = {"type": "n", "out": 16, "think_time": 1.0}
     session = {
         "requests": [
@@ -141,3 +143,6 @@ def check_session_replay(base: str, tmp_path) -> None:
     assert res["requests"] == 3 and res["failed_requests"] == 0
     assert res["prompt_tokens"] == 64 + 16 + 80 and res["cached_tokens"] == 64
     assert res["jct_s"][0] > 0 and res["simulated"]["hit_rate"] == res["hit_rate"] == 64 / 160
+    pins = engine.sessions.summary()
+    assert pins["session_pinned_pages"] > pins_before["session_pinned_pages"]
+    assert pins["tracked_sessions"] == pins_before["tracked_sessions"]
