@@ -177,7 +177,8 @@ def plot_sessions(results: dict, path: str) -> None:
     if unbounded:
         left.axhline(max(unbounded), color="gray", linestyle=":", label="unbounded cache")
     for ax in (left, right):
-        ax.set_xlabel("pool size (fraction of the sessions' working set)")
+        ax.set_xscale("log")  # fractions from a tenth to beyond the whole working set
+        ax.set_xlabel("pool size (fraction of the sessions' working set, log scale)")
         ax.legend(fontsize=7)
     left.set_ylabel("prompt-token hit rate")
     right.set_ylabel("mean job completion time (simulated s)")
