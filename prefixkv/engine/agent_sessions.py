@@ -96,9 +96,9 @@ class SessionPins:
         if self.policy != "session" or session.pinned is None:
             return
         kept = session.pinned[: common_prefix(session.pinned, request.prompt_token_ids)]
-        self._unpin(request, session)
+        self._unpin(key, session)
         if kept:
-            self._pin(request, session, kept, self.max_pin_seconds, return_priority(self._now(), 0.0))
+            self._pin(key, session, kept, self.max_pin_seconds, return_priority(self._now(), 0.0))
 
     def on_finish(self, request: Request, aborted: bool = False) -> None:
         """A hinted request finished (its pages are cached, no longer held): pin its sequence for the pause, or
@@ -108,7 +108,7 @@ class SessionPins:
             return
         key = self._key(request, hint.id)
         if hint.action == "release":
-            self._end(request, key)
+            self._end(key)
             return
         if aborted:
             return
@@ -123,8 +123,8 @@ class SessionPins:
         else:
             seconds, priority = self.max_pin_seconds, return_priority(self._now(), pause or 0.0)
         if self.policy != "ttl":
-            self._unpin(request, session)
-        self._pin(request, session, list(request.token_ids), seconds, priority)
+            self._unpin(key, session)
+        self._pin(key, session, list(request.token_ids), seconds, priority)
 
     # -- internals ---------------------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -136,44 +136,43 @@ class SessionPins:
             session = self._sessions[key] = _Session()
             while len(self._sessions) > self.max_sessions:
                 old_key, old = self._sessions.popitem(last=False)
-                self._unpin_key(old_key, old)
+                self._unpin(old_key, old)
         else:
             self._sessions.move_to_end(key)
         return session
 
-    def _end(self, request: Request, key: tuple) -> None:
+    def _end(self, key: tuple) -> None:
+        """The session is over: its pins and its subagents' go, and it is forgotten."""
         session = self._sessions.pop(key, None)
         if session is None:
             return
-        self._unpin_key(key, session)
+        self._unpin(key, session)
         for child in session.children:
-            self._end(request, child)
+            self._end(child)
 
-    def _probe(self, salt: str | None, lora_id: str | None, tokens: list[int]) -> Request:
+    def _probe(self, key: tuple, tokens: list[int]) -> Request:
+        """A request over `tokens` in the session's namespace (key: cache salt, adapter, session id)."""
         self._probes += 1
         return Request(
             f"session-pin-{self._probes}",
             [*tokens, 0],  # the sequence's own last page counts too
             SamplingParams(max_tokens=1),
-            cache_salt=salt,
-            lora_id=lora_id,
+            cache_salt=key[0],
+            lora_id=key[1],
         )
 
-    def _pin(self, request: Request, session: _Session, tokens: list[int], seconds: float, priority: int) -> None:
-        probe = self._probe(request.cache_salt, request.lora_id, tokens)
+    def _pin(self, key: tuple, session: _Session, tokens: list[int], seconds: float, priority: int) -> None:
+        probe = self._probe(key, tokens)
         try:
             self.pinned_pages += self.kv.retain_cached(probe, seconds, priority)
         finally:
             self.kv.free(probe)
         session.pinned = tokens
 
-    def _unpin(self, request: Request, session: _Session) -> None:
-        self._unpin_key((request.cache_salt, request.lora_id, None), session)
-
-    def _unpin_key(self, key: tuple, session: _Session) -> None:
+    def _unpin(self, key: tuple, session: _Session) -> None:
         if session.pinned is None:
             return
-        probe = self._probe(key[0], key[1], session.pinned)
+        probe = self._probe(key, session.pinned)
         try:
             self.released_pages += self.kv.release_retention(probe, 0)
         finally:

@@ -12,9 +12,11 @@ import pytest
 
 from prefixkv.cli import main
 from prefixkv.config import EngineConfig
+from prefixkv.engine.agent_sessions import SessionPins
 from prefixkv.engine.policy_factory import create_policy
 from prefixkv.request import Request
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.session_hint import SessionHint
 from prefixkv.sim.agent_traces import AgentScaling, SubagentGroup, load_agent_trace, token_mapping
 from prefixkv.sim.cost_model import StepCostModel
 from prefixkv.sim.sessions import SessionPolicy, replay_sessions
@@ -181,3 +183,30 @@ def test_simulate_sessions_on_the_shipped_slice(tmp_path, capsys):
         assert (r["rejected_requests"] > 0) == (r["fraction"] == 0.2)
     assert results["targets"][0]["best_policy"] in {"lru", "pause", "session", "ttl"}
     assert "JCT mean s" in capsys.readouterr().out
+
+
+def test_the_session_table_is_bounded_and_a_parent_ending_ends_its_subagents():
+    config = EngineConfig(page_size=4, kv_cache_tokens=256, retained_pool_fraction=0.9)
+    clock = SimClock()
+    kv = create_kv(config, clock)
+    pins = SessionPins(kv, "session", max_sessions=3)
+    sim = Simulation(config, kv, create_policy(config), CLOCK, sim_clock=clock, sessions=pins, check_every=1)
+
+    def turn(request_id: str, tokens: list[int], hint: SessionHint) -> None:
+        arrival = Arrival(sim.now(), request_id, len(tokens), 1, tokens.copy)
+        arrival.session = hint
+        sim.arrive(arrival)
+        while sim.scheduler.has_work():
+            sim.step()
+
+    turn("p1", list(range(100, 120)), SessionHint("parent", expected_pause_s=5))
+    turn("s1", list(range(200, 220)), SessionHint("sub", parent="parent", expected_pause_s=1))
+    assert len(pins) == 2 and len(kv.retention) == 10  # each pinned its 5 full pages (prompt + answer)
+    turn("p2", list(range(100, 120)) + [7] * 4, SessionHint("parent", action="release"))
+    assert len(pins) == 0 and len(kv.retention) == 0  # the parent's end took its subagent's pins too
+    for k in range(5):  # more sessions than the table holds: the least recently active go, pins and all
+        turn(f"x{k}", list(range(300 + 40 * k, 320 + 40 * k)), SessionHint(f"s{k}", expected_pause_s=1))
+    assert len(pins) == 3 and len(kv.retention) == 15
+    # let go: the parent's pin when its next turn arrived (re-pinned: the 5 pages it extends), then the parent's
+    # and its subagent's at the end, then the two sessions the table dropped
+    assert pins.summary()["session_released_pages"] == 5 + 10 + 10
