@@ -152,7 +152,7 @@ class SessionReplay:
         )
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
-        self._by_request: dict[str, tuple[_Agent, AgentPrompt]] = {}
+        self._by_request: dict[str, _Agent] = {}
         self._ids = itertools.count()
         self._seen_metrics = 0
         self._arrived: list[tuple[str, AgentPrompt]] = []  # (request id, prompt) in arrival order
@@ -195,7 +195,7 @@ class SessionReplay:
         while self._seen_metrics < len(metrics):
             m = metrics[self._seen_metrics]
             self._seen_metrics += 1
-            agent, prompt = self._by_request.pop(m.request_id)
+            agent = self._by_request.pop(m.request_id)
             run = agent.root
             run.requests += 1
             if m.rejected:
@@ -208,7 +208,7 @@ class SessionReplay:
             self.answered.append(
                 Answered(agent.session.id, m.arrival_s, now, m.prompt_tokens, m.hit_tokens, m.rejected)
             )
-            self._answered(agent, prompt, now)
+            self._answered(agent, now)
 
     # -- an agent's steps --------------------------------------------------------------------------------------
     def _next_step(self, agent: _Agent) -> None:
@@ -239,13 +239,13 @@ class SessionReplay:
         parent = agent.parent.hint_id if agent.parent is not None else None
         hint = step_hint(agent.session, agent.step, agent.hint_id, parent, self.scaling)
         request_id = f"s{next(self._ids)}"
-        self._by_request[request_id] = (agent, prompt)
+        self._by_request[request_id] = agent
         self._arrived.append((request_id, prompt))
         arrival = Arrival(due, request_id, prompt.prompt_len, self.scaling.output_len(step), prompt.prompt_tokens)
         arrival.group, arrival.session = agent.root.id, hint
         self.sim.arrive(arrival)
 
-    def _answered(self, agent: _Agent, prompt: AgentPrompt, now: float) -> None:
+    def _answered(self, agent: _Agent, now: float) -> None:
         agent.step += 1
         agent.base_s = now
         self._next_step(agent)
