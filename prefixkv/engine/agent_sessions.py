@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from prefixkv.engine.prompts import shared_prefix
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.request import Request
 from prefixkv.sampling_params import SamplingParams
@@ -35,14 +36,6 @@ SESSION_POLICIES = ("none", "ttl", "pause", "session")
 def return_priority(now_s: float, pause_s: float) -> int:
     """The sooner the session is expected back, the stronger its pin (Belady's rule with the hint for the future)."""
     return -int(now_s + max(pause_s, 0.0))
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 @dataclass
@@ -95,7 +88,7 @@ class SessionPins:
             self._touch(self._key(request, hint.parent)).children.add(key)
         if self.policy != "session" or session.pinned is None:
             return
-        kept = session.pinned[: common_prefix(session.pinned, request.prompt_token_ids)]
+        kept = session.pinned[: shared_prefix(session.pinned, request.prompt_token_ids)]
         self._unpin(key, session)
         if kept:
             self._pin(key, session, kept, self.max_pin_seconds, return_priority(self._now(), 0.0))

@@ -4,7 +4,7 @@ it (the server turns it into a 400)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from prefixkv.engine.client import EngineTokenizer, Prompt
@@ -90,3 +90,13 @@ def max_tokens_for(num_prompt_tokens: int, params: SamplingParams, max_model_len
             f"prompt plus max_tokens ({n + max_tokens} tokens) cannot fit the KV cache ({pool_tokens} tokens)"
         )
     return max_tokens
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids a and b have in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from prefixkv.engine.prompts import shared_prefix
 from prefixkv.server.auth import salt_prefix
 
 DEFAULT_MAX_ENTRIES_PER_OWNER = 1024
@@ -94,16 +95,6 @@ def entry_id_of(name: str) -> str:
         if name.startswith(prefix):
             return name[len(prefix) :]
     return name
-
-
-def shared_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
-    """How many leading token ids a and b have in common."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass

@@ -16,8 +16,9 @@ from typing import Any
 
 from fastapi import Request
 
+from prefixkv.engine.prompts import shared_prefix
 from prefixkv.server.auth import cache_salt_for, principal_of, request_api_key, tenant_owner
-from prefixkv.server.cache_store import CacheEntry, entry_id_of, shared_prefix
+from prefixkv.server.cache_store import CacheEntry, entry_id_of
 from prefixkv.server.errors import APIError
 from prefixkv.server.messages_protocol import Conversation
 from prefixkv.server.state import ServerState

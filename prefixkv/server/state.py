@@ -18,9 +18,10 @@ import jinja2
 from fastapi import Request
 
 from prefixkv.engine.client import EngineTokenizer
+from prefixkv.engine.prompts import shared_prefix
 from prefixkv.server.async_engine import AsyncEngine, RequestGroup
 from prefixkv.server.auth import KeyRing, cache_salt_for
-from prefixkv.server.cache_store import CacheStore, shared_prefix
+from prefixkv.server.cache_store import CacheStore
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.messages_protocol import Conversation
 from prefixkv.server.metrics import ServerMetrics
