@@ -4,7 +4,7 @@ The simulator's clock is only as good as its cost model, so the model is measure
 (built as `prefixkv bench` builds it) runs a grid of batches that covers what a trace produces (prefill chunks of
 several sizes at several context starts, decode batches of several sizes at several context lengths, and decodes
 mixed with a prefill chunk), every step is timed as a whole (`Engine.step`, scheduling included: that is what a
-request waits for), and the four coefficients of StepCostModel are fitted to the fastest of a few repeats of each
+request waits for), and the five coefficients of StepCostModel are fitted to the fastest of a few repeats of each
 shape (a shared machine only ever adds time).
 
 A chunk's context start is set with a prefix hit: its prefix is computed once, untimed, and each timed request is
@@ -32,7 +32,8 @@ from prefixkv.bench.workloads import TokenSampler, sampler_for
 from prefixkv.engine.core import StepComponent
 from prefixkv.sim.cost_model import BatchShape, StepCostModel
 
-FEATURES = ("computed_tokens", "attended_pairs", "num_sequences")  # the step overhead is the constant term
+# the step overhead is the constant term
+FEATURES = ("computed_tokens", "prefill_pairs", "decode_pairs", "num_sequences")
 BUSY_LOAD_PER_CPU = 0.5  # load average beyond the fit's own threads, per CPU, that says other work shared the cores
 
 
@@ -296,7 +297,7 @@ def features(shape: BatchShape) -> list[float]:
 def nonnegative_least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
     """argmin ||A x - b|| subject to x >= 0, for a handful of unknowns: the optimum is the unconstrained least
     squares solution on some subset of the unknowns (the others 0), so try every subset and keep the best
-    feasible one (2^4 small solves; exact, no iteration to tune)."""
+    feasible one (2^5 small solves; exact, no iteration to tune)."""
     import numpy as np
 
     a = np.asarray(rows, dtype=float)
@@ -324,8 +325,8 @@ def nonnegative_least_squares(rows: Sequence[Sequence[float]], targets: Sequence
 def fit(steps: Sequence[MeasuredStep], name: str, source: str) -> StepCostModel:
     """The StepCostModel with the smallest squared relative error over `steps`, every coefficient >= 0."""
     rows = [[f / s.seconds for f in features(s.shape)] for s in steps]
-    overhead, per_token, per_pair, per_sequence = nonnegative_least_squares(rows, [1.0] * len(steps))
-    return StepCostModel(name, source, overhead, per_token, per_pair, per_sequence)
+    overhead, per_token, per_pair, per_decode_pair, per_sequence = nonnegative_least_squares(rows, [1.0] * len(steps))
+    return StepCostModel(name, source, overhead, per_token, per_pair, per_sequence, per_decode_pair)
 
 
 def fit_report(model: StepCostModel, steps: Sequence[MeasuredStep]) -> dict:
@@ -363,7 +364,8 @@ def print_fit(model: StepCostModel, report: dict, measure_s: float) -> None:
     )
     print(
         f"\n{model.name}: step {model.step_overhead_s * 1e3:.3f} ms + {model.per_token_s * 1e6:.2f} us/token + "
-        f"{model.per_attended_pair_s * 1e9:.4f} ns/pair + {model.per_sequence_s * 1e6:.1f} us/sequence"
+        f"{model.per_attended_pair_s * 1e9:.4f} ns/prefill pair + {model.decode_pair_s * 1e9:.4f} ns/decode pair + "
+        f"{model.per_sequence_s * 1e6:.1f} us/sequence"
     )
     print(
         f"relative error over {report['num_points']} shapes: mean {report['mean_abs_relative_error']:.1%}, "

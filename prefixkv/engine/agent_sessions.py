@@ -16,6 +16,10 @@ pinned pages are left to evict, the latest return goes first. Every such priorit
 always yields to the explicit retentions (prompt_cache_retention, cache breakpoints, /v1/caches entries). The
 retention cap (retained_pool_fraction) bounds the pins, so they never starve admission.
 
+With `demote` (the engine sets it with a write_back second tier), every answer also hands its sequence to the tier
+at once: the pause is when to write it, and the pool may then evict it at no cost (Tokencake's offload during tool
+stalls).
+
 The table of sessions is bounded (`max_sessions`, least recently active dropped, its pins let go) and keyed by
 (cache namespace, session id).
 """
@@ -53,6 +57,7 @@ class SessionPins:
         grace: float = 1.25,
         max_pin_seconds: float = 3600.0,
         max_sessions: int = 10_000,
+        demote: bool = False,
     ) -> None:
         if policy not in SESSION_POLICIES:
             raise ValueError(f"unknown session policy {policy!r} (known: {', '.join(SESSION_POLICIES)})")
@@ -64,6 +69,8 @@ class SessionPins:
         self.kv, self.policy = kv, policy
         self.ttl_seconds, self.grace, self.max_pin_seconds = ttl_seconds, grace, max_pin_seconds
         self.max_sessions = max_sessions
+        self.demote = demote
+        self.demoted_chunks = 0  # chunks handed to the second tier at pause starts
         self._sessions: OrderedDict[tuple, _Session] = OrderedDict()
         self._probes = 0
         self.pinned_pages = 0  # pages pinned, counted at each pin
@@ -97,13 +104,15 @@ class SessionPins:
         """A hinted request finished (its pages are cached, no longer held): pin its sequence for the pause, or
         end the session."""
         hint = request.session
-        if hint is None or self.policy == "none":
+        if hint is None or (aborted and hint.action != "release"):
+            return
+        if self.demote and hint.action == "keep":
+            self.demoted_chunks += self.kv.demote(request)
+        if self.policy == "none":
             return
         key = self._key(request, hint.id)
         if hint.action == "release":
             self._end(key)
-            return
-        if aborted:
             return
         session = self._touch(key)
         pause = hint.expected_pause_s
@@ -178,4 +187,5 @@ class SessionPins:
             "tracked_sessions": len(self._sessions),
             "session_pinned_pages": self.pinned_pages,
             "session_released_pages": self.released_pages,
+            "session_demoted_chunks": self.demoted_chunks,
         }

@@ -47,6 +47,11 @@ class StepComponent(Protocol):
         """After the scheduler recorded the step's progress (newly full pages are committed)."""
         return None
 
+    def after_outputs(self) -> None:
+        """The engine has processed the step's samples (finished requests freed, their session pins set): hand
+        over what that queued (a tier's demotions)."""
+        return None
+
     def on_reset(self) -> None:
         """The prefix cache was reset (KV events of the evictions go out)."""
         return None
@@ -98,6 +103,10 @@ class EngineCore:
         for component in self.components:
             component.after_update(scheduled)
         return StepResult(scheduled, samples)
+
+    def after_outputs(self) -> None:
+        for component in self.components:
+            component.after_outputs()
 
     def reset(self) -> None:
         for component in self.components:

@@ -117,7 +117,9 @@ class Engine:
         self.kv = kv
         self.policy = create_policy(config)
         self.scheduler = Scheduler(config, self.kv, self.policy)
-        self.sessions = SessionPins(self.kv, config.session_policy)  # what session hints pin between turns
+        # what session hints pin between turns (and, with a write_back tier, hand to the tier when a turn ends)
+        demote = config.kv_offload and config.kv_offload_write_policy == "write_back"
+        self.sessions = SessionPins(self.kv, config.session_policy, demote=demote)
         self._executor = RunnerExecutor(runner, kv)
         self.core = EngineCore(self.scheduler, self._executor, components)
         self._parents: dict[str, ParentRequest] = {}
@@ -266,6 +268,7 @@ class Engine:
                 outputs.append(build_output(parent))
             if finished:
                 del self._parents[parent.request_id]
+        self.core.after_outputs()
         return outputs
 
     def close(self) -> None:

@@ -30,6 +30,9 @@ class EventRelay:
     def after_update(self, scheduled: object) -> None:
         self.publish()
 
+    def after_outputs(self) -> None:
+        pass
+
     def on_reset(self) -> None:
         self.publish()
 

@@ -171,6 +171,12 @@ class KVCacheManager(ABC):
         No effect on the request; a cache without retained pages releases nothing."""
         return 0
 
+    def demote(self, request: Request) -> int:
+        """Hand the second tier, now, the cached chunks of request.token_ids it does not hold yet (an agent's turn
+        ended and its tool runs: the pool may evict them later at no cost). Returns how many chunks were queued; a
+        cache without a tier (or one that saved them already) queues none."""
+        return 0
+
     def summary(self) -> CacheSummary:
         """The cache's view of itself for humans (CLI, admin endpoint); caches add what they hold."""
         return CacheSummary(

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from prefixkv.choices import KV_OFFLOAD_WRITE_POLICIES
 from prefixkv.config import EngineConfig
 from prefixkv.engine_args import add_engine_args, engine_kwargs
 from prefixkv.router import policy_options
@@ -23,6 +24,7 @@ from prefixkv.sim.cause_check import check_causes
 from prefixkv.sim.cost_model import PRESETS, StepCostModel, load_cost_model
 from prefixkv.sim.replicas import POOLED, ROUTERS, simulate_replicas, summarize_replicas
 from prefixkv.sim.simulator import NO_TENANCY, Tenancy, simulate_trace, summarize_trace
+from prefixkv.sim.tier import TIER_PRESETS, SimTierOptions, default_tier_cost, load_tier_cost
 from prefixkv.sim.traces import FORMATS, ScaledRequest, TraceScaling, load_trace, scale_trace
 
 # EngineConfig fields the simulator does not model: the model's own take no flag; the second KV tier's and KV
@@ -45,8 +47,59 @@ _NOT_SIMULATED = (
 )
 
 
-def add_trace_arguments(p: argparse.ArgumentParser) -> None:
-    """The trace, its scaling, the engine options the simulator honours, the cost model and the output."""
+# the second tier's flags the simulator honours (its tier is simulated: sim/tier.py); the others name files or bytes
+_TIER_HONOURED = ("kv_offload_chunk_tokens", "kv_offload_write_policy")
+
+
+def refuse_unsimulated(p: argparse.ArgumentParser, honoured: Sequence[str] = ()) -> None:
+    """The engine's flags the simulator does not model, each an error naming it (never a silent no-op)."""
+    for name in _NOT_SIMULATED:
+        if name not in honoured:
+            flag = f"--{name.replace('_', '-')}"
+            p.add_argument(flag, action=_NotSimulated, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def add_tier_arguments(group) -> None:
+    """A simulated second tier's cost and chunks (its size is the caller's flag: a fraction of what it scales by)."""
+    group.add_argument(
+        "--tier-cost",
+        default=None,
+        help=f"the tier's KV bytes per token and bandwidths: a preset ({', '.join(TIER_PRESETS)}) or a JSON file "
+        "(default: the one that goes with the cost model; this CPU's disk for a fitted one)",
+    )
+    group.add_argument(
+        "--kv-offload-chunk-tokens",
+        type=int,
+        default=None,
+        help="tokens per tier entry, a multiple of the page size (default 16: one page)",
+    )
+    group.add_argument(
+        "--kv-offload-write-policy",
+        choices=KV_OFFLOAD_WRITE_POLICIES,
+        default=None,
+        help="write_through (default): every computed chunk is saved; write_back: when the pool evicts it",
+    )
+
+
+def check_tier_flags(args: argparse.Namespace, with_tier: bool, size_flag: str) -> None:
+    """The tier's flags only with a tier: a flag accepted and then ignored would be a bug."""
+    given = [f for f in ("tier_cost", "kv_offload_chunk_tokens", "kv_offload_write_policy") if getattr(args, f)]
+    if given and not with_tier:
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise ValueError(f"{flags}: there is no tier without {size_flag}")
+
+
+def tier_options(args: argparse.Namespace, fraction: float, of_tokens: int, cost: StepCostModel) -> SimTierOptions:
+    """A tier of `fraction` x `of_tokens`, in whole chunks, at --tier-cost (default: the cost model's)."""
+    chunk = args.kv_offload_chunk_tokens or 16
+    tokens = max(1, round(fraction * of_tokens / chunk)) * chunk
+    tier_cost = load_tier_cost(args.tier_cost) if args.tier_cost else default_tier_cost(cost.name)
+    return SimTierOptions(tokens, tier_cost, chunk, args.kv_offload_write_policy or "write_through")
+
+
+def add_trace_arguments(p: argparse.ArgumentParser, tier: bool = False) -> None:
+    """The trace, its scaling, the engine options the simulator honours, the cost model and the output (with
+    `tier`: a simulated second tier's flags)."""
     t = p.add_argument_group("trace")
     t.add_argument("--trace", help="JSON-lines trace file (required)")
     t.add_argument("--format", choices=sorted(FORMATS), default=None, help="trace format (default: detected)")
@@ -62,9 +115,17 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--duration-s", type=float, default=None, help="slice: this many trace seconds")
     t.add_argument("--trace-seed", type=int, default=0, help="seed of the hash id -> token ids mapping")
     add_engine_args(p, exclude=_MODEL_ONLY + _NOT_SIMULATED + _NO_HINTS, aliases={"prefix_cache": ("--cache",)})
-    for name in _NOT_SIMULATED:
-        flag = f"--{name.replace('_', '-')}"
-        p.add_argument(flag, action=_NotSimulated, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    refuse_unsimulated(p, _TIER_HONOURED if tier else ())
+    if tier:
+        k = p.add_argument_group("second KV tier (simulated: sim/tier.py)")
+        k.add_argument(
+            "--tier-fraction",
+            type=float,
+            default=None,
+            help="a second tier of this fraction of the scaled trace's unique prompt tokens behind the pool (one "
+            "replica; default: none)",
+        )
+        add_tier_arguments(k)
     s = p.add_argument_group("simulation")
     s.add_argument(
         "--kv-cache-fraction",
@@ -121,7 +182,7 @@ def register(sub) -> argparse.ArgumentParser:
         # --output) would be an "ambiguous option" for this parser (--output-dir, --output-scale)
         allow_abbrev=False,
     )
-    add_trace_arguments(p)
+    add_trace_arguments(p, tier=True)
     _sim_defaults(p)
     p.add_argument("--time-scale", type=float, default=1.0, help="arrival times x this: 2 = half the load")
     p.add_argument(
@@ -197,9 +258,14 @@ def router_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def sim_engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine options the flags give, less the simulated tier's (the engine config names no tier)."""
+    return {k: v for k, v in engine_kwargs(args).items() if k not in _TIER_HONOURED}
+
+
 def _base_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags give, with a placeholder pool when the pool comes from --kv-cache-fraction."""
-    kwargs = engine_kwargs(args)
+    kwargs = sim_engine_kwargs(args)
     if args.kv_cache_fraction is not None:
         if args.kv_cache_tokens is not None:
             raise ValueError("give --kv-cache-tokens or --kv-cache-fraction, not both")
@@ -241,12 +307,14 @@ def _run_one(
     router: str = "round-robin",
     router_options: dict | None = None,
     tenancy: Tenancy = NO_TENANCY,
+    tier: SimTierOptions | None = None,
 ) -> tuple[dict, list[float], list[float]]:
-    """One simulation: one engine, or `replicas` engines behind `router` (one replica needs no router)."""
+    """One simulation: one engine (with a second tier if given), or `replicas` engines behind `router` (one
+    replica needs no router)."""
     t0 = time.perf_counter()
     with _Progress(len(requests), quiet, desc) as on_done:
         if replicas == 1:
-            res, kv = simulate_trace(config, requests, cost, on_done=on_done, tenancy=tenancy)
+            res, kv = simulate_trace(config, requests, cost, on_done=on_done, tenancy=tenancy, tier=tier)
             summary = summarize_trace(res, kv)
         else:
             fleet = simulate_replicas(
@@ -337,20 +405,32 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"pool {pool} tokens ({pool / unique:.1%} of unique), cost model {cost.name}", flush=True)
     if args.replicas > 1:
         print(f"{args.replicas} replicas of that pool behind the {args.router} router", flush=True)
+    tier = None
+    check_tier_flags(args, args.tier_fraction is not None, "--tier-fraction")
+    if args.tier_fraction is not None:
+        if args.replicas > 1:
+            raise ValueError("--tier-fraction: the simulated tier sits behind one engine (--replicas 1)")
+        if not args.tier_fraction > 0:
+            raise ValueError(f"--tier-fraction must be > 0, got {args.tier_fraction}")
+        tier = tier_options(args, args.tier_fraction, unique, cost)
+        print(f"second tier {tier.capacity_tokens} tokens ({tier.cost.name})", flush=True)
     accesses = bounds.page_accesses(requests, page)
     unbounded = _unbounded(accesses)
-    offline = None if args.no_bounds else _offline(accesses, pool * args.replicas)  # the bound of all the KV there is
+    kv_tokens = pool * args.replicas + (tier.capacity_tokens if tier else 0)
+    offline = None if args.no_bounds else _offline(accesses, kv_tokens)  # the bound of all the KV there is
     options = router_options(args)
     tenancy = Tenancy(args.tenants, args.retention_seconds)
     summary, ttfts, queues = _run_one(
-        config, requests, cost, args.quiet, "simulate", args.replicas, args.router, options, tenancy
+        config, requests, cost, args.quiet, "simulate", args.replicas, args.router, options, tenancy, tier
     )
     summary = _with_bounds(summary, unbounded, offline)
     checks = None
     if args.check_causes:
 
         def rerun(cfg: EngineConfig, ten: Tenancy) -> dict:
-            removed = _run_one(cfg, requests, cost, args.quiet, "no cause", args.replicas, args.router, options, ten)
+            removed = _run_one(
+                cfg, requests, cost, args.quiet, "no cause", args.replicas, args.router, options, ten, tier
+            )
             return removed[0]
 
         checks = check_causes(summary, config, tenancy, requests, unique, rerun)
@@ -363,6 +443,7 @@ def run_command(args: argparse.Namespace) -> int:
         "pool_fraction_of_unique": pool / unique if unique else None,
         "engine_config": dataclasses.asdict(config),
         "cost_model": cost.to_json(),
+        "tier": dataclasses.asdict(tier) if tier else None,
         "options": _options(args),
         "bounds": {"unbounded": unbounded, "offline": offline},
         "summary": summary,
@@ -414,7 +495,7 @@ def _run_table(s: dict) -> str:
     rows = [
         ["token hit rate", s["token_hit_rate"]],
         ["unbounded-cache hit rate", s["unbounded_hit_rate"]],
-        ["offline bound (all replicas' pool)", s.get("offline_bound_hit_rate", "skipped")],
+        ["offline bound (all replicas' pool, and the tier)", s.get("offline_bound_hit_rate", "skipped")],
         ["achieved / offline bound", s.get("of_offline_bound", "skipped")],
         ["TTFT p50 / p90 / p99 (sim s)", _ps(s["ttft_s"])],
         ["queueing p50 / p90 / p99 (sim s)", _ps(s["queue_s"])],
@@ -425,6 +506,8 @@ def _run_table(s: dict) -> str:
         ["replicas, router", f"{s['replicas']}, {s['router']}"],
         ["simulated span (s), steps, wall (s)", f"{s['sim_seconds']:.1f}, {s['steps']}, {s['wall_s']:.1f}"],
     ]
+    if "tier" in s:
+        rows.insert(9, ["tier hit tokens, read stall (sim s)", f"{s['tier_hit_tokens']}, {s['tier_stall_s']:.2f}"])
     return report.format_table(["metric", "value"], rows)
 
 

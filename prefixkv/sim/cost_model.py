@@ -1,10 +1,12 @@
 """How long one engine step takes, as a function of what the batch computes: the simulator's clock.
 
-A step's time is linear in four features of the batch (BatchShape): a fixed part per step (the weights are
+A step's time is linear in five features of the batch (BatchShape): a fixed part per step (the weights are
 read once whatever the batch: memory-bound decode steps cost about this), a part per computed token (the dense
-matmuls), a part per query x key pair (attention, quadratic in the context), and a part per sequence
-(sampling, bookkeeping). `prefixkv simulate fit` fits the four coefficients to measured engine steps; the
-presets for GPU models derive them from published hardware figures, with the derivation in `source`.
+matmuls), a part per query x key pair of prefill chunks (attention's compute, quadratic in the context), a part
+per pair of decodes (one token reading its whole context's KV: memory-bound, dearer per pair than a prefill's on
+a CPU), and a part per sequence (sampling, bookkeeping). `prefixkv simulate fit` fits the five coefficients to
+measured engine steps; the presets for GPU models derive them from published hardware figures, with the
+derivation in `source`.
 """
 
 from __future__ import annotations
@@ -25,19 +27,25 @@ class BatchShape:
     attended_pairs: int  # sum over chunks of query x key pairs (a chunk of n tokens from position s: n*s + n(n+1)/2)
     num_sequences: int  # requests in the batch
     num_decodes: int  # chunks of 1 token whose request is past its prompt
+    decode_pairs: int = 0  # the part of attended_pairs that the decodes attend (each its whole context)
+
+    @property
+    def prefill_pairs(self) -> int:
+        return self.attended_pairs - self.decode_pairs
 
     @classmethod
     def of(cls, scheduled: Sequence[tuple[Request, int]]) -> BatchShape:
         """The shape of SchedulerOutput.scheduled, read BEFORE Scheduler.update advances the requests (a chunk
         starts at the request's num_computed_tokens)."""
-        tokens = pairs = decodes = 0
+        tokens = pairs = decodes = decode_pairs = 0
         for request, n in scheduled:
             start = request.num_computed_tokens
             tokens += n
             pairs += n * start + n * (n + 1) // 2
             if n == 1 and start >= request.num_prompt_tokens:
                 decodes += 1
-        return cls(tokens, pairs, len(scheduled), decodes)
+                decode_pairs += start + 1
+        return cls(tokens, pairs, len(scheduled), decodes, decode_pairs)
 
 
 _COEFFICIENTS = ("step_overhead_s", "per_token_s", "per_attended_pair_s", "per_sequence_s")
@@ -45,7 +53,9 @@ _COEFFICIENTS = ("step_overhead_s", "per_token_s", "per_attended_pair_s", "per_s
 
 @dataclass(frozen=True)
 class StepCostModel:
-    """step_time = step_overhead_s + per_token_s * tokens + per_attended_pair_s * pairs + per_sequence_s * seqs.
+    """step_time = step_overhead_s + per_token_s * tokens + per_attended_pair_s * prefill pairs
+    + per_decode_pair_s * decode pairs + per_sequence_s * seqs (per_decode_pair_s None: decode pairs cost
+    per_attended_pair_s too, as in models written before the two were told apart).
 
     Every coefficient is in seconds and >= 0. `source` says where the numbers come from (a fit on which machine,
     or which published figures), so a result printed with this model can be traced back."""
@@ -56,18 +66,25 @@ class StepCostModel:
     per_token_s: float  # per computed token: the dense matmuls
     per_attended_pair_s: float  # per query x key pair: attention
     per_sequence_s: float = 0.0  # per sequence in the batch: sampling, bookkeeping
+    per_decode_pair_s: float | None = None  # per query x key pair of a decode: its context's KV read
 
     def __post_init__(self) -> None:
-        for key in _COEFFICIENTS:
+        keys = _COEFFICIENTS + (("per_decode_pair_s",) if self.per_decode_pair_s is not None else ())
+        for key in keys:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"cost model {self.name!r}: {key} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def decode_pair_s(self) -> float:
+        return self.per_attended_pair_s if self.per_decode_pair_s is None else self.per_decode_pair_s
 
     def step_time(self, batch: BatchShape) -> float:
         return (
             self.step_overhead_s
             + self.per_token_s * batch.computed_tokens
-            + self.per_attended_pair_s * batch.attended_pairs
+            + self.per_attended_pair_s * batch.prefill_pairs
+            + self.decode_pair_s * batch.decode_pairs
             + self.per_sequence_s * batch.num_sequences
         )
 

@@ -95,6 +95,7 @@ def pooled_config(config: EngineConfig, cost: StepCostModel, num_replicas: int) 
         per_token_s=cost.per_token_s / num_replicas,
         per_attended_pair_s=cost.per_attended_pair_s / num_replicas,
         per_sequence_s=cost.per_sequence_s / num_replicas,
+        per_decode_pair_s=None if cost.per_decode_pair_s is None else cost.per_decode_pair_s / num_replicas,
     )
     return big, fast
 

@@ -164,15 +164,24 @@ def plot_sessions(results: dict, path: str) -> None:
     plt = _pyplot()
     runs = results["runs"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for policy in dict.fromkeys(r["policy"] for r in runs):
-        mine = sorted((r for r in runs if r["policy"] == policy), key=lambda r: r["fraction"])
+    for policy in dict.fromkeys(r.get("label", r["policy"]) for r in runs):
+        mine = sorted((r for r in runs if r.get("label", r["policy"]) == policy), key=lambda r: r["fraction"])
         xs = [r["fraction"] for r in mine]
         left.plot(xs, [r["token_hit_rate"] for r in mine], marker="o", label=policy)
         right.plot(xs, [r["jct_s"]["mean"] for r in mine], marker="o", label=policy)
-    bound = sorted({(r["fraction"], r["offline_bound_hit_rate"]) for r in runs if "offline_bound_hit_rate" in r})
-    if bound:  # the bound of each run's own order; the highest per pool size is drawn
-        best = {x: max(y for x2, y in bound if x2 == x) for x, _ in bound}
-        left.plot(list(best), list(best.values()), "k--", label="offline bound (Belady)")
+    for tier in sorted({r.get("tier_fraction", 0) for r in runs}):
+        bound = sorted(
+            {
+                (r["fraction"], r["offline_bound_hit_rate"])
+                for r in runs
+                if "offline_bound_hit_rate" in r and r.get("tier_fraction", 0) == tier
+            }
+        )
+        if bound:  # the bound of each run's own order; the highest per pool size is drawn
+            best = {x: max(y for x2, y in bound if x2 == x) for x, _ in bound}
+            what = f"pool + tier {tier:g}" if tier else "pool"
+            style = "k--" if not tier else "k-."
+            left.plot(list(best), list(best.values()), style, label=f"offline bound (Belady), {what}")
     unbounded = [r["unbounded_hit_rate"] for r in runs if "unbounded_hit_rate" in r]
     if unbounded:
         left.axhline(max(unbounded), color="gray", linestyle=":", label="unbounded cache")

@@ -15,7 +15,7 @@ import random
 import time
 
 from prefixkv.config import EngineConfig
-from prefixkv.engine_args import add_engine_args, engine_kwargs
+from prefixkv.engine_args import add_engine_args
 from prefixkv.sim import bounds, report
 from prefixkv.sim.agent_traces import (
     AgentScaling,
@@ -30,13 +30,18 @@ from prefixkv.sim.command import (
     _MODEL_ONLY,
     _NO_HINTS,
     _NOT_SIMULATED,
-    _NotSimulated,
+    _TIER_HONOURED,
     _split,
     _try_plot,
     _write_results,
+    add_tier_arguments,
+    check_tier_flags,
+    refuse_unsimulated,
+    sim_engine_kwargs,
+    tier_options,
 )
 from prefixkv.sim.cost_model import PRESETS, load_cost_model
-from prefixkv.sim.sessions import POLICIES, SessionPolicy, replay_sessions
+from prefixkv.sim.sessions import POLICIES, TIER_ACTIONS, SessionPolicy, replay_sessions
 from prefixkv.stats import ratio
 
 
@@ -62,21 +67,31 @@ def register_sessions(simulate_sub) -> None:
         help="cut longer pauses to this (default 3600: a session left for days is a new day, not a tool call)",
     )
     t.add_argument("--trace-seed", type=int, default=0, help="seed of the hash id -> token ids mapping")
-    t.add_argument("--policies", default=",".join(POLICIES), help=f"session policies ({', '.join(POLICIES)})")
+    t.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"session policies ({', '.join(POLICIES)}), each with tier actions after '+' "
+        f"({', '.join(TIER_ACTIONS)}; e.g. session+prefetch)",
+    )
     t.add_argument("--pin-seconds", type=float, default=300.0, help="ttl policy: the fixed pin (default 300 s)")
     t.add_argument("--grace", type=float, default=1.25, help="pause policy: the pin lasts the pause x this + 1 s")
     t.add_argument(
         "--fractions", default="0.25", help="pool sizes as fractions of the working set (the sessions' peak contexts)"
     )
+    k = p.add_argument_group("second KV tier (simulated: sim/tier.py)")
+    k.add_argument(
+        "--tier-fractions",
+        default="0",
+        help="second-tier sizes as fractions of the working set, each run beside the pool (default 0: no tier); "
+        "policies with tier actions (+demote, +prefetch) run only with a tier",
+    )
+    add_tier_arguments(k)
     add_engine_args(
         p,
         exclude=_MODEL_ONLY + _NOT_SIMULATED + _NO_HINTS + ("kv_cache_tokens",),
         aliases={"prefix_cache": ("--cache",)},
     )
-    for name in _NOT_SIMULATED:
-        p.add_argument(
-            f"--{name.replace('_', '-')}", action=_NotSimulated, default=argparse.SUPPRESS, help=argparse.SUPPRESS
-        )
+    refuse_unsimulated(p, _TIER_HONOURED)
     s = p.add_argument_group("output")
     s.add_argument("--cost-model", default="smollm2-cpu-2t", help=f"a preset ({', '.join(PRESETS)}) or a fit's JSON")
     s.add_argument("--no-solo", action="store_true", help="skip each session's solo run (no slowdowns)")
@@ -105,12 +120,18 @@ def sessions_command(args: argparse.Namespace) -> int:
     cost = load_cost_model(args.cost_model)
     policies = [SessionPolicy(name, args.pin_seconds, args.grace) for name in _split(args.policies)]
     fractions = _split(args.fractions, float)
+    tier_fractions = _split(args.tier_fractions, float)
+    if any(not f >= 0 for f in tier_fractions):
+        raise ValueError(f"--tier-fractions must be >= 0, got {args.tier_fractions}")
+    if not any(tier_fractions) and any(p.acts_on_tier for p in policies):
+        raise ValueError("a policy with tier actions (+demote, +prefetch) needs --tier-fractions above 0")
+    check_tier_flags(args, any(tier_fractions), "--tier-fractions above 0")
     scaling = AgentScaling(args.tokens_per_block, args.output_scale, args.think_scale, args.max_think_s)
     trace = load_agent_trace(args.trace)
     mapping = token_mapping(trace, scaling, seed=args.trace_seed)
     drawn = draw_sessions(trace, args.sessions, args.session_seed)
     starts = start_times(len(drawn), args.stagger_s, args.session_seed)
-    base = EngineConfig.from_kwargs(**(engine_kwargs(args) | {"kv_cache_tokens": None}))
+    base = EngineConfig.from_kwargs(**(sim_engine_kwargs(args) | {"kv_cache_tokens": None}))
     page = base.tokens_per_page
     need = working_set(drawn, scaling)
     print(f"trace {args.trace}: {len(trace.sessions)} sessions; {len(drawn)} drawn (seed {args.session_seed})")
@@ -122,22 +143,26 @@ def sessions_command(args: argparse.Namespace) -> int:
         config = dataclasses.replace(base, kv_cache_tokens=pool)
         if not args.no_solo:
             solo = _solo_jcts(config, cost, scaling, mapping, drawn)
-        for policy in policies:
+        for tier_fraction, policy in [(tf, p) for tf in tier_fractions for p in policies if tf or not p.acts_on_tier]:
+            tier = tier_options(args, tier_fraction, need, cost) if tier_fraction else None
             t0 = time.perf_counter()
-            result = replay_sessions(config, cost, scaling, mapping, policy, drawn, starts)
+            result = replay_sessions(config, cost, scaling, mapping, policy, drawn, starts, tier=tier)
             summary = result.summary
-            summary.update(fraction=fraction, pool_tokens=pool, wall_s=time.perf_counter() - t0)
+            label = policy.name + (f" tier {tier_fraction:g}" if tier else "")
+            summary.update(fraction=fraction, pool_tokens=pool, label=label, wall_s=time.perf_counter() - t0)
+            summary.update(tier_fraction=tier_fraction, tier_tokens=tier.capacity_tokens if tier else 0)
             if not args.no_bounds:
                 acc = bounds.page_accesses(result.served, page)
                 summary["unbounded_hit_rate"] = bounds.unbounded_hit_tokens(acc, page).rate
-                summary["offline_bound_hit_rate"] = bounds.offline_hit_tokens(acc, page, pool // page).rate
+                capacity = (pool + summary["tier_tokens"]) // page  # the pool and the tier as one pool: a bound on both
+                summary["offline_bound_hit_rate"] = bounds.offline_hit_tokens(acc, page, capacity).rate
                 summary["of_offline_bound"] = ratio(summary["token_hit_rate"], summary["offline_bound_hit_rate"])
             if solo:
                 slow = [jct / solo[sid.split(":", 1)[1]] for sid, jct in summary["jct_by_session"].items()]
                 summary["slowdown_vs_solo"] = {"mean": sum(slow) / len(slow), "max": max(slow)}
             runs.append(summary)
             print(
-                f"  pool {fraction:g} ({pool} tokens) {policy.name}: hit {summary['token_hit_rate']:.3f}, mean JCT "
+                f"  pool {fraction:g} ({pool} tokens) {label}: hit {summary['token_hit_rate']:.3f}, mean JCT "
                 f"{summary['jct_s']['mean']:.0f} s ({summary['wall_s']:.1f} s wall)",
                 flush=True,
             )
@@ -151,6 +176,7 @@ def sessions_command(args: argparse.Namespace) -> int:
         "working_set_tokens": need,
         "engine_config": dataclasses.asdict(base),
         "cost_model": cost.to_json(),
+        "tier_cost": tier_options(args, 1.0, need, cost).cost.to_json() if any(tier_fractions) else None,
         "solo_jct_s": solo,
         "runs": runs,
         "targets": targets_rows,
@@ -180,13 +206,13 @@ def targets(runs: list[dict]) -> list[dict]:
     its worst slowdown; with a pool of at least the whole working set in the grid, also the most any cache policy
     could gain there: LRU's mean JCT over LRU's with that pool (no capacity misses at all)."""
     largest = max(
-        (r for r in runs if r["policy"] == "lru" and r["fraction"] >= 1), key=lambda r: r["fraction"], default=None
+        (r for r in runs if _label(r) == "lru" and r["fraction"] >= 1), key=lambda r: r["fraction"], default=None
     )
     out = []
     for fraction in sorted({r["fraction"] for r in runs}):
-        cell = {r["policy"]: r for r in runs if r["fraction"] == fraction}
+        cell = {_label(r): r for r in runs if r["fraction"] == fraction}
         best = min(cell.values(), key=lambda r: r["jct_s"]["mean"])
-        row = {"fraction": fraction, "best_policy": best["policy"], "of_offline_bound": best.get("of_offline_bound")}
+        row = {"fraction": fraction, "best_policy": _label(best), "of_offline_bound": best.get("of_offline_bound")}
         for other in ("lru", "ttl"):
             if other in cell:
                 row[f"jct_{other}_over_best"] = ratio(cell[other]["jct_s"]["mean"], best["jct_s"]["mean"])
@@ -195,6 +221,11 @@ def targets(runs: list[dict]) -> list[dict]:
             row["jct_lru_over_unlimited_pool"] = ratio(cell["lru"]["jct_s"]["mean"], largest["jct_s"]["mean"])
         out.append(row)
     return out
+
+
+def _label(run: dict) -> str:
+    """The policy, and the tier it ran with (runs written before the tier have no label)."""
+    return run.get("label", run["policy"])
 
 
 def _targets_table(rows: list[dict]) -> str:
@@ -217,14 +248,14 @@ def _targets_table(rows: list[dict]) -> str:
 
 def _table(runs: list[dict]) -> str:
     headers = ["pool", "policy", "hit rate", "offline", "/bound", "JCT mean s", "JCT p90 s", "slowdown mean", "max"]
-    headers += ["evicted", "rejected", "wall s"]
+    headers += ["tier hit", "evicted", "rejected", "wall s"]
     rows = []
     for r in runs:
         slow = r.get("slowdown_vs_solo", {})
         rows.append(
             [
                 r["fraction"],
-                r["policy"],
+                _label(r),
                 r["token_hit_rate"],
                 r.get("offline_bound_hit_rate", float("nan")),
                 r.get("of_offline_bound") or float("nan"),
@@ -232,6 +263,7 @@ def _table(runs: list[dict]) -> str:
                 r["jct_s"]["p90"],
                 slow.get("mean", float("nan")),
                 slow.get("max", float("nan")),
+                ratio(r.get("tier_hit_tokens", 0), r["prompt_tokens"]),
                 r["evicted_pages"],
                 r["rejected_requests"],
                 r["wall_s"],

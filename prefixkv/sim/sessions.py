@@ -24,6 +24,8 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.agent_sessions import SessionPins
 from prefixkv.engine.policy_factory import create_policy
 from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.request import Request
+from prefixkv.sampling_params import SamplingParams
 from prefixkv.session_hint import SessionHint
 from prefixkv.sim.agent_traces import (
     AgentPrompt,
@@ -35,25 +37,55 @@ from prefixkv.sim.agent_traces import (
 )
 from prefixkv.sim.cost_model import StepCostModel
 from prefixkv.sim.simulator import Arrival, SimClock, Simulation, create_kv, missed_by_cause
+from prefixkv.sim.tier import SimTierCopier, SimTierOptions, tiered
 from prefixkv.sim.traces import BlockTokens
 from prefixkv.stats import percentile, ratio
 
 POLICIES = ("lru", "ttl", "pause", "session")  # lru: the engine's session policy "none"
+# with a second tier, a policy may add: demote (the turn's sequence goes to the tier when its pause starts) and
+# prefetch (the tier's chunks of the sequence are read back to be ready when the announced pause ends)
+TIER_ACTIONS = ("demote", "prefetch")
 
 
 @dataclass(frozen=True)
 class SessionPolicy:
+    """A pool policy, and the tier actions after a '+' (e.g. "session+prefetch", "lru+demote+prefetch")."""
+
     name: str = "lru"
     pin_seconds: float = 300.0  # ttl: Anthropic's default cache lifetime (5 minutes)
     grace: float = 1.25  # pause: the pin lasts the announced pause x grace + 1 s (an estimate may run late)
 
     def __post_init__(self) -> None:
-        if self.name not in POLICIES:
-            raise ValueError(f"unknown session policy {self.name!r} (known: {', '.join(POLICIES)})")
+        pins, *actions = self.name.split("+")
+        if pins not in POLICIES:
+            raise ValueError(f"unknown session policy {pins!r} (known: {', '.join(POLICIES)})")
+        unknown = [a for a in actions if a not in TIER_ACTIONS]
+        if unknown or len(set(actions)) != len(actions):
+            raise ValueError(
+                f"session policy {self.name!r}: after '+' only {' and '.join(TIER_ACTIONS)}, each at most once"
+            )
         if not (math.isfinite(self.pin_seconds) and self.pin_seconds > 0):
             raise ValueError(f"pin_seconds must be > 0, got {self.pin_seconds}")
         if not (math.isfinite(self.grace) and self.grace >= 1):
             raise ValueError(f"grace must be >= 1, got {self.grace}")
+
+    @property
+    def pins(self) -> str:
+        """The engine's session policy (engine/agent_sessions.py) this one runs."""
+        pins = self.name.split("+")[0]
+        return "none" if pins == "lru" else pins
+
+    @property
+    def acts_on_tier(self) -> bool:
+        return "+" in self.name
+
+    @property
+    def demote(self) -> bool:
+        return "demote" in self.name.split("+")[1:]
+
+    @property
+    def prefetch(self) -> bool:
+        return "prefetch" in self.name.split("+")[1:]
 
 
 def step_hint(
@@ -132,14 +164,22 @@ class SessionReplay:
         mapping: BlockTokens,
         policy: SessionPolicy,
         check_every: int = 0,
+        tier: SimTierOptions | None = None,
     ) -> None:
+        """tier: a second KV tier behind the pool (sim/tier.py); a policy with tier actions needs one."""
+        if tier is None and (policy.demote or policy.prefetch):
+            raise ValueError(f"session policy {policy.name!r} acts on a second tier: give the run one")
         self.config, self.scaling, self.mapping, self.policy = config, scaling, mapping, policy
         self.clock = SimClock()
         self.kv: KVCacheManager = create_kv(config, self.clock)
-        pins = SessionPins(
-            self.kv, "none" if policy.name == "lru" else policy.name, ttl_seconds=policy.pin_seconds, grace=policy.grace
+        self.copier: SimTierCopier | None = None
+        components = []
+        if tier is not None:
+            self.kv, self.copier = tiered(self.kv, tier, config.prefix_caching_hash_algo, self.clock.now, self._advance)
+            components.append(self.copier)
+        self.pins = SessionPins(
+            self.kv, policy.pins, ttl_seconds=policy.pin_seconds, grace=policy.grace, demote=policy.demote
         )
-        self.pins = pins
         self.sim = Simulation(
             config,
             self.kv,
@@ -148,8 +188,10 @@ class SessionReplay:
             clock="seconds",
             check_every=check_every,
             sim_clock=self.clock,
-            sessions=pins,
+            components=components,
+            sessions=self,
         )
+        self._sequences: dict[str, Request] = {}  # request id -> the finished request, until its agent moves on
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._by_request: dict[str, _Agent] = {}
@@ -158,6 +200,38 @@ class SessionReplay:
         self._arrived: list[tuple[str, AgentPrompt]] = []  # (request id, prompt) in arrival order
         self._rejected: set[str] = set()
         self.answered: list[Answered] = []
+
+    # -- the engine's session hooks (Simulation calls them): the pins, and what the tier actions need ----------
+    def on_add(self, request: Request) -> None:
+        self.pins.on_add(request)
+
+    def on_finish(self, request: Request) -> None:
+        self.pins.on_finish(request)
+        if self.policy.prefetch:
+            self._sequences[request.request_id] = request
+
+    def _advance(self, seconds: float) -> None:
+        self.clock.seconds += seconds
+
+    def _prefetch_before(self, request: Request, due_s: float) -> None:
+        """Read the sequence's chunks back from the tier so that they are ready at `due_s` (the announced end
+        of the pause): start as late as reading all of it from the tier allows."""
+        lead = self.copier.tier.cost.read_s(len(request.token_ids)) if self.copier is not None else 0.0
+        self._at(max(self.sim.now(), due_s - lead), functools.partial(self._read_ahead, request))
+
+    def _read_ahead(self, request: Request) -> None:
+        assert self.copier is not None
+        probe = Request(
+            f"prefetch-{request.request_id}",
+            list(request.token_ids),
+            SamplingParams(max_tokens=1),
+            cache_salt=request.cache_salt,
+            lora_id=request.lora_id,
+        )
+        try:
+            self.copier.read_ahead(probe)
+        finally:
+            self.kv.free(probe)
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self, sessions: list[AgentSession], starts: list[float]) -> SessionResult:
@@ -196,6 +270,11 @@ class SessionReplay:
             m = metrics[self._seen_metrics]
             self._seen_metrics += 1
             agent = self._by_request.pop(m.request_id)
+            finished = self._sequences.pop(m.request_id, None)
+            if finished is not None and finished.session is not None:
+                pause = finished.session.expected_pause_s
+                if pause is not None:
+                    self._prefetch_before(finished, self.sim.now() + pause)
             run = agent.root
             run.requests += 1
             if m.rejected:
@@ -295,6 +374,7 @@ class SessionReplay:
             "retention_released_by_cap": retention["retention_released_by_cap"],
             "retention_expired": retention["retention_expired"],
             **self.pins.summary(),
+            **(self.copier.stats() if self.copier is not None else {}),
             "pool_pages": self.kv.num_pages,
             "page_size": self.kv.page_size,
         }
@@ -309,5 +389,6 @@ def replay_sessions(
     sessions: list[AgentSession],
     starts: list[float],
     check_every: int = 0,
+    tier: SimTierOptions | None = None,
 ) -> SessionResult:
-    return SessionReplay(config, cost, scaling, mapping, policy, check_every).run(sessions, starts)
+    return SessionReplay(config, cost, scaling, mapping, policy, check_every, tier).run(sessions, starts)

@@ -25,7 +25,6 @@ from prefixkv.batch import Sample
 from prefixkv.cache_miss import CAUSES
 from prefixkv.choices import SchedulePolicy
 from prefixkv.config import EngineConfig
-from prefixkv.engine.agent_sessions import SessionPins
 from prefixkv.engine.core import EngineCore, StepComponent
 from prefixkv.engine.policies import SchedulingPolicy
 from prefixkv.engine.policy_factory import create_policy
@@ -37,6 +36,7 @@ from prefixkv.request import Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.session_hint import SessionHint
 from prefixkv.sim.cost_model import BatchShape, StepCostModel
+from prefixkv.sim.tier import SimTierOptions, tiered
 from prefixkv.stats import percentile, ratio, summarize
 
 # The step-driven benchmarks' clock: a fixed part per step plus a part per batched token (times are secondary there).
@@ -120,10 +120,20 @@ class SimResult:
     computed_tokens: int = 0
     output_tokens: int = 0
     preemptions: int = 0
+    component_stats: dict = field(default_factory=dict)  # the step components' own figures (a tier's), at the end
 
     @property
     def rejected(self) -> list[RequestMetrics]:
         return [m for m in self.metrics if m.rejected]
+
+
+class SessionHooks(Protocol):
+    """What the engine tells its session pins (engine/agent_sessions.py SessionPins is one): a hinted request
+    arrived, a request finished."""
+
+    def on_add(self, request: Request) -> None: ...
+
+    def on_finish(self, request: Request) -> None: ...
 
 
 class SimClock:
@@ -178,7 +188,7 @@ class Simulation:
         on_done: Callable[[int], None] | None = None,
         sim_clock: SimClock | None = None,
         components: Iterable[StepComponent] = (),
-        sessions: SessionPins | None = None,
+        sessions: SessionHooks | None = None,
     ) -> None:
         """sim_clock: the simulated time (a new one at 0 by default); a KV manager whose requests ask for
         retention must have been built with clock=sim_clock.now. components: step components beside the
@@ -238,6 +248,7 @@ class Simulation:
                 )
         res.steps = sched.step_count
         res.preemptions = sched.num_preemptions
+        res.component_stats = self.core.stats()
         return res
 
     def arrive(self, arrival: Arrival) -> None:
@@ -304,6 +315,7 @@ class Simulation:
                 if self.sessions is not None:
                     self.sessions.on_finish(request)
                 self._finished(request, metrics)
+        self.core.after_outputs()
         if self.check_every and step % self.check_every == 0:
             self.kv.check_invariants()
         return bool(result.scheduled.scheduled)
@@ -424,11 +436,21 @@ def simulate_trace(
     on_done: Callable[[int], None] | None = None,
     check_every: int = 0,
     tenancy: Tenancy = NO_TENANCY,
+    tier: SimTierOptions | None = None,
 ) -> tuple[SimResult, KVCacheManager]:
     """Time-driven: the KV manager, policy and scheduler `config` names serve `requests` (in arrival order) at
-    their arrival times; returns the result and the KV manager (its stats: hits, evictions)."""
+    their arrival times, with a simulated second tier behind the pool if `tier` is given; returns the result and
+    the KV manager (its stats: hits, evictions)."""
     clock = SimClock()
     kv = create_kv(config, clock)
+    components = []
+    if tier is not None:
+
+        def advance(seconds: float) -> None:
+            clock.seconds += seconds
+
+        kv, copier = tiered(kv, tier, config.prefix_caching_hash_algo, clock.now, advance)
+        components.append(copier)
     sim = Simulation(
         config,
         kv,
@@ -438,6 +460,7 @@ def simulate_trace(
         check_every=check_every,
         on_done=on_done,
         sim_clock=clock,
+        components=components,
     )
     return sim.run(trace_arrivals(requests, tenancy)), kv
 
@@ -481,6 +504,7 @@ def summarize_trace(res: SimResult, kv: KVCacheManager) -> dict:
         "readmission_hit_tokens": kv.stats.readmission_hits,
         "pool_pages": kv.num_pages,
         "page_size": kv.page_size,
+        **res.component_stats,
     }
 
 

@@ -25,13 +25,12 @@ def parse(module, argv: list[str]) -> argparse.Namespace:
 
 
 def test_nonnegative_least_squares_recovers_a_model_and_clips_what_would_go_negative():
-    truth = StepCostModel("t", "test", 0.02, 1e-3, 1e-8, 5e-4)
-    shapes = [
-        BatchShape(n, p, s, 0) for n, p, s in [(1, 10, 1), (64, 5000, 1), (512, 2e5, 1), (8, 900, 8), (40, 3e4, 4)]
-    ]
+    truth = StepCostModel("t", "test", 0.02, 1e-3, 1e-8, 5e-4, per_decode_pair_s=1e-7)
+    grid = [(1, 10, 1, 10), (64, 5000, 1, 0), (512, 2e5, 1, 0), (8, 900, 8, 900), (40, 3e4, 4, 300), (9, 2e3, 2, 1e3)]
+    shapes = [BatchShape(n, p, s, 0, d) for n, p, s, d in grid]
     rows = [sim_fit.features(s) for s in shapes]
     solved = sim_fit.nonnegative_least_squares(rows, [truth.step_time(s) for s in shapes])
-    assert solved == pytest.approx([0.02, 1e-3, 1e-8, 5e-4], rel=1e-6)
+    assert solved == pytest.approx([0.02, 1e-3, 1e-8, 1e-7, 5e-4], rel=1e-6)  # sim_fit.FEATURES' order
     # times that fall with the token count would need a negative per-token cost: clipped to 0, the rest refitted
     rows = [[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]
     assert sim_fit.nonnegative_least_squares(rows, [3.0, 2.0, 1.0]) == pytest.approx([2.0, 0.0])
@@ -45,6 +44,7 @@ def test_fit_on_a_tiny_grid_writes_a_cost_model_the_simulator_loads(new_llm, tmp
 
     model = load_cost_model(str(output))
     coefficients = [model.step_overhead_s, model.per_token_s, model.per_attended_pair_s, model.per_sequence_s]
+    coefficients.append(model.decode_pair_s)
     assert all(math.isfinite(c) and c >= 0 for c in coefficients) and model.step_overhead_s + model.per_token_s > 0
     assert "float32" in model.source and "threads" in model.source and "grid" in model.source
     record = json.loads(output.read_text())

@@ -88,3 +88,23 @@ def test_a_restarted_engine_finds_its_prefixes_on_disk_and_never_serves_a_damage
     ignored = new_llm(prefix_cache="hash", **POOL, **other_chunks, kv_offload_on_mismatch="ignore")
     assert ignored.llm_engine.get_stats().kv_tier_entries == 0  # the directory's entries are never read
     ignored.close()
+
+
+def test_a_write_back_tier_takes_an_agent_turn_when_its_pause_starts(new_llm, expected):
+    """With a write-back tier, a turn with a session hint is written to the tier when it ends (the pause is when to
+    write it), not when the pool evicts it; the next turn still gets the same tokens from the tier."""
+    from prefixkv.session_hint import SessionHint
+
+    llm = new_llm(prefix_cache="hash", **POOL, **TIER, kv_offload_write_policy="write_back")
+    engine = llm.llm_engine
+    a, b = prompts(llm.get_tokenizer())
+    engine.add_request("turn-1", {"prompt_token_ids": a}, GREEDY, session=SessionHint("agent-1", None, 30.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.flush()
+    assert engine.sessions.demoted_chunks == 3  # a's full chunks, before anything evicted them
+    assert engine.get_stats().kv_tier_saved_chunks == 3
+    assert run(llm, b)[1] == 0  # evicts a from the pool: nothing of a is left to save
+    engine.flush()
+    assert run(llm, a) == (expected[0], 96)
+    assert engine.get_stats().kv_tier_saved_chunks == 6  # and b's, when a came back and evicted them

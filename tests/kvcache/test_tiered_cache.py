@@ -128,6 +128,25 @@ def test_write_back_saves_a_chunk_when_its_pages_are_reused_and_the_rest_on_dema
     assert eng.kv._unsaved == {} and FakeEngine(kind, 8, eng.tier).run(make_request(PROMPT_B)) == 96
 
 
+@pytest.mark.parametrize("kind", ["hash", "radix"])
+def test_demote_saves_a_finished_sequence_now_and_its_chunks_are_then_readable(kind):
+    eng = FakeEngine(kind, num_pages=8, tier=host_tier(), write_policy="write_back")
+    a = make_request(PROMPT_A)
+    eng.run(a)
+    probe = make_request(PROMPT_A)
+    assert eng.kv.readable_chunks(probe) == []  # all in the pool: nothing to read from the tier
+    eng.kv.free(probe)
+    assert eng.kv.demote(a) == 3 and eng.kv.demote(a) == 0  # its 3 full chunks, once
+    eng.save()
+    assert eng.tier.stats.entries == 3
+    eng.run(make_request(PROMPT_B))  # evicts a's pages: nothing left to save for them
+    assert eng.tier.stats.entries == 3
+    probe = make_request(PROMPT_A)
+    assert len(eng.kv.readable_chunks(probe)) == 3 - eng.kv.inner.lookup(probe) // CHUNK
+    eng.kv.free(probe)
+    assert eng.run(make_request(PROMPT_A)) == 96  # the driver checked every loaded slot against a's KV
+
+
 def test_a_new_cache_on_the_same_tier_is_warm_like_after_a_restart():
     tier = host_tier()
     FakeEngine("hash", 8, tier).run(make_request(PROMPT_A))

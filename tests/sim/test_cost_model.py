@@ -23,15 +23,23 @@ def test_batch_shape_counts_tokens_pairs_and_decodes():
     decode = _request(3, 3, outputs=1)  # one token at position 3 after its prompt: 3 + 1 pairs
     last_prompt_token = _request(5, 4)  # one token, but still the prompt: not a decode
     shape = BatchShape.of([(prefill, 6), (decode, 1), (last_prompt_token, 1)])
-    assert shape == BatchShape(computed_tokens=8, attended_pairs=45 + 4 + 5, num_sequences=3, num_decodes=1)
+    assert shape == BatchShape(8, attended_pairs=45 + 4 + 5, num_sequences=3, num_decodes=1, decode_pairs=4)
+    assert shape.prefill_pairs == 50
     assert BatchShape.of([]) == BatchShape(0, 0, 0, 0)
 
 
-def test_step_time_is_linear_in_the_four_features():
+def test_step_time_is_linear_in_the_five_features():
     model = StepCostModel(
         "m", "test", step_overhead_s=1.0, per_token_s=0.1, per_attended_pair_s=0.01, per_sequence_s=0.5
     )
     assert model.step_time(BatchShape(10, 100, 2, 1)) == pytest.approx(1.0 + 1.0 + 1.0 + 1.0)
+    # without a decode rate of their own, decode pairs cost what prefill pairs do (models written before it)
+    assert model.step_time(BatchShape(10, 100, 2, 1, decode_pairs=40)) == pytest.approx(4.0)
+    decode_aware = StepCostModel("m", "test", 1.0, 0.1, 0.01, 0.5, per_decode_pair_s=0.1)
+    assert decode_aware.step_time(BatchShape(10, 100, 2, 1, decode_pairs=40)) == pytest.approx(3.0 + 0.6 + 4.0)
+    assert StepCostModel.from_json(decode_aware.to_json()) == decode_aware
+    with pytest.raises(ValueError, match="per_decode_pair_s"):
+        StepCostModel("m", "test", 1.0, 0.1, 0.01, 0.5, per_decode_pair_s=-1.0)
 
 
 def test_json_round_trip_and_presets_state_their_source(tmp_path):

@@ -6,6 +6,7 @@ runner. TierCopier joins them, as a step component of the engine core (prefixkv/
 - before the forward pass, chunks to save are read out of the pool first (write_back: pages this step's
   allocations reuse), then the loads the step's admissions took are written into their pool slots;
 - after the step, what it completed is read out and handed to the writer thread, which puts it into the tier;
+  so are, once the step's outputs are processed, the finished agent turns the session pins demote;
 - at close, what only the pool holds is saved, the writer drained and the tier closed.
 Built in the composition root (prefixkv.llm); the engine sees it only as a component.
 """
@@ -51,6 +52,9 @@ class TierCopier:
 
     def after_update(self, scheduled: object) -> None:
         self._save()
+
+    def after_outputs(self) -> None:
+        self._save()  # a finished agent turn's demotion (engine/agent_sessions.py): written in its pause
 
     def on_reset(self) -> None:
         pass

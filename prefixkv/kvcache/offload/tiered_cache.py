@@ -401,6 +401,37 @@ class TieredKVCache(KVCacheManager):
         for key in list(self._unsaved):
             self._save_unsaved(key)
 
+    def demote(self, request: Request) -> int:
+        """write_back: queue the saves of the sequence's computed chunks the tier lacks, now rather than at their
+        eviction (write_through saved them at commit already)."""
+        if not self._unsaved:
+            return 0
+        keys = self._sequence_keys(request, len(request.token_ids) // self.chunk_tokens)
+        demoted = [key for key in keys if key in self._unsaved]
+        for key in demoted:
+            self._save_unsaved(key)
+        return len(demoted)
+
+    def readable_chunks(self, request: Request) -> list[bytes]:
+        """The keys of the chunks after the pool's hit that the tier holds, in order up to the first it lacks:
+        what a lookup of request.token_ids would load (a simulated tier reads them ahead, sim/tier.py)."""
+        c = self.chunk_tokens
+        first = self.inner.lookup(request) // c
+        keys = self._sequence_keys(request, (len(request.token_ids) - 1) // c)
+        out = []
+        for key in keys[first:]:
+            if not self.tier.contains(key):
+                break
+            out.append(key)
+        return out
+
+    def _sequence_keys(self, request: Request, num_chunks: int) -> list[bytes]:
+        """Chunk keys of request.token_ids without keeping per-request state (a probe's, or a finished one's)."""
+        r = request
+        return extend_block_keys(
+            [], r.token_ids, self.chunk_tokens, num_chunks, self._hash_fn, r.lora_id, r.cache_salt, r.mm_hashes
+        )
+
     def explain_miss(self, request: Request, num_cached_tokens: int) -> CacheMiss | None:
         """The inner cache's listener, past the whole hit (pool and tier): a page the pool evicted and the tier
         could not serve reads as evicted."""

@@ -1,0 +1,307 @@
+"""The second KV tier in a simulation: the engine's own tiered cache over a tier that holds keys, not bytes, and
+charges simulated time for what it moves.
+
+The cache is the engine's (kvcache/offload/tiered_cache.py: the same lookups, loads, write policies and
+verification path); only the tier and the copier differ. SimTier keeps each chunk's key with the simulated time
+its write completes, LRU within a capacity in tokens, and models one read channel and one write channel at the
+TierCost's bandwidths:
+- a read the engine makes while scheduling a step (a lookup's probe, an admission's load) waits for the read
+  channel and is charged to that step: SimTierCopier adds the wait to the clock before the step's compute;
+- a read started ahead (at a request's arrival, as the engine's prefetch thread does, or before an agent's pause
+  ends, sim/sessions.py) runs on the same channel in the background: the step that takes it waits only for what
+  is left of it;
+- a write runs in the background (the engine's writer thread); the chunk is readable once it is done, and a write
+  that finds more than the writer's queue bound pending is dropped, as TierWriter drops it.
+Not modelled: the copy between staging and the pool (a memcpy on a CPU; on a GPU it is the PCIe transfer this
+read bandwidth stands for) and the staging bound (a simulated payload is a few bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.kvcache.offload.tier import TierManifest, TierStats
+from prefixkv.kvcache.offload.tiered_cache import TieredKVCache
+from prefixkv.kvcache.offload.writer import DEFAULT_PENDING_BYTES
+from prefixkv.request import Request
+
+
+@dataclass(frozen=True)
+class TierCost:
+    """What moving KV between the pool and the tier costs: bytes of KV per token and the two bandwidths."""
+
+    name: str
+    source: str  # where the figures come from (a measurement on which machine, or published figures)
+    medium: str  # "host" | "disk"
+    kv_bytes_per_token: int  # K and V of one token over all layers
+    read_bytes_per_s: float  # tier -> pool
+    write_bytes_per_s: float  # pool -> tier
+
+    def __post_init__(self) -> None:
+        if self.medium not in ("host", "disk"):
+            raise ValueError(f"tier cost {self.name!r}: medium must be 'host' or 'disk', got {self.medium!r}")
+        for key in ("kv_bytes_per_token", "read_bytes_per_s", "write_bytes_per_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"tier cost {self.name!r}: {key} must be a finite number > 0, got {value!r}")
+
+    def read_s(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / self.read_bytes_per_s
+
+    def write_s(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / self.write_bytes_per_s
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _llama3_host(name: str, params: str, layers: int, gpus: int, link: str, link_bytes_per_s: float) -> TierCost:
+    """Host RAM behind each GPU's PCIe link (tensor parallel: every GPU moves its share of the heads at once)."""
+    per_token = layers * 8 * 128 * 2 * 2  # 8 KV heads of 128, K and V, bf16
+    rate = gpus * link_bytes_per_s / 2
+    source = (
+        f"derived, not measured: Llama 3 {params} KV is {layers} layers x 8 KV heads x 128 x (K, V) x 2 bytes = "
+        f"{per_token} bytes a token (Meta's model card); {gpus} x {link} at {link_bytes_per_s / 1e9:g} GB/s a "
+        "direction (PCI-SIG), taken at half for paged (scattered) block copies"
+    )
+    return TierCost(name, source, "host", per_token, rate, rate)
+
+
+# measured on this machine with the engine's own disk tier (docs/benchmarks/agent_traces/README.md says how)
+_SMOLLM2_DISK_AMD_EPYC = TierCost(
+    name="smollm2-disk-amd-epyc",
+    source=(
+        "this 2-core machine (AMD EPYC): SmolLM2-135M bf16 KV is 30 layers x 3 KV heads x 64 x (K, V) x 2 bytes = "
+        "23,040 bytes a token. Read: 1,529 MB/s, a 256-token chunk read, verified and copied into the pool on the "
+        "model (`prefixkv bench restart`, 2026-11-30, docs/benchmarks/kv_offload). Write: DiskTier.put of 64 "
+        "256-token chunks, median of 3 rounds 2,709 MB/s (594 MB/s in the first, cold round), 2026-12-02. Both "
+        "from the page cache: a drive's own speed is not measured"
+    ),
+    medium="disk",
+    kv_bytes_per_token=23_040,
+    read_bytes_per_s=1.529e9,
+    write_bytes_per_s=2.709e9,
+)
+
+TIER_PRESETS: dict[str, TierCost] = {
+    t.name: t
+    for t in (
+        _SMOLLM2_DISK_AMD_EPYC,
+        _llama3_host("llama3-8b-host-pcie5", "8B", 32, 1, "PCIe 5.0 x16", 64e9),
+        _llama3_host("llama3-8b-host-pcie4", "8B", 32, 1, "PCIe 4.0 x16", 32e9),
+        _llama3_host("llama3-70b-host-pcie5x4", "70B", 80, 4, "PCIe 5.0 x16", 64e9),
+    )
+}
+# the tier each step cost preset (cost_model.PRESETS) runs with by default; a fitted model: this CPU's disk
+DEFAULT_TIER_COST = {
+    "llama3-8b-h100": "llama3-8b-host-pcie5",
+    "llama3-8b-a100": "llama3-8b-host-pcie4",
+    "llama3-70b-h100x4": "llama3-70b-host-pcie5x4",
+}
+
+
+def load_tier_cost(name_or_path: str) -> TierCost:
+    """A preset by name, else a JSON file of TierCost's fields; ValueError saying what is wrong."""
+    if name_or_path in TIER_PRESETS:
+        return TIER_PRESETS[name_or_path]
+    try:
+        with open(name_or_path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(
+            f"tier cost {name_or_path!r} is neither a preset ({', '.join(TIER_PRESETS)}) nor an existing JSON file"
+        ) from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"tier cost file {name_or_path}: cannot read it as JSON: {e}") from None
+    known = [f.name for f in fields(TierCost)]
+    if not isinstance(data, dict) or set(data) != set(known):
+        raise ValueError(f"tier cost file {name_or_path}: expected a JSON object with exactly {', '.join(known)}")
+    try:
+        return TierCost(**data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"tier cost file {name_or_path}: {e}") from None
+
+
+def default_tier_cost(step_cost_name: str) -> TierCost:
+    return TIER_PRESETS[DEFAULT_TIER_COST.get(step_cost_name, _SMOLLM2_DISK_AMD_EPYC.name)]
+
+
+class SimTier:
+    """KVTier over keys only, on simulated time: capacity in tokens (one simulated byte a token), one read and
+    one write channel at the cost's bandwidths (module docstring)."""
+
+    def __init__(
+        self,
+        capacity_tokens: int,
+        chunk_tokens: int,
+        hash_algo: str,
+        cost: TierCost,
+        clock: Callable[[], float],
+        max_pending_bytes: int = DEFAULT_PENDING_BYTES,
+    ) -> None:
+        if capacity_tokens < chunk_tokens:
+            raise ValueError(f"the tier must hold at least one {chunk_tokens}-token chunk, got {capacity_tokens}")
+        self.name = cost.medium
+        self.manifest = TierManifest("simulated", "bfloat16", chunk_tokens, 1, hash_algo, device="sim")
+        self.capacity_bytes = capacity_tokens
+        self.stats = TierStats()
+        self.cost, self.clock = cost, clock
+        self.max_pending_s = max_pending_bytes / cost.write_bytes_per_s  # the writer queue's bound, in time
+        self._payload = bytes(chunk_tokens)
+        self._chunk_read_s = cost.read_s(chunk_tokens)
+        self._chunk_write_s = cost.write_s(chunk_tokens)
+        self._written_at: OrderedDict[bytes, float] = OrderedDict()  # key -> when its write completes, LRU order
+        self._read_ahead: dict[bytes, float] = {}  # key -> when its background read completes
+        self._read_free_s = 0.0  # when the read channel is next idle
+        self._write_free_s = 0.0
+        self.stall_s = 0.0  # the current step's wait for synchronous reads (taken by the copier)
+        self.dropped_writes = 0
+        self.read_ahead_chunks = 0
+
+    def contains(self, key: bytes) -> bool:
+        written = self._written_at.get(key)
+        return written is not None and written <= self.clock()
+
+    def get(self, key: bytes) -> bytes | None:
+        """A synchronous read in the step being scheduled: it waits for the channel (or for its read ahead)."""
+        if not self.contains(key):
+            self.stats.misses += 1
+            return None
+        now = self.clock()
+        at = now + self.stall_s
+        ahead = self._read_ahead.pop(key, None)
+        if ahead is None:
+            at = max(at, self._read_free_s) + self._chunk_read_s
+            self._read_free_s = at
+        else:
+            at = max(at, ahead)
+        self.stall_s = at - now
+        self._written_at.move_to_end(key)
+        self.stats.hits += 1
+        self.stats.bytes_read += len(self._payload) * self.cost.kv_bytes_per_token
+        return self._payload
+
+    def read_ahead(self, key: bytes) -> None:
+        """Start a background read of `key` now (it queues on the read channel); a later get waits for its end."""
+        if key in self._read_ahead or not self.contains(key):
+            return
+        done = max(self.clock(), self._read_free_s) + self._chunk_read_s
+        self._read_free_s = done
+        self._read_ahead[key] = done
+        self.read_ahead_chunks += 1
+
+    def put(self, key: bytes, payload: bytes) -> None:
+        if len(payload) != self.manifest.payload_bytes:
+            raise ValueError(f"a payload must be {self.manifest.payload_bytes} bytes, got {len(payload)}")
+        if key in self._written_at:
+            self._written_at.move_to_end(key)
+            return
+        now = self.clock()
+        if self._write_free_s - now + self._chunk_write_s > self.max_pending_s:  # the writer's queue is full
+            self.dropped_writes += 1
+            return
+        done = max(now, self._write_free_s) + self._chunk_write_s
+        self._write_free_s = done
+        while self.stats.bytes + len(payload) > self.capacity_bytes:
+            dropped, _ = self._written_at.popitem(last=False)
+            self._read_ahead.pop(dropped, None)
+            self.stats.bytes -= len(payload)
+            self.stats.entries -= 1
+            self.stats.evicted += 1
+        self._written_at[key] = done
+        self.stats.entries += 1
+        self.stats.bytes += len(payload)
+        self.stats.bytes_written += len(payload) * self.cost.kv_bytes_per_token
+
+    def take_stall(self) -> float:
+        stall, self.stall_s = self.stall_s, 0.0
+        return stall
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class SimTierCopier:
+    """The engine's TierCopier on simulated time: reads ahead at arrival, charges each step its synchronous reads
+    (before the cost model's compute), hands saves to the tier's write channel."""
+
+    def __init__(self, cache: TieredKVCache, tier: SimTier, advance: Callable[[float], None]) -> None:
+        """advance: moves the simulated clock forward by that many seconds."""
+        self.cache, self.tier, self.advance = cache, tier, advance
+        self.stall_s = 0.0
+
+    def on_add(self, request: Request) -> None:
+        self.read_ahead(request)
+
+    def read_ahead(self, request: Request) -> int:
+        """Start reading the tier's chunks after the pool's hit on request.token_ids; how many were started."""
+        keys = self.cache.readable_chunks(request)
+        for key in keys:
+            self.tier.read_ahead(key)
+        return len(keys)
+
+    def before_execute(self, scheduled: object) -> None:
+        self._save()
+        self.cache.drain_loads()  # the payloads are keys: nothing to write; their reads were charged
+        stall = self.tier.take_stall()
+        if stall:
+            self.stall_s += stall
+            self.advance(stall)
+
+    def after_update(self, scheduled: object) -> None:
+        self._save()
+
+    def after_outputs(self) -> None:
+        self._save()
+
+    def _save(self) -> None:
+        for save in self.cache.drain_saves():
+            self.tier.put(save.key, self.tier.manifest.payload_bytes * b"\0")
+
+    def on_reset(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        hits, tier = self.cache.tier_stats, self.tier.stats
+        return {
+            "tier": self.tier.name,
+            "tier_cost": self.tier.cost.name,
+            "tier_capacity_tokens": self.tier.capacity_bytes,
+            "tier_hit_tokens": hits.hit_tokens,
+            "tier_loaded_chunks": hits.loaded_chunks,
+            "tier_saved_chunks": hits.saved_chunks,
+            "tier_dropped_saves": self.tier.dropped_writes,
+            "tier_evicted_chunks": tier.evicted,
+            "tier_read_ahead_chunks": self.tier.read_ahead_chunks,
+            "tier_stall_s": self.stall_s,
+        }
+
+
+@dataclass(frozen=True)
+class SimTierOptions:
+    """A simulated tier: its size in tokens, chunk, write policy and cost."""
+
+    capacity_tokens: int
+    cost: TierCost
+    chunk_tokens: int = 16
+    write_policy: str = "write_through"
+
+
+def tiered(
+    kv: KVCacheManager, options: SimTierOptions, hash_algo: str, clock: Callable[[], float], advance
+) -> tuple[TieredKVCache, SimTierCopier]:
+    """`kv` behind the engine's tiered cache over a simulated tier, and the step component that runs it."""
+    tier = SimTier(options.capacity_tokens, options.chunk_tokens, hash_algo, options.cost, clock)
+    cache = TieredKVCache(kv, tier, options.chunk_tokens, hash_algo, options.write_policy)
+    return cache, SimTierCopier(cache, tier, advance)
