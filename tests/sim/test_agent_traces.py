@@ -86,6 +86,12 @@ def test_a_subagent_group_resumes_the_parent_after_its_last_member(tmp_path):
     assert group.delays_s == (2.0, 4.0)  # after the answer at 1 s
     assert group.resume_s == 5.0  # b ended at 55 s, the parent went on at 60 s
     assert [a.id for a in group.agents] == ["s/a", "s/b"]
+    # an async-launched subagent records no duration (as in the upstream set): its own requests' span stands for it
+    async_sub = {**sub, "t": 3.0, "duration_ms": None, "status": "async_launched"}
+    async_sub["requests"] = [_request(0, 64, [5], api_time=2.0), _request(10, 64, [5], api_time=4.0)]
+    session["requests"][1:3] = [async_sub]
+    group = load_agent_trace(_write(tmp_path, session)).sessions[0].steps[1]
+    assert group.agents[0].recorded_s == 14.0 and group.resume_s == 60.0 - 17.0
 
 
 @pytest.mark.parametrize(
