@@ -6,7 +6,7 @@ Installs schemathesis into this interpreter's environment if it is missing, star
 pool, short context, an API key), runs schemathesis bounded in time, and reports two numbers that must both be 0:
 server errors (5xx) and error answers whose body is not their API's shape: OpenAI's {"error": {"message", "type",
 "param", "code"}}, Anthropic's {"type": "error", "error": {"type", "message"}} on /v1/messages, or Google's
-{"error": {"code", "message", "status"}} under /v1beta (the Gemini API).
+{"error": {"code", "message", "status"}} under /v1beta and on /v1/models/{model}:METHOD (the Gemini API).
 Exit status 0 only then. Not part of the test suite (it takes minutes); the server's log and schemathesis's
 report land in --out (default: a temporary directory).
 
@@ -20,6 +20,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "fuzz-key"
 ERROR_FIELDS = {"message", "type", "param", "code"}
 GEMINI_ERROR_FIELDS = {"code", "message", "status"}
+GEMINI_V1 = re.compile(r"/v1/models/[^/]+:\w+")  # Gemini's model methods under v1, beside OpenAI's /v1 routes
 CHECKS = (
     "not_a_server_error,status_code_conformance,response_schema_conformance,content_type_conformance,"
     "negative_data_rejection,api_error_body"
@@ -38,8 +40,8 @@ CHECKS = (
 
 
 def error_problem(status: int, body: bytes, path: str = "") -> str | None:
-    """Why an error answer is not in its API's shape (Anthropic's under /v1/messages, Google's under /v1beta,
-    OpenAI's elsewhere), or None when it is (or when it is not an error)."""
+    """Why an error answer is not in its API's shape (Anthropic's under /v1/messages, Google's under /v1beta and
+    on Gemini's v1 model methods, OpenAI's elsewhere), or None when it is (or when it is not an error)."""
     if status < 400:
         return None
     try:
@@ -50,7 +52,7 @@ def error_problem(status: int, body: bytes, path: str = "") -> str | None:
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         if not isinstance(error, dict) or set(payload) != {"type", "error"} or set(error) != {"type", "message"}:
             return f"{status} with a body that is not Anthropic's error shape: {str(payload)[:200]}"
-    elif path.startswith("/v1beta/"):
+    elif path.startswith("/v1beta/") or GEMINI_V1.fullmatch(path):
         if not isinstance(error, dict) or set(payload) != {"error"} or set(error) != GEMINI_ERROR_FIELDS:
             return f"{status} with a body that is not Gemini's error shape: {str(payload)[:200]}"
         if error["code"] != status or not isinstance(error["status"], str):

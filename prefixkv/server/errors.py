@@ -1,9 +1,10 @@
 """Every failure leaves the server as an error in its API's shape, so each SDK raises the right exception.
 
 OpenAI's shape: {"error": {"message", "type", "param", "code"}}; Anthropic's, on /v1/messages:
-{"type": "error", "error": {"type", "message"}}; Google's, under /v1beta (its SDK reads code and status):
-{"error": {"code", "message", "status"}}. The path picks the shape (body_for). FastAPI's own 422 for body
-validation is replaced by a 400 naming the offending field, as OpenAI, Anthropic, Google and vLLM answer.
+{"type": "error", "error": {"type", "message"}}; Google's, under /v1beta and on Gemini's model methods under /v1
+(its SDK reads code and status): {"error": {"code", "message", "status"}}. The path picks the shape (body_for).
+FastAPI's own 422 for body validation is replaced by a 400 naming the offending field, as OpenAI, Anthropic,
+Google and vLLM answer.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ _GEMINI_STATUSES = {
     504: "DEADLINE_EXCEEDED",
 }
 GEMINI_PATH = "/v1beta/"  # every route under it answers in Gemini's shape
+# Gemini's v1 routes share /v1 with OpenAI's: only the model methods served there (gemini.py) are Gemini's
+GEMINI_V1_METHODS = re.compile(r"/v1/models/[^/]+:(?:generateContent|streamGenerateContent|countTokens)")
 
 
 class APIError(Exception):
@@ -96,7 +99,7 @@ class APIError(Exception):
 
     def body_for(self, path: str) -> dict:
         """The body in the shape of the API that `path` belongs to."""
-        if path.startswith(GEMINI_PATH):
+        if is_gemini_path(path):
             return self.gemini_body()
         if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
             return self.anthropic_body()
@@ -112,6 +115,11 @@ class APIError(Exception):
     def _response(self, body: dict) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def is_gemini_path(path: str) -> bool:
+    """A Gemini route's path (a route template, `{model}`, matches too)."""
+    return path.startswith(GEMINI_PATH) or GEMINI_V1_METHODS.fullmatch(path) is not None
 
 
 def is_anthropic(request: Request) -> bool:

@@ -1,5 +1,10 @@
 """Google's Gemini API (v1beta) over the same engine, so the unmodified google-genai SDK works against this server:
-models/{model}:generateContent, :streamGenerateContent (?alt=sse), :countTokens, and cachedContents.
+models/{model}:generateContent, :streamGenerateContent (?alt=sse), :countTokens, cachedContents, and the model's
+Model resource (GET models, models/{model}).
+
+The model methods are also served under v1, the SDK's default api_version, with the same bodies (v1beta's, a
+superset of v1's). Only they: Gemini's v1 has no cachedContents, and its GET v1/models would be OpenAI's model list
+(admin.py), which owns that path here; list or get the model under v1beta.
 
 Contents become chat messages (gemini_protocol.py) and go through the model's chat template as a
 /v1/chat/completions request's would, so the same conversation hits the same cached pages on either API.
@@ -8,8 +13,9 @@ without a cachedContent: on Gemini, implicit caching reports its hits in the sam
 
 cachedContents are the /v1/caches entries (caches.py, cache_store.py) under Gemini's names and fields: one store,
 so an entry made here is usable as `cached_content` on the other APIs and the other way round. A request naming one
-is served on top of it (cached_content.py). Errors under /v1beta are Gemini's {"error": {"code", "message",
-"status"}} (errors.py), and keys may come as `x-goog-api-key`, how the SDK sends them (auth.py).
+is served on top of it (cached_content.py). Errors under /v1beta and on the v1 model methods are Gemini's
+{"error": {"code", "message", "status"}} (errors.py), and keys may come as `x-goog-api-key`, how the SDK sends
+them (auth.py).
 """
 
 from __future__ import annotations
@@ -55,12 +61,33 @@ _FINISH = {"stop": "STOP", "length": "MAX_TOKENS"}
 _UPDATABLE = {"ttl": "ttl", "expireTime": "expire_time", "expire_time": "expire_time"}
 
 
+@router.get("/v1beta/models")
+async def list_models(
+    raw: Request,
+    page_size: Annotated[int, Query(alias="pageSize", ge=0, description="any size holds the one model")] = 0,
+    page_token: Annotated[str | None, Query(alias="pageToken", max_length=32)] = None,
+) -> dict:
+    """The served model, on one page: no nextPageToken is given out, so none can come back."""
+    if page_token:
+        raise APIError("pageToken is not one this server gave out", param="page_token")
+    return {"models": [_model(server_state(raw))]}
+
+
+@router.get("/v1beta/models/{model}")
+async def get_model(model: str, raw: Request) -> dict:
+    state = server_state(raw)
+    _check_model(state, model, raw)
+    return _model(state)
+
+
 @router.post("/v1beta/models/{model}:generateContent")
+@router.post("/v1/models/{model}:generateContent")
 async def generate_content(model: str, body: GenerateContentRequest, raw: Request):
     return await _generate(model, body, raw, stream=False)
 
 
 @router.post("/v1beta/models/{model}:streamGenerateContent")
+@router.post("/v1/models/{model}:streamGenerateContent")
 async def stream_generate_content(
     model: str,
     body: GenerateContentRequest,
@@ -75,10 +102,11 @@ async def stream_generate_content(
 
 
 @router.post("/v1beta/models/{model}:countTokens")
+@router.post("/v1/models/{model}:countTokens")
 async def count_tokens(model: str, body: CountTokensRequest, raw: Request) -> dict:
     """totalTokens: the prompt generateContent would compute (promptTokenCount), a cachedContent's included."""
     state = server_state(raw)
-    _check_model(state, model)
+    _check_model(state, model, raw)
     request = body.request()
     messages = request.messages()
     entry = _entry(state, raw, request, messages)
@@ -91,7 +119,7 @@ async def count_tokens(model: str, body: CountTokensRequest, raw: Request) -> di
 
 async def _generate(model: str, body: GenerateContentRequest, raw: Request, stream: bool):
     state = server_state(raw)
-    served = _check_model(state, model)
+    served = _check_model(state, model, raw)
     messages = body.messages()
     params = body.sampling_params()
     entry = _entry(state, raw, body, messages)
@@ -118,17 +146,36 @@ async def _generate(model: str, body: GenerateContentRequest, raw: Request, stre
     return await answer(raw, group, None, lambda finals: _response(finals[0], meta))
 
 
-def _check_model(state: ServerState, model: str) -> str:
-    """Gemini's 404 for another model (the URL's {model} may be NAME or models/NAME)."""
+def _check_model(state: ServerState, model: str, raw: Request) -> str:
+    """Gemini's 404 for another model (the URL's {model} may be NAME or models/NAME), naming the path's version."""
     try:
         return state.check_model(model_name(model))
     except APIError:
+        version = raw.url.path.split("/", 2)[1]
         raise APIError(
-            f"models/{model_name(model)} is not found for API version v1beta; this server serves "
+            f"models/{model_name(model)} is not found for API version {version}; this server serves "
             f"{MODEL_PREFIX}{state.served_model_name}",
             status=404,
             param="model",
         ) from None
+
+
+def _model(state: ServerState) -> dict:
+    """The served model as Gemini's Model resource: its limits are this server's context (a prompt leaves one
+    token to generate), its sampling defaults and bounds those generateContent applies (gemini_protocol.py)."""
+    name = state.served_model_name
+    methods = ["generateContent", "countTokens"] + (["createCachedContent"] if state.prefix_caching else [])
+    return {
+        "name": MODEL_PREFIX + name,
+        "displayName": name,
+        "description": f"{name}, served by prefixkv",
+        "inputTokenLimit": state.max_model_len - 1,
+        "outputTokenLimit": state.max_model_len - 1,
+        "supportedGenerationMethods": methods,
+        "temperature": 1.0,
+        "maxTemperature": 2.0,
+        "topP": 1.0,
+    }
 
 
 def _entry(state: ServerState, raw: Request, body: GenerateContentRequest, messages: list) -> CacheEntry | None:
@@ -196,7 +243,7 @@ async def _stream(group, prompt_tokens: int, meta: dict) -> AsyncIterator[str]:
 async def create_cached_content(body: CreateCachedContentRequest, raw: Request) -> dict:
     """A messages entry (systemInstruction first, then contents), computed now and retained until its expiry."""
     state = server_state(raw)
-    model = _check_model(state, body.model)
+    model = _check_model(state, body.model, raw)
     check_caching(state)
     messages = body.messages()
     now = time.time()

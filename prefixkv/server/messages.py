@@ -78,9 +78,15 @@ async def create_message(body: MessagesRequest, raw: Request):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, raw: Request):
+    """The prompt /v1/messages would build for the same fields: a cached_content's messages first, found (or
+    refused, with the same 400) as /v1/messages finds it."""
     state = server_state(raw)
     state.check_model(body.model)
-    prompt, _ = await state.tokenize_conversation(body.conversation())
+    conversation = body.conversation()
+    entry = entry_for(state, raw, body.cached_content, "messages", body.user, body.cache_salt)
+    if entry is not None:
+        conversation = prefixed_conversation(entry, conversation)
+    prompt, _ = await state.tokenize_conversation(conversation)
     return {"input_tokens": len(prompt)}
 
 
@@ -150,13 +156,16 @@ def _error_event(err: APIError) -> str:
 async def _stream(group, message_id: str, model: str, accounting: _Accounting) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start, one text block (start, deltas, stop), message_delta with the
     stop reason and the usage, message_stop. message_start waits for the engine's first output, which brings
-    the cache hit, so its usage is already exact."""
+    the cache hit (and the miss's cause), so its usage is already exact; when asked, both usages carry
+    cache_miss, as the plain answer's does (the SDK's final message keeps message_start's)."""
     started = block_open = False
     output_tokens = 0
     cached = 0
+    miss: CacheMiss | None = None
     final: RequestOutput | None = None
     async for _, output in group:
         cached = output.num_cached_tokens
+        miss = output.cache_miss or miss
         completion = output.outputs[0] if output.outputs else None
         if not started:
             started = True
@@ -168,7 +177,7 @@ async def _stream(group, message_id: str, model: str, accounting: _Accounting) -
                 "content": [],
                 "stop_reason": None,
                 "stop_sequence": None,
-                "usage": accounting.usage(cached, 0),
+                "usage": accounting.usage(cached, 0, miss),
             }
             yield sse({"type": "message_start", "message": message}, event="message_start")
         if completion is None:
@@ -193,7 +202,7 @@ async def _stream(group, message_id: str, model: str, accounting: _Accounting) -
     delta = {
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-        "usage": accounting.usage(cached, output_tokens),
+        "usage": accounting.usage(cached, output_tokens, miss),
     }
     yield sse(delta, event="message_delta")
     yield sse({"type": "message_stop"}, event="message_stop")

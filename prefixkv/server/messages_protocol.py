@@ -180,7 +180,8 @@ def _check_breakpoints(breakpoints: list[Breakpoint]) -> None:
 
 
 class CountTokensRequest(BaseModel):
-    """POST /v1/messages/count_tokens: the fields that make the prompt."""
+    """POST /v1/messages/count_tokens: the fields that make the prompt. cached_content (prefixkv's extension)
+    comes with the fields /v1/messages finds the entry by (metadata.user_id, cache_salt), so both count alike."""
 
     model_config = _STRICT
 
@@ -190,6 +191,13 @@ class CountTokensRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     cache_control: CacheControl | None = None
+    metadata: Metadata | None = None
+    cache_salt: str | None = None
+    cached_content: str | None = Field(None, max_length=MAX_CACHED_CONTENT_CHARS, description=CACHED_CONTENT)
+
+    @property
+    def user(self) -> str | None:
+        return self.metadata.user_id if self.metadata else None
 
     def conversation(self) -> Conversation:
         return conversation_of(self.messages, self.system, self.cache_control, self.tools, self.tool_choice)

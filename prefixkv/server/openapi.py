@@ -1,7 +1,7 @@
 """/openapi.json as the server really answers, so a client (or a schema fuzzer) is told every rule it can be.
 
 FastAPI's generated schema declares a 422 the server never sends (errors.py turns validation errors into a 400
-in the API's shape: OpenAI's, Anthropic's under /v1/messages, Google's under /v1beta), knows nothing of the API
+in the API's shape: OpenAI's, Anthropic's under /v1/messages, Google's on the Gemini routes), knows nothing of the API
 key's 401, the unknown model's 404 or the body limit's 413, and cannot see the caps that are server options (n,
 prompts per request). This fills those in from the running server.
 """
@@ -12,6 +12,8 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+
+from prefixkv.server.errors import is_gemini_path
 
 ERROR_SCHEMA = "ErrorResponse"
 _NULLABLE_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}]}
@@ -49,7 +51,8 @@ _ANTHROPIC_ERROR_BODY = {
 GEMINI_ERROR_SCHEMA = "GeminiErrorResponse"
 _GEMINI_ERROR_BODY = {
     "type": "object",
-    "description": "Google's error body: every non-2xx answer under /v1beta (the Gemini API) has this shape",
+    "description": "Google's error body: every non-2xx answer of the Gemini API (under /v1beta, and its model "
+    "methods under /v1) has this shape",
     "required": ["error"],
     "properties": {
         "error": {
@@ -68,10 +71,14 @@ _WHY = {
 }
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 _ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
+_GEMINI_STREAM_PATHS = ("/v1beta/models/{model}:streamGenerateContent", "/v1/models/{model}:streamGenerateContent")
 _GEMINI_MODEL_PATHS = (  # the model is in the path: another one is a 404
     "/v1beta/models/{model}:generateContent",
-    "/v1beta/models/{model}:streamGenerateContent",
     "/v1beta/models/{model}:countTokens",
+    "/v1/models/{model}:generateContent",
+    "/v1/models/{model}:countTokens",
+    *_GEMINI_STREAM_PATHS,
+    "/v1beta/models/{model}",
 )
 _MODEL_PATHS = (*_GENERATION_PATHS, "/v1/messages/count_tokens", "/v1/cache/prewarm", *_GEMINI_MODEL_PATHS)
 # what ChatCompletionRequest.template_messages accepts (the model keeps it a plain dict, so a bad message
@@ -127,7 +134,7 @@ def install_openapi(app: FastAPI, state: Any) -> None:
 
 def _error_response(status: int, path: str = "") -> dict:
     name = ANTHROPIC_ERROR_SCHEMA if path in _ANTHROPIC_PATHS else ERROR_SCHEMA
-    if path.startswith("/v1beta/"):
+    if is_gemini_path(path):
         name = GEMINI_ERROR_SCHEMA
     return {
         "description": _WHY[status],
@@ -167,7 +174,7 @@ def _declare_errors(schema: dict, public_paths: set[str], admin_paths: set[str],
                 responses["404"] = _error_response(404, path)  # an unknown model
             if path in ("/v1/caches/{cache_id}", "/v1beta/cachedContents/{cache_id}"):
                 responses["404"] = {**_error_response(404, path), "description": "No cache entry of that id visible"}
-            if path in (*_GENERATION_PATHS, "/v1beta/models/{model}:streamGenerateContent"):
+            if path in (*_GENERATION_PATHS, *_GEMINI_STREAM_PATHS):
                 ok = responses.setdefault("200", {"description": "Successful Response"})
                 ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": _SSE_EVENT})
 
@@ -176,9 +183,10 @@ def _declare_limits(schema: dict, state: Any) -> None:
     """The caps that are server options, and the token-id range the engine enforces."""
     components = schema.get("components", {}).get("schemas", {})
     for path in _GEMINI_MODEL_PATHS:  # the model in the path: any other name is a 404
-        for param in schema.get("paths", {}).get(path, {}).get("post", {}).get("parameters", []):
-            if param.get("name") == "model":
-                param["schema"]["enum"] = [state.served_model_name]
+        for op in schema.get("paths", {}).get(path, {}).values():
+            for param in op.get("parameters", []):
+                if param.get("name") == "model":
+                    param["schema"]["enum"] = [state.served_model_name]
     gemini_model = components.get("CreateCachedContentRequest", {}).get("properties", {}).get("model")
     if gemini_model is not None:
         gemini_model["enum"] = [state.served_model_name, "models/" + state.served_model_name]
@@ -189,7 +197,8 @@ def _declare_limits(schema: dict, state: Any) -> None:
         for variant in props.get("model", {}).get("anyOf", []):  # any other name is a 404
             if variant.get("type") == "string":
                 variant["enum"] = [state.served_model_name]
-    for name in ("MessagesRequest", "CountTokensRequest"):  # a required model: any other name is a 404
+    # a required model: any other name is a 404 (FastAPI qualifies CountTokensRequest: Gemini's has that name too)
+    for name in ("MessagesRequest", "prefixkv__server__messages_protocol__CountTokensRequest"):
         model = components.get(name, {}).get("properties", {}).get("model")
         if model is not None:
             model["enum"] = [state.served_model_name]

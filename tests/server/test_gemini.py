@@ -1,8 +1,9 @@
 """Google's Gemini API through the unmodified google-genai SDK (pinned in pyproject.toml) against the real app:
 generate_content and its usage (cachedContentTokenCount: what the prefix cache served), the SSE stream, count_tokens,
-cachedContents created, read, listed, extended, used and deleted, tenant isolation on every route, and bad input
-answered as Gemini's errors (the SDK's ClientError with code and status) while a request in flight finishes. One
-server for the module on the suite's shared weights; tiny answers."""
+cachedContents created, read, listed, extended, used and deleted, tenant isolation on every route, bad input
+answered as Gemini's errors (the SDK's ClientError with code and status) while a request in flight finishes, the
+model methods at the SDK's default api_version (v1) beside OpenAI's /v1, and the model listed and got. One server
+for the module on the suite's shared weights; tiny answers."""
 
 from __future__ import annotations
 
@@ -194,15 +195,57 @@ def test_bad_input_gets_gemini_errors_while_another_request_finishes(served):
     assert streamed[-1].usage_metadata.candidates_token_count > 0
 
 
+def test_the_sdk_at_its_default_api_version_v1(served, monkeypatch):
+    """No api_version set: the model methods under /v1, errors in Gemini's shape there, OpenAI's /v1 untouched."""
+    monkeypatch.delenv("GOOGLE_GENAI_API_VERSION", raising=False)
+    gemini = genai.Client(api_key="alice-key", http_options={"base_url": served[0], "timeout": 60_000})
+    contents = "Name a colour."
+    plain = gemini.models.generate_content(model=served[1], contents=contents, config=config(4))
+    chunks = list(gemini.models.generate_content_stream(model=served[1], contents=contents, config=config(4)))
+    assert "".join(c.text or "" for c in chunks) == plain.text
+    counted = gemini.models.count_tokens(model=served[1], contents=contents)
+    assert counted.total_tokens == plain.usage_metadata.prompt_token_count
+    assert chunks[-1].usage_metadata.prompt_token_count == counted.total_tokens
+    with pytest.raises(errors.ClientError, match="API version v1;") as missing:  # the v1 path served it
+        gemini.models.generate_content(model="gemini-9-ultra", contents=contents)
+    assert missing.value.code == 404 and missing.value.status == "NOT_FOUND"
+    alice = {"x-goog-api-key": "alice-key"}
+    bad = httpx.post(f"{served[0]}/v1/models/{served[1]}:countTokens", json={"contents": []}, headers=alice)
+    assert bad.status_code == 400 and set(bad.json()["error"]) == {"code", "message", "status"}, bad.text
+    openai = httpx.get(served[0] + "/v1/models", headers=alice)  # still OpenAI's list, its errors OpenAI's
+    assert openai.json()["data"][0]["id"] == served[1]
+    chat = httpx.post(served[0] + "/v1/chat/completions", json={}, headers=alice)
+    assert chat.status_code == 400 and set(chat.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_model_listed_and_got(served):
+    gemini = client(served)
+    (listed,) = list(gemini.models.list())
+    card = httpx.get(served[0] + "/v1/models", headers={"x-goog-api-key": "alice-key"}).json()["data"][0]
+    assert listed.name == "models/" + served[1] and listed.display_name == served[1]
+    assert listed.input_token_limit == listed.output_token_limit == card["max_model_len"] - 1
+    assert {"generateContent", "countTokens", "createCachedContent"} <= set(listed.supported_actions)
+    got = gemini.models.get(model=served[1])
+    assert got.model_dump(exclude={"sdk_http_response"}) == listed.model_dump(exclude={"sdk_http_response"})
+    with pytest.raises(errors.ClientError) as missing:
+        gemini.models.get(model="gemini-9-ultra")
+    assert missing.value.code == 404 and missing.value.status == "NOT_FOUND"
+
+
 def test_openapi_declares_the_routes_and_their_gemini_errors(served):
     schema = httpx.get(served[0] + "/openapi.json").json()
     error = schema["components"]["schemas"]["GeminiErrorResponse"]["properties"]["error"]
     assert set(error["required"]) == {"code", "message", "status"}
-    for path in ("/v1beta/models/{model}:generateContent", "/v1beta/cachedContents"):
-        responses = schema["paths"][path]["post"]["responses"]
+
+    def error_ref(path: str, status: str, method: str = "post") -> str:
+        return schema["paths"][path][method]["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+
+    for path in ("/v1beta/models/{model}:generateContent", "/v1/models/{model}:countTokens", "/v1beta/cachedContents"):
         for status in ("400", "401", "404", "413"):
-            ref = responses[status]["content"]["application/json"]["schema"]["$ref"]
-            assert ref == "#/components/schemas/GeminiErrorResponse", (path, status)
-    stream = schema["paths"]["/v1beta/models/{model}:streamGenerateContent"]["post"]["responses"]["200"]
-    assert "text/event-stream" in stream["content"]
+            assert error_ref(path, status) == "#/components/schemas/GeminiErrorResponse", (path, status)
+    for version in ("v1beta", "v1"):
+        stream = schema["paths"][f"/{version}/models/{{model}}:streamGenerateContent"]["post"]["responses"]["200"]
+        assert "text/event-stream" in stream["content"]
+    assert error_ref("/v1beta/models/{model}", "404", "get") == "#/components/schemas/GeminiErrorResponse"
+    assert error_ref("/v1/models", "401", "get") == "#/components/schemas/ErrorResponse"  # OpenAI's, beside v1's
     assert set(schema["paths"]["/v1beta/cachedContents/{cache_id}"]) == {"get", "patch", "delete"}

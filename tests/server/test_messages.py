@@ -1,7 +1,8 @@
 """POST /v1/messages and /v1/messages/count_tokens through the official `anthropic` SDK against the real app:
 the response and event shapes, cache breakpoints (retained prefixes, usage that adds up, 5m / 1h buckets),
 Anthropic's 400s (a 5th breakpoint, a 1h after a 5m, unsupported blocks), prewarm with max_tokens 0, errors
-in Anthropic's shape, and x-api-key auth. One server for the module, on the suite's shared engine."""
+in Anthropic's shape, x-api-key auth, a stream's cache_miss and count_tokens on a cached_content. One server for
+the module, on the suite's shared engine."""
 
 from __future__ import annotations
 
@@ -98,6 +99,28 @@ def test_streaming_events_and_usage(served):
     assert final.usage.output_tokens == 6 or final.stop_reason == "end_turn"
     adds_up(final.usage, count(served, system=system, messages=messages))
     assert final.usage.cache_creation.ephemeral_5m_input_tokens > 0
+    assert "cache_miss" not in (final.usage.model_extra or {})  # only when asked
+
+
+def test_a_stream_explains_its_miss_when_asked(served):
+    """explain_cache_miss on a stream: message_delta's usage carries cache_miss, as a plain answer's usage does, and
+    so does message_start's, which the SDK's final message keeps."""
+    system = system_text()
+    explain = {"temperature": 0.0, "explain_cache_miss": True}
+    with served[0].messages.stream(
+        model=model_of(served),
+        max_tokens=2,
+        system=system,
+        messages=[{"role": "user", "content": "Hi."}],
+        extra_body=explain,
+    ) as stream:
+        (delta,) = [event for event in stream if event.type == "message_delta"]
+        final = stream.get_final_message()
+    miss = delta.usage.model_extra["cache_miss"]
+    assert miss["cause"] == "never_seen" and final.usage.model_extra["cache_miss"] == miss
+    usage = final.usage
+    assert miss["first_missed_token"] == usage.cache_read_input_tokens
+    assert sum(miss["tokens_by_cause"].values()) == usage.input_tokens + usage.cache_creation_input_tokens
 
 
 def test_max_tokens_zero_prewarms(served):
@@ -148,6 +171,29 @@ def test_anthropic_400s_lose_nothing(served):
         create(served, model="claude-unknown", messages=[{"role": "user", "content": "hi"}])
     assert missing.value.body["error"]["type"] == "not_found_error"
     wait_no_pages_held(served[2], {"Authorization": f"Bearer {KEY}"})
+
+
+def test_count_tokens_counts_a_cached_content_as_messages_serves_it(served):
+    """cached_content on count_tokens: the entry's messages, then the request's, as /v1/messages builds the prompt;
+    an unknown name, or one made under another cache_salt, is the same Anthropic 400 on both routes."""
+    base, auth = served[2], {"Authorization": f"Bearer {KEY}"}
+    manual = [{"role": "system", "content": system_text()}]
+    made = httpx.post(base + "/v1/caches", headers=auth, json={"messages": manual, "ttl": "300s", "cache_salt": "s1"})
+    assert made.status_code == 200, made.text
+    name = made.json()["name"]
+    messages = [{"role": "user", "content": "Which rule comes first?"}]
+    on = {"cached_content": name, "cache_salt": "s1"}
+    counted = count(served, messages=messages, extra_body=on)
+    assert counted > count(served, messages=messages)
+    reply = create(served, max_tokens=1, messages=messages, extra_body={"temperature": 0.0, **on})
+    adds_up(reply.usage, counted)
+    for body, why in (({"cached_content": "cache_unknown"}, "not found"), ({"cached_content": name}, "cache_salt")):
+        with pytest.raises(anthropic.BadRequestError, match=why) as counting:
+            count(served, messages=messages, extra_body=body)
+        with pytest.raises(anthropic.BadRequestError) as creating:
+            create(served, messages=messages, extra_body=body)
+        assert counting.value.body == creating.value.body and counting.value.body["type"] == "error"
+    assert httpx.delete(f"{base}/v1/caches/{name}", headers=auth).status_code == 200
 
 
 def test_keys_as_anthropic_sends_them(served):

@@ -365,3 +365,8 @@ def test_openapi_declares_errors_and_limits(server):
         assert p["max_tokens"]["anyOf"][0]["minimum"] == 1
     prompt_list = [v for v in props["CompletionRequest"]["prompt"]["anyOf"] if v.get("maxItems") == MAX_PROMPTS]
     assert len(prompt_list) == 1 and prompt_list[0]["minItems"] == 1
+    # Anthropic's model: the served one, on count_tokens too (its body's name qualified: Gemini's has the same name)
+    components = schema["components"]["schemas"]
+    (served,) = components["MessagesRequest"]["properties"]["model"]["enum"]
+    count_tokens = components["prefixkv__server__messages_protocol__CountTokensRequest"]
+    assert count_tokens["properties"]["model"]["enum"] == [served]
