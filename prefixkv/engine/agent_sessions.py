@@ -72,6 +72,8 @@ class SessionPins:
         self.demote = demote
         self.demoted_chunks = 0  # chunks handed to the second tier at pause starts
         self._sessions: OrderedDict[tuple, _Session] = OrderedDict()
+        # sessions holding a pin, by namespace and first page: a pin let go keeps what another one shares with it
+        self._pinned_by_head: dict[tuple, set[tuple]] = {}
         self._probes = 0
         self.pinned_pages = 0  # pages pinned, counted at each pin
         self.released_pages = 0  # pins let go (superseded, ended, dropped)
@@ -163,6 +165,9 @@ class SessionPins:
             lora_id=key[1],
         )
 
+    def _head(self, key: tuple, tokens: list[int]) -> tuple:
+        return (key[0], key[1], tuple(tokens[: self.kv.page_size]))
+
     def _pin(self, key: tuple, session: _Session, tokens: list[int], seconds: float, priority: int) -> None:
         probe = self._probe(key, tokens)
         try:
@@ -170,13 +175,27 @@ class SessionPins:
         finally:
             self.kv.free(probe)
         session.pinned = tokens
+        self._pinned_by_head.setdefault(self._head(key, tokens), set()).add(key)
 
     def _unpin(self, key: tuple, session: _Session) -> None:
+        """Let go of the session's pin, except the prefix it shares with another session's pin (a subagent and
+        its parent, two agents with one system prompt: the retention table keeps one retention per page, so
+        releasing it would end the other's pin too; the shared pages keep the stronger of the two)."""
         if session.pinned is None:
             return
+        head = self._head(key, session.pinned)
+        sharing = self._pinned_by_head.get(head, set())
+        sharing.discard(key)
+        if not sharing:
+            self._pinned_by_head.pop(head, None)
+        keep = 0
+        for other_key in sharing:
+            other = self._sessions.get(other_key)
+            if other is not None and other.pinned is not None:
+                keep = max(keep, shared_prefix(session.pinned, other.pinned))
         probe = self._probe(key, session.pinned)
         try:
-            self.released_pages += self.kv.release_retention(probe, 0)
+            self.released_pages += self.kv.release_retention(probe, keep)
         finally:
             self.kv.free(probe)
         session.pinned = None

@@ -153,6 +153,32 @@ def test_release_keeps_the_common_prefix_pinned():
     assert len(kv.retention) == 2
 
 
+def test_a_session_letting_go_keeps_the_prefix_another_session_still_pins():
+    """A subagent and its parent (or two agents behind one system prompt) pin the same first pages; the retention
+    table keeps one retention a page, so one session's next turn must not end the other's pin on them."""
+    config = EngineConfig(page_size=4, kv_cache_tokens=64, retained_pool_fraction=0.75)
+    clock = SimClock()
+    kv = create_kv(config, clock)
+    pins = SessionPins(kv, "session")
+    sim = Simulation(config, kv, create_policy(config), CLOCK, sim_clock=clock, sessions=pins, check_every=1)
+    system = list(range(100, 108))  # 2 pages both sessions share
+
+    def turn(request_id: str, tokens: list[int], session: str, parent: str | None = None) -> None:
+        arrival = Arrival(sim.now(), request_id, len(tokens), 1, tokens.copy)
+        arrival.session = SessionHint(session, parent, 600.0)
+        sim.arrive(arrival)
+        while sim.scheduler.has_work():
+            sim.step()
+
+    turn("parent-1", [*system, *range(200, 208)], "parent")
+    turn("child-1", [*system, *range(300, 308)], "child", parent="parent")
+    turn("child-2", list(range(400, 412)), "child", parent="parent")  # the child moves on: its old pin goes
+    for k in range(3):  # pressure: everything not pinned goes
+        _serve(sim, f"flood{k}", list(range(1000 * (k + 1), 1000 * (k + 1) + 28)))
+    assert _cached(kv, [*system, *range(200, 208)]) == 16  # the parent's pin is whole, shared pages included
+    assert _cached(kv, [*system, *range(300, 308)]) == 8  # of the child's old sequence, only what they share
+
+
 def test_the_session_policy_lets_go_of_every_pin_when_its_agents_end(tmp_path):
     session = {"requests": [_request(0, [1, 2, 3]), _request(10, [1, 2, 3, 4], think_time=5)]}
     _, session_run = _replay(tmp_path, session, policy="session")
