@@ -4,7 +4,8 @@ Why: an engine is a model plus a KV pool. Reading the GGUF costs seconds and hal
 default pool is 1 GiB of zeroed memory; a test needs neither more than once. So every engine here runs on one
 loaded model per dtype and device (`loaded_model`), with a pool that holds the model's whole context (any single
 request the engine accepts fits, and the pool is still a fraction of the default), and the cached factory keeps
-only the few engines it handed out last.
+only the few engines it handed out last. What collection imported is frozen out of the garbage collector
+(pytest_collection_finish), so the collections that free dropped engines stay cheap.
 
 At the end of a run, the wall time and the peak resident memory of the test process are printed (and written to
 the file named by $PREFIXKV_TEST_SUMMARY, which .ci/run shows last).
@@ -186,12 +187,29 @@ _count_runners()
 def _free_dropped_engines():
     """Collect after each module that built a runner (an engine, or a model test's own): an engine is a web of
     objects with cycles, so the pool of one a module dropped would otherwise wait for a collection triggered by
-    object counts, not by the hundreds of MB it holds. A module that built none skips it (a full collection of
-    this process's heap takes most of a second, and most modules build none)."""
+    object counts, not by the hundreds of MB it holds. A module that built none skips it (most modules build none;
+    a full collection is cheap only because pytest_collection_finish froze the imports)."""
     built = _RUNNERS_BUILT[0]
     yield
     if _RUNNERS_BUILT[0] != built:
         gc.collect()
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection left alive (every module the tests import: torch, the servers' SDKs, ~600k objects,
+    and the collected items), so no garbage collection walks it again.
+
+    Those objects live until the process ends anyway. Unfrozen, each full collection (the explicit ones above, and
+    the ones Python triggers as objects accumulate, ~150 in a run) spends ~0.5 s walking them: most of a minute of
+    the suite's wall time. No fixture has run yet, so nothing frozen here is an engine or a model whose memory a
+    collection should give back; objects made later are collected as before. When a collected test loads a
+    transformers model, transformers' model code (~140k objects with what it imports: sympy, torch.fx) is imported
+    first, to be frozen with the rest instead of being walked by every collection after that test.
+    """
+    if any({"hf_smol", "tiny_checkpoint"} & set(getattr(item, "fixturenames", ())) for item in session.items):
+        import transformers.modeling_utils  # noqa: F401
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_configure(config):

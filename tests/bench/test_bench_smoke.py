@@ -19,14 +19,17 @@ import pytest
 from prefixkv.bench import cache_invariance, common, multi_turn, system_prompt, throughput, workloads, zero_hit
 
 BUDGET = 64  # tokens per step: small, so requests sent together still run in several steps and can share pages
+POOL = 2048  # KV tokens: every run here (at most a few hundred tokens at once) fits with room to spare
 
 
 @pytest.fixture(scope="module")
 def factory(llm_factory):
-    """The benchmarks' llm_factory: the session's shared small-pool engines (tests/conftest.py), with BUDGET."""
+    """The benchmarks' llm_factory: the session's shared small-pool engines (tests/conftest.py), with BUDGET and
+    a POOL-token pool (zero-hit holds three engines at once; a whole-context pool each would be 1 GiB)."""
 
     def make(prefix_cache="hash", **overrides):
-        return llm_factory(prefix_cache=prefix_cache, **({"max_num_batched_tokens": BUDGET} | overrides))
+        options = {"max_num_batched_tokens": BUDGET, "kv_cache_tokens": POOL} | overrides
+        return llm_factory(prefix_cache=prefix_cache, **options)
 
     return make
 

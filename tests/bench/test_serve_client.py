@@ -35,7 +35,7 @@ def _args(base: str, *extra: str) -> argparse.Namespace:
 
 
 def test_bench_serve_workloads(tmp_path, new_engine):
-    engine = new_engine()
+    engine = new_engine(kv_cache_tokens=4096)  # holds every request below (and is the session replay's --sim pool)
     with running_server(engine, api_key="k") as (base, _, _):
         res = run(_args(base, "--num-requests", "5"))
         assert res["num_ok"] == 5 and res["num_errors"] == 0

@@ -29,10 +29,10 @@ def test_weight_formats_json(llm_factory):
     assert args.dtype == "bfloat16"
     built = []
 
-    def factory(**options):  # the float32 reference is the suite's shared fp32 engine (no engine of its own)
+    def factory(**options):  # every engine from the suite's factory, with a pool the scored text fits
         built.append(options.get("weight_format", options.get("dtype")))
         if options.get("dtype") == "float32":
-            return llm_factory(prefix_cache="hash")
+            return llm_factory(prefix_cache="hash", kv_cache_tokens=2048)
         return llm_factory(dtype="bfloat16", kv_cache_tokens=2048, **options)
 
     res = weight_formats.run(args, llm_factory=factory)

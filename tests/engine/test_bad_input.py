@@ -27,7 +27,7 @@ def test_invalid_sampling_values_name_the_field(kwargs, field):
 
 
 def test_bad_requests_fail_alone(llm_factory):
-    llm = llm_factory(prefix_cache="hash", max_model_len=256)
+    llm = llm_factory(prefix_cache="hash", max_model_len=256, kv_cache_tokens=1024)  # holds 4 whole contexts
     engine = llm.llm_engine
     good = [engine.add_request(None, f"Count to {i}:", SamplingParams(temperature=0, max_tokens=8)) for i in range(3)]
     engine.step()  # good requests are in flight when the bad ones arrive

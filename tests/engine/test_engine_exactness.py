@@ -1,4 +1,9 @@
-"""Greedy fp32 outputs must not depend on batching, chunking, preemption or the prefix cache."""
+"""Greedy fp32 outputs must not depend on batching, chunking, preemption or the prefix cache.
+
+The tests are in the order of the engines they ask llm_factory for, which keeps only the last two: the tests on
+the reference's engine (caching off) come right after it, so it is built once; a rebuilt whole-context pool costs
+seconds where freed memory goes back to the host (this test VM's balloon) and has to be faulted in again.
+"""
 
 from __future__ import annotations
 
@@ -50,22 +55,27 @@ def test_batch_of_16_mixed_lengths_matches_alone(llm_factory, reference):
     assert _tokens(outs) == alone
 
 
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch_and_n_fans_out(llm_factory, reference):
+    prompts, _ = reference
+    llm = llm_factory(prefix_cache="off")
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=8, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": prompts[1]}, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], seeded, use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    two = llm.generate(
+        {"prompt_token_ids": prompts[1]},
+        SamplingParams(temperature=0.9, seed=1234, n=2, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert [c.index for c in two.outputs] == [0, 1]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in two.outputs)
+
+
 def test_tiny_token_budget_forces_chunked_prefill(llm_factory, reference):
     prompts, alone = reference
     llm = llm_factory(prefix_cache="off", max_num_batched_tokens=64)  # prompts of up to 170 tokens: 1-3 chunks
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert _tokens(outs) == alone
-
-
-@pytest.mark.parametrize("cache", ["off", "hash"])
-def test_small_pool_forces_preemption(llm_factory, reference, cache):
-    prompts, alone = reference
-    llm = llm_factory(prefix_cache=cache, kv_cache_tokens=640, max_num_batched_tokens=256)
-    before = llm.llm_engine.get_stats().num_preemptions
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert llm.llm_engine.get_stats().num_preemptions > before, "the pool was meant to be too small"
-    assert _tokens(outs) == alone
-    assert llm.llm_engine.get_stats().num_pages_used == 0
 
 
 def test_every_page_is_free_after_all_requests_finish_or_abort(llm_factory):
@@ -83,17 +93,12 @@ def test_every_page_is_free_after_all_requests_finish_or_abort(llm_factory):
     engine.kv.check_invariants()
 
 
-def test_seeded_sampling_is_reproducible_alone_and_in_a_batch_and_n_fans_out(llm_factory, reference):
-    prompts, _ = reference
-    llm = llm_factory(prefix_cache="off")
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=8, ignore_eos=True)
-    alone = llm.generate({"prompt_token_ids": prompts[1]}, seeded, use_tqdm=False)[0].outputs[0].token_ids
-    batch = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], seeded, use_tqdm=False)
-    assert batch[1].outputs[0].token_ids == alone
-    two = llm.generate(
-        {"prompt_token_ids": prompts[1]},
-        SamplingParams(temperature=0.9, seed=1234, n=2, max_tokens=8, ignore_eos=True),
-        use_tqdm=False,
-    )[0]
-    assert [c.index for c in two.outputs] == [0, 1]
-    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in two.outputs)
+@pytest.mark.parametrize("cache", ["off", "hash"])
+def test_small_pool_forces_preemption(llm_factory, reference, cache):
+    prompts, alone = reference
+    llm = llm_factory(prefix_cache=cache, kv_cache_tokens=640, max_num_batched_tokens=256)
+    before = llm.llm_engine.get_stats().num_preemptions
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert llm.llm_engine.get_stats().num_preemptions > before, "the pool was meant to be too small"
+    assert _tokens(outs) == alone
+    assert llm.llm_engine.get_stats().num_pages_used == 0

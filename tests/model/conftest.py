@@ -29,12 +29,11 @@ def smol(loaded_model):
     return loaded_model("float32")
 
 
-@pytest.fixture(scope="package")
-def smol_bf16():
-    """Our bf16 load of the default model: only these tests run it, so it is dropped after them."""
-    from prefixkv.model.loader import load_model
-
-    return load_model(None, dtype="bfloat16")
+@pytest.fixture(scope="session")
+def smol_bf16(loaded_model):
+    """Our bf16 load of the default model: the session's, which the bf16 engines of the engine, bench and kvcache
+    tests (run before these) have loaded already; a load of its own would be a second copy in memory."""
+    return loaded_model("bfloat16")
 
 
 @pytest.fixture(scope="session")

@@ -131,14 +131,14 @@ def test_live_builder_is_waited_for_with_a_deadline(built, tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         start = time.monotonic()
-        result = _load_in_subprocess(base, PREFIXKV_NATIVE_LOCK_TIMEOUT="2")
+        result = _load_in_subprocess(base, PREFIXKV_NATIVE_LOCK_TIMEOUT="1")
         waited = time.monotonic() - start
     finally:
         holder.kill()
         holder.wait()
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LOADED False" in result.stdout
-    assert f"waiting up to 2 s for another process building native kernels in {directory}" in result.stderr
+    assert f"waiting up to 1 s for another process building native kernels in {directory}" in result.stderr
     assert "native CPU kernels unavailable, using torch ops (another process has been building" in result.stderr
     assert waited < HANG_GUARD_S
 

@@ -231,7 +231,7 @@ def test_cache_tree_endpoint_and_cli(server, new_engine):
 
     from prefixkv.cli import main
 
-    radix = new_engine(prefix_cache="radix")
+    radix = new_engine(prefix_cache="radix", kv_cache_tokens=1024)  # two short prompts: a small pool holds them
     with running_server(radix) as (base, _, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
         for q in ("one", "two"):
