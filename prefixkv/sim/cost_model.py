@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import TypeVar
 
 from prefixkv.request import Request
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,20 +168,26 @@ PRESETS: dict[str, StepCostModel] = {
 }
 
 
-def load_cost_model(name_or_path: str) -> StepCostModel:
-    """A preset by name, else a JSON file (as `prefixkv simulate fit` writes). ValueError saying what was tried."""
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path]
+def load_preset_or_file(name_or_path: str, what: str, presets: dict[str, T], parse: Callable[[object], T]) -> T:
+    """A preset by name, else `parse` of a JSON file; ValueError naming `what`, the file and what was tried (the
+    cost models here, the simulated tier's costs in tier.py)."""
+    if name_or_path in presets:
+        return presets[name_or_path]
     try:
         with open(name_or_path) as f:
             data = json.load(f)
     except FileNotFoundError:
         raise ValueError(
-            f"cost model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor an existing JSON file"
+            f"{what} {name_or_path!r} is neither a preset ({', '.join(presets)}) nor an existing JSON file"
         ) from None
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cost model file {name_or_path}: cannot read it as JSON: {e}") from None
+        raise ValueError(f"{what} file {name_or_path}: cannot read it as JSON: {e}") from None
     try:
-        return StepCostModel.from_json(data)
+        return parse(data)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"cost model file {name_or_path}: {e}") from None
+        raise ValueError(f"{what} file {name_or_path}: {e}") from None
+
+
+def load_cost_model(name_or_path: str) -> StepCostModel:
+    """A preset by name, else a JSON file (as `prefixkv simulate fit` writes). ValueError saying what was tried."""
+    return load_preset_or_file(name_or_path, "cost model", PRESETS, StepCostModel.from_json)  # type: ignore[arg-type]

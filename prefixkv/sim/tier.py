@@ -18,7 +18,6 @@ read bandwidth stands for) and the staging bound (a simulated payload is a few b
 
 from __future__ import annotations
 
-import json
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from prefixkv.kvcache.offload.tier import TierManifest, TierStats
 from prefixkv.kvcache.offload.tiered_cache import TieredKVCache
 from prefixkv.kvcache.offload.writer import DEFAULT_PENDING_BYTES
 from prefixkv.request import Request
+from prefixkv.sim.cost_model import load_preset_or_file
 
 
 @dataclass(frozen=True)
@@ -107,24 +107,14 @@ DEFAULT_TIER_COST = {
 
 def load_tier_cost(name_or_path: str) -> TierCost:
     """A preset by name, else a JSON file of TierCost's fields; ValueError saying what is wrong."""
-    if name_or_path in TIER_PRESETS:
-        return TIER_PRESETS[name_or_path]
-    try:
-        with open(name_or_path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(
-            f"tier cost {name_or_path!r} is neither a preset ({', '.join(TIER_PRESETS)}) nor an existing JSON file"
-        ) from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"tier cost file {name_or_path}: cannot read it as JSON: {e}") from None
+    return load_preset_or_file(name_or_path, "tier cost", TIER_PRESETS, _tier_cost_from_json)
+
+
+def _tier_cost_from_json(data: object) -> TierCost:
     known = [f.name for f in fields(TierCost)]
     if not isinstance(data, dict) or set(data) != set(known):
-        raise ValueError(f"tier cost file {name_or_path}: expected a JSON object with exactly {', '.join(known)}")
-    try:
-        return TierCost(**data)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"tier cost file {name_or_path}: {e}") from None
+        raise ValueError(f"expected a JSON object with exactly {', '.join(known)}")
+    return TierCost(**data)
 
 
 def default_tier_cost(step_cost_name: str) -> TierCost:

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from prefixkv.engine.prompts import shared_prefix
 from prefixkv.sim.traces import TraceFormatError, TraceScaling, load_trace, scale_trace, scaled_length
 
 MOONCAKE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
@@ -33,15 +34,6 @@ def bailian_row(chat=1, parent=-1, ts=0.0, n=40, out=5, turn=1, ids=(0, 1, 2)) -
         "type": "text",  # extra fields are ignored
         "hash_ids": list(ids),
     }
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def test_mooncake_loads_detected_sorted_and_rebased(tmp_path):
@@ -134,11 +126,11 @@ def test_scaled_prompts_share_exactly_the_trace_prefixes(tmp_path):
     prompts = [r.prompt_tokens() for r in reqs]
     assert [len(p) for p in prompts] == [r.prompt_len for r in reqs]
     assert all(100 <= t < 49_000 for p in prompts for t in p)
-    assert common_prefix(prompts[0], prompts[1]) == 32
-    assert common_prefix(prompts[0], prompts[2]) == 16
-    assert common_prefix(prompts[0], prompts[3]) == 0
+    assert shared_prefix(prompts[0], prompts[1]) == 32
+    assert shared_prefix(prompts[0], prompts[2]) == 16
+    assert shared_prefix(prompts[0], prompts[3]) == 0
     assert prompts[4] == prompts[0][:32]
-    assert common_prefix(prompts[3], prompts[5]) == 1  # ids equal modulo the vocabulary: only the first digit
+    assert shared_prefix(prompts[3], prompts[5]) == 1  # ids equal modulo the vocabulary: only the first digit
     assert prompts[5][16:] == prompts[0][16:]  # same ids, same runs, wherever they stand
     # deterministic from the seed, different under another seed
     assert scale_trace(trace, scaling)[0].prompt_tokens() == prompts[0]
@@ -147,7 +139,7 @@ def test_scaled_prompts_share_exactly_the_trace_prefixes(tmp_path):
     full = scale_trace(trace, TraceScaling())
     assert [r.prompt_len for r in full] == [r["input_length"] for r in rows]
     assert [r.output_len for r in full] == [64, 1, 100, 512, 3, 3]
-    assert common_prefix(full[0].prompt_tokens(), full[1].prompt_tokens()) == 1024
+    assert shared_prefix(full[0].prompt_tokens(), full[1].prompt_tokens()) == 1024
 
 
 def test_runs_of_distinct_ids_never_collide():
