@@ -6,7 +6,8 @@ shows it on request (`usage.prompt_tokens_details.cache_miss`) and /metrics sums
 
 Causes, in the order a missed page is tested for them:
 - in_flight: another running request is computing that page right now (it was not findable when this one came).
-- routed: another replica holds the page (only where something sees the fleet: the replica simulator).
+- routed: another replica holds the page (only where something sees the fleet: the replica simulator, or a
+  router's index, which tells the replica it routes to how many leading prompt tokens another one holds).
 - evicted: the page was cached and dropped to make room (`policy`: the eviction policy, or "reset" for an admin
   reset; `evicted_s_ago`: how long before this request's admission).
 - expired: the page was cached under a retention (a TTL, a cache breakpoint) that ran out, and was evicted after.

@@ -56,6 +56,8 @@ class Request:
     prefill_only: bool = False  # prewarm: compute and cache the prompt, sample nothing, finish
     prompt_cache_key: str | None = None  # the client's grouping hint (OpenAI's field), recorded only
     session: SessionHint | None = None  # the agent session it is a turn of (engine/agent_sessions.py)
+    # leading prompt tokens another replica holds, by the router's index: this one's misses there are `routed`
+    held_elsewhere_tokens: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + generated, the sequence whose KV we hold

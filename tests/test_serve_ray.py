@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import uuid
 from collections import Counter
 
 import httpx
@@ -58,8 +59,9 @@ def _complete(client, max_tokens: int = 4):
 
 def test_precise_routing_follows_the_cache(base_url):
     """Ray Serve's request router runs prefixkv's precise policy: a repeated prompt goes back to the replica
-    whose KV events say it holds the prompt's pages (and hits there); distinct prompts sent at once spread over
-    both replicas; the answers are the same whichever replica computed them."""
+    whose KV events say it holds the prompt's pages (and hits there), and one sent elsewhere misses them as
+    `routed`; distinct prompts sent at once spread over both replicas; the answers are the same whichever replica
+    computed them."""
     client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=120, max_retries=0)
     assert client.models.list().data[0].id  # any endpoint passes through
     first, text = _complete(client)
@@ -68,6 +70,7 @@ def test_precise_routing_follows_the_cache(base_url):
         answer = raw.parse()
         assert raw.headers[REPLICA_HEADER] == first and answer.choices[0].text == text
         assert answer.usage.prompt_tokens_details.cached_tokens > 0
+    _routed_away_misses_are_routed(client, first)
     replicas: list[str] = []
 
     def send(i: int) -> None:
@@ -86,6 +89,35 @@ def test_precise_routing_follows_the_cache(base_url):
     with pytest.raises(openai.BadRequestError) as bad:  # the replica's own validation, passed through unchanged
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=-1)
     assert bad.value.body["param"] == "max_tokens"
+
+
+def _routed_away_misses_are_routed(client, holder: str) -> None:
+    """A request the router sends away from `holder`, the replica holding its prefix (a session pinned to the
+    other replica), names that missed prefix `routed`: Router.route's count, recorded on the RouteRequest in
+    choose_replicas, reached the replica with Ray's arguments. A client's own held-elsewhere header never does."""
+    explain = {"explain_cache_miss": True}
+    spoofed = {"x-prefixkv-held-elsewhere": "100000"}
+    for _ in range(6):  # a fresh prompt per session goes to the replica caching fewer blocks: soon the other
+        key = f"pin-{uuid.uuid4().hex}"
+        raw = client.completions.with_raw_response.create(
+            model=MODEL,
+            prompt=f"[{uuid.uuid4().hex}] {PROMPT}",
+            max_tokens=1,
+            extra_body={**explain, "prompt_cache_key": key},
+            extra_headers=spoofed,
+        )
+        miss = raw.parse().usage.prompt_tokens_details.model_extra["cache_miss"]
+        assert miss["tokens_by_cause"].get("never_seen", 0) >= 32 and "routed" not in miss["tokens_by_cause"], miss
+        if raw.headers[REPLICA_HEADER] != holder:
+            break
+    else:
+        pytest.fail("no fresh session went to the replica not holding the prompt")
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=PROMPT + " the tower.", max_tokens=1, extra_body={**explain, "prompt_cache_key": key}
+    )
+    miss = raw.parse().usage.prompt_tokens_details.model_extra["cache_miss"]
+    assert raw.headers[REPLICA_HEADER] != holder  # pinned away from the prefix
+    assert miss["cause"] == "routed" and miss["tokens_by_cause"]["routed"] >= 16, miss
 
 
 def _ingress_stats(base_url: str) -> dict:

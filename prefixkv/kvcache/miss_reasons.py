@@ -15,6 +15,9 @@ page's key is its content key in its namespace (adapter, tenant salt). It keeps:
   under another's is told apart (isolated);
 - the keys running requests will compute: a page another request is computing right now is in_flight;
 - optionally (`elsewhere`), whether another replica holds a key: such a page is the router's miss (routed).
+  Behind a real router no replica sees another's cache; the router's index does, and says on the request how
+  many leading prompt tokens another replica holds (Request.held_elsewhere_tokens): a missed page ending within
+  them is routed too.
 
 At a request's first admission the scheduler asks `explain` (through KVCacheManager.explain_miss, before the
 allocation keys anything) and gets a CacheMiss: each page past the hit gets one cause, tested in the order
@@ -172,6 +175,7 @@ class MissExplainer:
         policy: str | None = None
         ago: float | None = None
         previous: str | None = None
+        held_elsewhere = request.held_elsewhere_tokens
         for j in range(hit_tokens // unit, coverable):
             key = (ns, contents[j])
             if key in self._page_of_key:
@@ -180,7 +184,7 @@ class MissExplainer:
                 eviction = self._history.get(key)
                 if self._pending.get(key):
                     cause = "in_flight"
-                elif self.elsewhere is not None and self.elsewhere(key):
+                elif (j + 1) * unit <= held_elsewhere or (self.elsewhere is not None and self.elsewhere(key)):
                     cause = "routed"
                 elif eviction is not None:
                     cause = eviction.cause

@@ -106,3 +106,9 @@ class ApproximateRouting(RoutingPolicy):
 
     def on_replica_removed(self, replica_id: str) -> None:
         self.trees.remove(replica_id)
+
+    def held_prefix_tokens(self, request: RouteRequest, replica_ids: Sequence[str]) -> dict[str, int]:
+        """What each replica's tree says it holds of the prompt (a guess: the prompts routed there)."""
+        size = self.trees.block_size
+        matched = self.trees.matched_blocks(request.block_hashes(size, self.hash_algo), replica_ids)
+        return {rid: blocks * size for rid, blocks in matched.items()}

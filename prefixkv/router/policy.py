@@ -33,6 +33,11 @@ class RoutingPolicy(ABC):
     def on_replica_removed(self, replica_id: str) -> None:  # noqa: B027 - optional hook
         """`replica_id` is gone (dead or scaled down): forget everything about it."""
 
+    def held_prefix_tokens(self, request: RouteRequest, replica_ids: Sequence[str]) -> dict[str, int] | None:
+        """Per replica, how many leading prompt tokens this policy believes it holds; None: it keeps no index.
+        The router tells the chosen replica what another holds, so the replica can name that miss `routed`."""
+        return None
+
 
 def load_key(replica: ReplicaState) -> tuple:
     """Least loaded first: fewer requests in flight, then less KV in use, then the id (a stable tie-break)."""

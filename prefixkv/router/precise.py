@@ -77,6 +77,10 @@ class PreciseRouting(RoutingPolicy):
             matched[rid] = n
         return matched
 
+    def held_prefix_tokens(self, request: RouteRequest, replica_ids: Sequence[str]) -> dict[str, int]:
+        """What each replica holds of the prompt by its KV events, or is computing for a prompt routed there."""
+        return {rid: blocks * self.block_size for rid, blocks in self.matched_blocks(request, replica_ids).items()}
+
     @property
     def num_in_flight_blocks(self) -> int:
         """Blocks of routed prompts the router still expects an event for."""

@@ -24,6 +24,9 @@ class RouteRequest:
     cache_salt: str | None = None
     session_key: str | None = None
     request_id: str = ""
+    # set by Router.route: the longest prompt prefix (tokens) another live replica holds, as the policy's index
+    # believes; the replica names its misses of it `routed` (cache_miss.py). 0: none, or the policy keeps no index
+    held_elsewhere_tokens: int = 0
     _hashes: dict[tuple[int, str], list[int]] = field(default_factory=dict, repr=False)
 
     @property

@@ -4,6 +4,8 @@ A request with a session key (`prompt_cache_key`, or a session header) goes wher
 as long as that replica is alive; the policy chooses for every other request and for a conversation's first.
 Pins are LRU-bounded, so a router serving millions of sessions holds only the recent ones. The router owns the
 pins; the policy owns what it learns (tree, index); every routed request reaches the policy's on_routed.
+A cache-aware policy's index also says how much of the prompt another replica holds: the router records it on
+the request (held_elsewhere_tokens) for the chosen replica, which names what it misses of that prefix `routed`.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class Router:
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session key -> replica id, least recent first
 
     def route(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> str:
-        """The replica for `request` among the live `replicas`; ValueError when there are none."""
+        """The replica for `request` among the live `replicas`; ValueError when there are none. Sets
+        request.held_elsewhere_tokens for that replica."""
         if not replicas:
             raise ValueError("no live replica to route to")
         chosen = None
@@ -64,8 +67,19 @@ class Router:
             self._sessions.move_to_end(key)
             if len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
+        request.held_elsewhere_tokens = self._held_elsewhere(request, replicas, chosen)
         self.policy.on_routed(request, chosen)
         return chosen
+
+    def _held_elsewhere(self, request: RouteRequest, replicas: Sequence[ReplicaState], chosen: str) -> int:
+        """The longest prompt prefix (tokens) a live replica other than `chosen` holds, asked before on_routed
+        counts the prompt as the chosen one's: what `chosen` misses of it, the router could have found (the
+        replica's miss cause `routed`). 0 when the policy keeps no index."""
+        others = [r.replica_id for r in replicas if r.replica_id != chosen]
+        if not others or not request.num_tokens:
+            return 0
+        held = self.policy.held_prefix_tokens(request, others)
+        return max(held.values(), default=0) if held else 0
 
     def finished(self, request: RouteRequest, replica_id: str) -> None:
         self.policy.on_finished(request, replica_id)

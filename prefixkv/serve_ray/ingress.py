@@ -32,6 +32,7 @@ from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
 from prefixkv.server.auth import OPEN, KeyRing, derive_cache_salt, isolation_mode, request_api_key
 from prefixkv.server.errors import APIError
 from prefixkv.server.options import ServingOptions
+from prefixkv.server.router_hints import HELD_ELSEWHERE
 
 logger = logging.getLogger("ray.serve")  # Serve's logger: lines land in the ingress replica's Serve log
 
@@ -192,7 +193,9 @@ class Ingress:
         body = await raw.body()
         target = raw.url.path + (f"?{raw.url.query}" if raw.url.query else "")
         route = route_request(body, dict(raw.headers), self._tokenizer, self._salts)
-        request = ForwardedRequest(raw.method, target, list(raw.headers.items()), body, route)
+        # what another replica holds is the router's to say (replica.py sets it), never a client's
+        headers = [(k, v) for k, v in raw.headers.items() if k.lower() != HELD_ELSEWHERE]
+        request = ForwardedRequest(raw.method, target, headers, body, route)
         self.stats.requests += 1
         if _wants_stream(body):
             return await self._stream(request)

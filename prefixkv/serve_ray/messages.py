@@ -2,7 +2,9 @@
 
 `route` is what the request router reads to choose a replica (prefixkv.router's RouteRequest); Ray hands the
 router a request's positional arguments, so the forwarded request carries it rather than the router parsing
-HTTP bodies itself.
+HTTP bodies itself. It also carries back what the router learned: the router runs in the caller's process before
+Ray serializes the arguments, so the held_elsewhere_tokens Router.route records on it reach the chosen replica
+(tests/test_serve_ray.py checks it end to end).
 """
 
 from __future__ import annotations

@@ -24,9 +24,11 @@ import httpx
 from prefixkv.config import EngineConfig
 from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
 from prefixkv.server.options import ServingOptions
+from prefixkv.server.router_hints import HELD_ELSEWHERE
 
 REPLICA_HEADER = "x-prefixkv-replica"  # which replica answered: for logs, debugging and tests
 _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "host"}
+_NOT_FORWARDED = _HOP_BY_HOP | {HELD_ELSEWHERE}  # the held-elsewhere header comes from the router, not the client
 
 
 class EngineReplica:
@@ -65,7 +67,11 @@ class EngineReplica:
         return [*headers, (REPLICA_HEADER, self.replica_id)]
 
     def _request(self, request: ForwardedRequest) -> httpx.Request:
-        headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_BY_HOP]
+        """The app's request; with what the router recorded while routing it here (Router.route ran in the caller's
+        process before Ray sent the arguments) as the held-elsewhere header, never a client's."""
+        headers = [(k, v) for k, v in request.headers if k.lower() not in _NOT_FORWARDED]
+        if request.route.held_elsewhere_tokens > 0:
+            headers.append((HELD_ELSEWHERE, str(request.route.held_elsewhere_tokens)))
         return self._client.build_request(request.method, request.path, headers=headers, content=request.body)
 
     async def handle(self, request: ForwardedRequest) -> ForwardedResponse:

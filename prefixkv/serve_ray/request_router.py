@@ -6,7 +6,9 @@ prefixkv's Router chose, so the policy (round-robin, least-loaded, approximate, 
 keeps its backpressure (max_ongoing_requests) and retries. Load gauges come from each replica's routing stats
 (replica.py's record_routing_stats, polled by Ray's controller); KV events (precise policy) come straight from
 each replica's ZMQ publisher, drained before every decision; a replica Ray reports dead leaves the Router, so
-its pins and index entries go with it.
+its pins and index entries go with it. Router.route records on the request's RouteRequest how much of the prompt
+another replica holds; Ray sends the arguments only after choose_replicas returns, so the replica gets it
+(replica.py turns it into the header that lets the engine name those misses `routed`).
 """
 
 from __future__ import annotations

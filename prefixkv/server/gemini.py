@@ -52,6 +52,7 @@ from prefixkv.server.gemini_protocol import (
     UpdateCachedContentRequest,
     model_name,
 )
+from prefixkv.server.router_hints import held_elsewhere_tokens
 from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state
 
@@ -135,6 +136,7 @@ async def _generate(model: str, body: GenerateContentRequest, raw: Request, stre
             params,
             stream=stream,
             cache_salt=salt,
+            held_elsewhere_tokens=held_elsewhere_tokens(raw),
             **use_retention(entry, {}, prompt),
         )
     except ValueError as exc:

@@ -32,6 +32,7 @@ from prefixkv.server.messages_protocol import (
     CountTokensRequest,
     MessagesRequest,
 )
+from prefixkv.server.router_hints import held_elsewhere_tokens
 from prefixkv.server.session_hints import session_hint
 from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state
@@ -64,6 +65,7 @@ async def create_message(body: MessagesRequest, raw: Request):
             cache_salt=salt,
             prefill_only=body.max_tokens == 0,
             session=session_hint(raw),
+            held_elsewhere_tokens=held_elsewhere_tokens(raw),
             **use_retention(entry, {"retention_spans": spans}, prompt),
         )
     except ValueError as exc:

@@ -27,6 +27,7 @@ from prefixkv.server.messages_protocol import Conversation
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from prefixkv.server.response_store import ResponseStore
+from prefixkv.server.router_hints import held_elsewhere_tokens
 from prefixkv.server.session_hints import session_hint
 
 logger = logging.getLogger(__name__)
@@ -198,6 +199,7 @@ async def submit(
     prompts = await state.tokenize(prompts)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     record_prompt_cache_key(state, request_id, body.prompt_cache_key)
+    held = held_elsewhere_tokens(raw)  # a router routes on the first prompt: it says nothing of the others
     try:
         return await state.engine.submit(
             ids,
@@ -208,6 +210,7 @@ async def submit(
             cache_salt=salt,
             prompt_cache_key=body.prompt_cache_key,
             session=session_hint(raw),
+            held_elsewhere_tokens=held if len(prompts) == 1 else 0,
             **(body.retention() if retention is None else retention),
         )
     except ValueError as exc:

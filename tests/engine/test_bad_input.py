@@ -39,6 +39,9 @@ def test_bad_requests_fail_alone(llm_factory):
         engine.add_request(None, {"prompt_token_ids": [10**9]}, SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         engine.add_request(None, {"prompt_token_ids": []}, SamplingParams())
+    for held in (-1, True, "16"):  # a router's count of tokens another replica holds
+        with pytest.raises(ValueError, match="held_elsewhere_tokens"):
+            engine.add_request(None, "hello", SamplingParams(max_tokens=4), held_elsewhere_tokens=held)
     with pytest.raises(ValueError):
         llm.generate(["fine", {"prompt_token_ids": [5] * 999}], SamplingParams(max_tokens=2), use_tqdm=False)
     done = {}

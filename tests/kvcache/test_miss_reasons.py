@@ -121,6 +121,28 @@ def test_in_flight_while_another_request_computes_the_page(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_routed_where_the_router_says_another_replica_holds_the_prefix(kind):
+    """Request.held_elsewhere_tokens (the router's index, behind serve_ray): a missed page ending within them is
+    routed, before evicted, after in_flight; the pages past them keep their own causes."""
+    clock = Clock()
+    kv = make_cache(kind, num_pages=6, clock=clock)
+    miss = serve(kv, make_request(prompt(0, 13), held_elsewhere_tokens=40))  # pages end at 16, 32 | 48
+    assert (miss.cause, miss.tokens_by_cause) == ("routed", {"routed": 32, "never_seen": 16, "granularity": 4})
+    serve(kv, make_request(prompt(500, 21)))  # needs every page of the pool: the first prompt goes
+    miss = serve(kv, make_request(prompt(0, 9), held_elsewhere_tokens=16))
+    assert miss.tokens_by_cause == {"routed": 16, "evicted": 16, "granularity": 4}
+    first = make_request(prompt(1000, 9))
+    assert admit(kv, first, budget=PAGE)  # one page computed, the next in flight
+    compute(kv, first)
+    second = make_request(prompt(1000, 9), held_elsewhere_tokens=32)
+    assert admit(kv, second) and second.cache_miss is not None
+    assert second.cache_miss.tokens_by_cause == {"in_flight": 16, "granularity": 4}
+    kv.free(first)
+    kv.free(second)
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_causes_sum_to_the_missed_tokens(kind):
     """Random prompts over a few shared prefixes, salts and retentions on a small pool: per request and in the
     stats, the causes sum to prompt minus hit; every cause is a known one."""
@@ -131,18 +153,20 @@ def test_the_causes_sum_to_the_missed_tokens(kind):
     for _ in range(200):
         clock.now += rng.random()
         tokens = rng.choice(heads) + [rng.randint(0, 50) for _ in range(rng.randint(1, 12))]
-        extra = {}
+        extra: dict[str, object] = {}
         if rng.random() < 0.3:
             extra["cache_salt"] = rng.choice(["a", "b"])
         if rng.random() < 0.3:
             extra["retention_seconds"] = rng.choice([0.5, 3.0])
+        if rng.random() < 0.2:
+            extra["held_elsewhere_tokens"] = rng.randint(0, len(tokens))
         req = make_request(tokens, **extra)
         miss = serve(kv, req)
         assert miss.missed_tokens == req.num_tokens - req.num_cached_tokens
         assert set(miss.tokens_by_cause) <= set(CAUSES)
     stats = kv.stats
     assert sum(stats.missed_by_cause.values()) == stats.queries - stats.hits
-    assert {"evicted", "isolated", "never_seen", "granularity"} <= set(stats.missed_by_cause)
+    assert {"evicted", "isolated", "never_seen", "granularity", "routed"} <= set(stats.missed_by_cause)
 
 
 def test_one_token_pages_are_tracked_in_units_of_16_tokens():

@@ -112,6 +112,25 @@ def test_a_session_key_pins_its_conversation_until_the_replica_goes():
     assert router.route(prompt(0, session_key="chat-1"), states(0, 5)[1:]) == "r1"
 
 
+def test_the_router_records_the_prefix_another_replica_holds_for_the_one_it_chose():
+    """held_elsewhere_tokens (the replica's `routed` miss cause): the longest prefix another live replica's tree
+    holds, never the chosen one's own; 0 from a policy that keeps no index."""
+    router = Router(ApproximateRouting(block_size=BS))
+    first = prompt(0)
+    owner = router.route(first, states(0, 0))
+    repeat = prompt(0)
+    assert router.route(repeat, states(0, 0)) == owner
+    assert first.held_elsewhere_tokens == repeat.held_elsewhere_tokens == 0  # only the chosen replica holds it
+    other = router.route(prompt(500, session_key="s"), states(0, 0))  # the emptier tree: the other replica
+    assert other != owner
+    pinned = RouteRequest(list(range(30)) + [999] * 10, session_key="s")  # 7 blocks of 4 shared with `first`
+    assert router.route(pinned, states(0, 0)) == other and pinned.held_elsewhere_tokens == 28
+    blind = prompt(0)
+    blind.held_elsewhere_tokens = 5
+    Router(RoundRobin()).route(blind, states(0, 0))
+    assert blind.held_elsewhere_tokens == 0
+
+
 def test_routing_with_no_replica_or_an_unknown_policy_is_a_clear_error():
     with pytest.raises(ValueError, match="no live replica"):
         Router(RoundRobin()).route(prompt(0), [])

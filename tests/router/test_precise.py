@@ -104,6 +104,21 @@ def test_a_prompt_routed_but_not_yet_computed_draws_its_followers():
     assert bounded.matched_blocks(first, ["r1"]) == {"r1": 0}  # only the 4 newest entries are kept
 
 
+def test_the_router_records_what_the_index_says_another_replica_holds():
+    """held_elsewhere_tokens for the replica chosen: another replica's stored blocks, or blocks it is computing
+    for a prompt routed there; asked before on_routed counts the prompt as the chosen replica's."""
+    router = Router(PreciseRouting(block_size=BS))
+    request = RouteRequest(list(range(40)))
+    router.kv_events("r1", [stored(request.block_hashes(BS)[:8])])
+    busy_r1 = [ReplicaState("r0"), ReplicaState("r1", running=100)]  # imbalanced: the least loaded first
+    assert router.route(request, busy_r1) == "r0" and request.held_elsewhere_tokens == 32
+    busy_r0 = [ReplicaState("r0", running=100), ReplicaState("r1")]
+    again = RouteRequest(list(range(40)))
+    assert router.route(again, busy_r0) == "r1" and again.held_elsewhere_tokens == 40  # r0 computes all 10
+    alone = RouteRequest(list(range(40)))
+    assert router.route(alone, [ReplicaState("r0")]) == "r0" and alone.held_elsewhere_tokens == 0
+
+
 def test_a_clearly_imbalanced_fleet_goes_to_the_least_loaded_first():
     policy = PreciseRouting(block_size=BS)
     request = RouteRequest(list(range(40)))

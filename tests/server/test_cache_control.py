@@ -165,7 +165,8 @@ def test_prewarm_file(tmp_path, llm, capsys):
 def test_a_miss_is_explained_when_asked_and_counted_by_cause(client, server, llm):
     """usage.prompt_tokens_details.cache_miss on request (chat, completions streamed, Responses, Messages): a cold
     prompt is never_seen, the same prompt again misses only its last page (granularity), and the causes add up to
-    the missed tokens; /metrics counts missed tokens by cause, summing to queries - hits."""
+    the missed tokens; a router's held-elsewhere header makes the pages it covers routed (a bad value is a 400);
+    /metrics counts missed tokens by cause, summing to queries - hits."""
     model = llm.llm_engine.model_name
     messages = fresh_messages("Which spanner fits a pedal?")
     explain = {"explain_cache_miss": True}
@@ -194,10 +195,25 @@ def test_a_miss_is_explained_when_asked_and_counted_by_cause(client, server, llm
     r = _post(server, "/v1/messages", {"model": model, "max_tokens": 1, "messages": messages[1:], **explain})
     assert r.status_code == 200, r.text
     assert "cause" in r.json()["usage"]["cache_miss"]
+    held = {"x-prefixkv-held-elsewhere": "16"}  # a router's word: another replica holds the first 16 tokens
+    routed = client.completions.create(
+        model=model, prompt=f"[{uuid.uuid4().hex}] {SYSTEM}", max_tokens=1, extra_body=explain, extra_headers=held
+    )
+    miss = routed.usage.prompt_tokens_details.model_extra["cache_miss"]
+    assert miss["cause"] == "routed" and miss["tokens_by_cause"]["routed"] == 16, miss
+    for value in ("-1", "lots"):
+        r = httpx.post(
+            server + "/v1/completions",
+            headers={**AUTH, "x-prefixkv-held-elsewhere": value},
+            content=json.dumps({"model": model, "prompt": "Spokes:", "max_tokens": 1}),
+            timeout=60,
+        )
+        _assert_400_naming(r, "x-prefixkv-held-elsewhere")
     wait_no_pages_held(server, AUTH)
     samples = metric_samples(server, AUTH)
     missed = {k: v for k, v in samples.items() if k.startswith("prefixkv:prefix_cache_missed_tokens_total{")}
-    assert len(missed) == 6 and missed[next(k for k in missed if 'cause="never_seen"' in k)] > 0
+    assert len(missed) == 7 and missed[next(k for k in missed if 'cause="never_seen"' in k)] > 0
+    assert missed[next(k for k in missed if 'cause="routed"' in k)] >= 16
     (queries,) = [v for k, v in samples.items() if k.startswith("prefixkv:prefix_cache_queries_total{")]
     (hits,) = [v for k, v in samples.items() if k.startswith("prefixkv:prefix_cache_hits_total{")]
     assert sum(missed.values()) == queries - hits
