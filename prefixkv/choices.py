@@ -18,7 +18,10 @@ KVEventsFormat = Literal["vllm", "array"]  # prefixkv/kv_events/wire.py's layout
 KVOffloadWritePolicy = Literal["write_through", "write_back"]  # prefixkv/kvcache/offload/tiered_cache.py
 KVOffloadOnMismatch = Literal["refuse", "ignore"]
 WeightFormat = Literal["dense", "gguf", "q8_0"]  # prefixkv/model/quantized.py
-SessionPinPolicy = Literal["none", "ttl", "pause", "session"]  # prefixkv/engine/agent_sessions.py
+# prefixkv/engine/agent_sessions.py; +prefetch: also read each turn back from the second tier before its pause ends
+SessionPinPolicy = Literal[
+    "none", "ttl", "pause", "session", "none+prefetch", "ttl+prefetch", "pause+prefetch", "session+prefetch"
+]
 
 PREFIX_CACHES: tuple[str, ...] = get_args(PrefixCache)
 SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)

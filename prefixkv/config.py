@@ -98,7 +98,9 @@ class EngineConfig:
         "session",
         "what requests with an agent-session hint (session id, expected pause, release) pin between turns: "
         "session (until the next turn supersedes it), pause (through the announced pause), ttl (5 minutes), none "
-        "(docs/agent_traces.md); requests without a hint are not affected",
+        "(docs/agent_traces.md); requests without a hint are not affected. With +prefetch (e.g. session+prefetch; "
+        "needs a KV offload tier), each turn is also read back from the tier shortly before its announced pause "
+        "ends, so the next turn does not wait on the tier",
         SESSION_PIN_POLICIES,
     )
     schedule_policy: SchedulePolicy = _option("fcfs", "order in which waiting requests are admitted", SCHEDULE_POLICIES)
@@ -185,6 +187,11 @@ class EngineConfig:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         self._check_kv_offload()
+        if self.session_policy.endswith("+prefetch") and not self.kv_offload:
+            raise ValueError(
+                f"session_policy {self.session_policy!r} reads each turn back from the second KV tier before its "
+                "pause ends: it needs a tier (kv_offload_dir or kv_offload_host_size)"
+            )
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError(
                 f"kv_cache_tokens must hold at least one page ({self.page_size}), got {self.kv_cache_tokens}"

@@ -73,6 +73,7 @@ class EngineClient(Protocol):
         prefill_only: bool = False,
         prompt_cache_key: str | None = None,
         session: SessionHint | None = None,
+        held_elsewhere_tokens: int = 0,
     ) -> str:
         """Queue a request (ValueError, nothing queued, when it is bad); its id."""
         ...
@@ -82,6 +83,10 @@ class EngineClient(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def step(self) -> list[RequestOutput]: ...
+
+    def run_timers(self) -> float | None:
+        """Run what is due without a step (a session's read-ahead); seconds until the next, None if none."""
+        ...
 
     def get_stats(self) -> EngineStats: ...
 

@@ -117,7 +117,8 @@ class Engine:
         self.kv = kv
         self.policy = create_policy(config)
         self.scheduler = Scheduler(config, self.kv, self.policy)
-        # what session hints pin between turns (and, with a write_back tier, hand to the tier when a turn ends)
+        # what session hints pin between turns (and, with a write_back tier, hand to the tier when a turn ends;
+        # with +prefetch, read back from it before the session is due)
         demote = config.kv_offload and config.kv_offload_write_policy == "write_back"
         self.sessions = SessionPins(self.kv, config.session_policy, demote=demote)
         self._executor = RunnerExecutor(runner, kv)
@@ -153,6 +154,7 @@ class Engine:
         prefill_only: bool = False,
         prompt_cache_key: str | None = None,
         session: SessionHint | None = None,
+        held_elsewhere_tokens: int = 0,
     ) -> str:
         """Validate and queue a request; raise ValueError (and queue nothing) when it is bad.
 
@@ -164,6 +166,8 @@ class Engine:
         prompt_cache_key: the client's grouping hint (OpenAI's field), recorded on the Request.
         session: the agent session the request is a turn of (session_hint.py): what config.session_policy pins
         between its turns (engine/agent_sessions.py); with n > 1, the first completion's sequence is pinned.
+        held_elsewhere_tokens: how many leading prompt tokens another replica holds, as a router's index says
+        (serve_ray passes it on): the prompt's misses within them are the router's (cache miss cause `routed`).
 
         output_kind (vLLM's RequestOutputKind): "cumulative" outputs carry everything generated so far, "delta"
         outputs only what is new since the request's previous output (memory linear in the output length),
@@ -185,6 +189,12 @@ class Engine:
             raise ValueError(f"prompt_cache_key must be a string, got {prompt_cache_key!r}")
         if session is not None and not isinstance(session, SessionHint):
             raise ValueError(f"session must be a SessionHint, got {type(session).__name__}")
+        if (
+            isinstance(held_elsewhere_tokens, bool)
+            or not isinstance(held_elsewhere_tokens, int)
+            or held_elsewhere_tokens < 0
+        ):
+            raise ValueError(f"held_elsewhere_tokens must be an integer >= 0, got {held_elsewhere_tokens!r}")
         if prefill_only and params.n != 1:
             raise ValueError("a prefill-only (prewarm) request computes one prompt: n must be 1")
 
@@ -212,6 +222,7 @@ class Engine:
                 prefill_only=prefill_only,
                 prompt_cache_key=prompt_cache_key,
                 session=session if i == 0 else None,
+                held_elsewhere_tokens=held_elsewhere_tokens,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -248,6 +259,7 @@ class Engine:
         """One step of the engine core, then what its samples mean: tokens, text, stop rules, outputs (of the
         requests this step touched, and of those aborted since the last step)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        self.sessions.run_timers()  # read-aheads due before this step's schedule looks the requests up
         result = self.core.step()
         self._computed_tokens += result.scheduled.num_batched_tokens
         now = time.monotonic()
@@ -270,6 +282,12 @@ class Engine:
                 del self._parents[parent.request_id]
         self.core.after_outputs()
         return outputs
+
+    def run_timers(self) -> float | None:
+        """Run what is due now without a request to step (an agent session's read-ahead from the tier before its
+        announced pause ends, session_policy +prefetch); the seconds until the next is due, None when nothing is
+        pending. step() runs them too; an idle caller calls this again after that long."""
+        return self.sessions.run_timers()
 
     def close(self) -> None:
         """Close the step components (a tier's last writes, the KV event publisher); a later engine on the same

@@ -39,5 +39,9 @@ class EngineStats:
     kv_tier_corrupt: int = 0  # entries found damaged and dropped (recomputed, never served)
     kv_tier_saved_chunks: int = 0  # chunks stored into the tier
     kv_tier_dropped_saves: int = 0  # chunks not stored because the writer's queue was full
+    # chunks read back before an agent session's next turn arrived (session_policy +prefetch), and of those the
+    # ones that turn loaded
+    kv_tier_read_ahead_chunks: int = 0
+    kv_tier_read_ahead_loaded_chunks: int = 0
     # KV events (None: not published)
     kv_events_endpoint: str | None = None  # where the PUB socket is (its bound address when the port was *)

@@ -80,6 +80,7 @@ class KVCacheManager(ABC):
     # request admitted later in the same step hits them (the forward pass writes them before anyone attends).
     # False: pages become findable at commit(), after their step; the scheduler then defers the duplicate instead.
     keys_in_flight_pages: bool = False
+    reads_ahead: bool = False  # True: read_ahead() stages a second tier's chunks for a request yet to come
     num_pages: int
     page_size: int
     stats: PrefixCacheStats  # written by the scheduler at admission; the manager only reports it
@@ -176,6 +177,22 @@ class KVCacheManager(ABC):
         ended and its tool runs: the pool may evict them later at no cost). Returns how many chunks were queued; a
         cache without a tier (or one that saved them already) queues none."""
         return 0
+
+    def read_ahead(self, request: Request) -> int:
+        """Start reading back, in the background, the chunks of request.token_ids that only the second tier holds
+        now, for a later request to find read (an agent's next turn, before its announced pause ends). Returns how
+        many chunk reads were started; a cache without a tier starts none."""
+        return 0
+
+    def drop_read_ahead(self, request: Request, keep_tokens: int = 0) -> int:
+        """Drop what read_ahead(request) read and no request took, past its first keep_tokens tokens (whole
+        chunks). Returns how many chunks were dropped."""
+        return 0
+
+    def expected_read_seconds(self, num_tokens: int) -> float:
+        """How long read_ahead of num_tokens tokens is expected to take, at the tier's measured rate (0 without a
+        tier, or before anything was read from it)."""
+        return 0.0
 
     def summary(self) -> CacheSummary:
         """The cache's view of itself for humans (CLI, admin endpoint); caches add what they hold."""

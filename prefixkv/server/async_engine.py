@@ -319,11 +319,12 @@ class AsyncEngine:
         except Exception:  # already finished inside the engine: nothing to free
             logger.debug("abort of %s ignored", rid, exc_info=True)
 
-    def _run_commands(self, block: bool) -> bool:
-        """Run queued commands; block for the first one when idle. False once asked to stop."""
+    def _run_commands(self, block: bool, timeout: float | None = None) -> bool:
+        """Run queued commands; block for the first one when idle (at most `timeout` seconds, when given). False
+        once asked to stop."""
         while True:
             try:
-                item = self._commands.get(block=block)
+                item = self._commands.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return True
             block = False
@@ -376,7 +377,16 @@ class AsyncEngine:
     def _run(self) -> None:
         failures = 0
         try:
-            while self._run_commands(block=not self.engine.has_unfinished_requests()):
+            while True:
+                # idle, the engine still has timers (a session's read-ahead before its pause ends): wake for them
+                try:
+                    wake = self.engine.run_timers()
+                except Exception:  # a read-ahead is an optimization: never let it stop the loop
+                    logger.exception("engine timers failed")
+                    wake = None
+                idle = not self.engine.has_unfinished_requests()
+                if not self._run_commands(block=idle, timeout=None if wake is None else max(wake, 0.001)):
+                    break
                 if not self.engine.has_unfinished_requests():
                     continue
                 try:

@@ -106,12 +106,12 @@ class _EngineStatsCollector:
         missed = CounterMetricFamily(
             "prefixkv:prefix_cache_missed_tokens",
             "Prompt tokens of first admissions not served from the prefix cache, by why (every cause is listed; "
-            "they sum to queries - hits): in_flight, evicted, expired, isolated, never_seen, granularity.",
+            "they sum to queries - hits): in_flight, evicted, expired, isolated, never_seen, granularity, routed "
+            "(behind a router: another replica holds the page).",
             labels=["model_name", "cause"],
         )
         for cause in CAUSES:
-            if cause != "routed":  # only something that sees the fleet can tell: never one engine
-                missed.add_metric([self.model_name, cause], float(stats.prefix_cache_missed_by_cause.get(cause, 0)))
+            missed.add_metric([self.model_name, cause], float(stats.prefix_cache_missed_by_cause.get(cause, 0)))
         yield missed
         yield counter(
             "prefixkv:num_preemptions", "Requests preempted (recomputed later).", float(stats.num_preemptions)
@@ -153,6 +153,18 @@ class _EngineStatsCollector:
                 "corrupt",
                 "Tier entries found damaged and dropped (recomputed, never served).",
                 stats.kv_tier_corrupt,
+            ),
+            (
+                CounterMetricFamily,
+                "read_ahead_chunks",
+                "Chunks read back before an agent session's next turn arrived (session policy +prefetch).",
+                stats.kv_tier_read_ahead_chunks,
+            ),
+            (
+                CounterMetricFamily,
+                "read_ahead_loaded_chunks",
+                "Of the chunks read ahead, those the session's next turn loaded into the pool.",
+                stats.kv_tier_read_ahead_loaded_chunks,
             ),
             (GaugeMetricFamily, "entries", "Chunks held by the tier.", stats.kv_tier_entries),
             (GaugeMetricFamily, "bytes", "KV payload bytes held by the tier.", stats.kv_tier_bytes),

@@ -30,10 +30,14 @@ def run(llm, prompt: list[int]) -> tuple[list[int], int]:
 
 
 @pytest.fixture(scope="module")
-def expected(new_llm):
-    llm = new_llm(prefix_cache="off", **POOL)
-    a, b = prompts(llm.get_tokenizer())
-    return run(llm, a)[0], run(llm, b)[0]
+def reference(new_llm):
+    return new_llm(prefix_cache="off", **POOL)
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    a, b = prompts(reference.get_tokenizer())
+    return run(reference, a)[0], run(reference, b)[0]
 
 
 @pytest.mark.parametrize("kind, write_policy", [("hash", "write_through"), ("radix", "write_back")])
@@ -108,3 +112,49 @@ def test_a_write_back_tier_takes_an_agent_turn_when_its_pause_starts(new_llm, ex
     engine.flush()
     assert run(llm, a) == (expected[0], 96)
     assert engine.get_stats().kv_tier_saved_chunks == 6  # and b's, when a came back and evicted them
+
+
+def test_a_session_turn_is_read_back_from_disk_before_its_pause_ends(new_llm, reference, expected, tmp_path):
+    """session_policy session+prefetch, on the engine's injected clock: a turn announcing a 30 s pause is read back
+    from the disk tier 1 s before the pause ends, so the next turn's admission loads every chunk the pool lost from
+    what was read ahead, reading nothing itself, and gets the recompute's tokens. A late session's read-ahead is
+    dropped at the pause x 1.25 + 1 s."""
+    from prefixkv.session_hint import SessionHint
+
+    now = [1000.0]
+    disk = dict(kv_offload_dir=str(tmp_path), kv_offload_size=16 << 20, kv_offload_chunk_tokens=32)
+    llm = new_llm(prefix_cache="hash", **POOL, **disk, session_policy="session+prefetch", clock=lambda: now[0])
+    engine = llm.llm_engine
+    a, b = prompts(llm.get_tokenizer())
+
+    def turn(request_id: str, prompt: list[int]):
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, GREEDY, session=SessionHint("agent", None, 30.0))
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        return outputs[-1]
+
+    assert turn("turn-1", a).outputs[0].token_ids == expected[0]
+    assert run(llm, b) == (expected[1], 0)  # evicts the turn's pages but its first (write_through: all on disk)
+    engine.flush()
+    assert engine.run_timers() == 29.0 and engine.get_stats().kv_tier_read_ahead_chunks == 0
+    now[0] += 29.0
+    engine.run_timers()
+    engine.flush()  # the reads ahead are done
+    reads = engine.kv.tier.stats.hits
+    assert engine.get_stats().kv_tier_read_ahead_chunks == 3
+
+    prompt = [*a, *expected[0], *b[:10]]  # the next turn resends the conversation
+    second = turn("turn-2", prompt)
+    assert second.outputs[0].token_ids == run(reference, prompt)[0] and second.num_cached_tokens == 96
+    assert engine.get_stats().kv_tier_read_ahead_loaded_chunks == 3 and engine.kv.tier.stats.hits == reads
+
+    assert run(llm, b)[0] == expected[1]  # evicts turn 2
+    now[0] += 29.0
+    engine.run_timers()
+    assert engine.kv._staged_bytes == 3 * engine.kv.tier.manifest.payload_bytes
+    now[0] += 10.0  # 39 s after the answer: the session is late
+    assert engine.run_timers() is None and engine.kv._staged_bytes == 0
+    assert engine.sessions.read_aheads_expired == 1
+    engine.kv.check_invariants()
+    llm.close()

@@ -9,6 +9,7 @@ queued chunks into the tier, as the engine does. Pool pages are 16 tokens, chunk
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 
@@ -16,6 +17,7 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.policy_factory import create_policy
 from prefixkv.engine.scheduler import Scheduler
 from prefixkv.kvcache.factory import create_kv_cache_manager
+from prefixkv.kvcache.offload.disk_tier import DiskTier
 from prefixkv.kvcache.offload.host_tier import HostTier
 from prefixkv.kvcache.offload.tier import TierManifest
 from prefixkv.kvcache.offload.tiered_cache import TieredKVCache
@@ -34,10 +36,16 @@ def kv_of(req, pos: int) -> bytes:
 
 class FakeEngine:
     def __init__(
-        self, kind: str, num_pages: int, tier, max_staged_bytes: int = 1 << 20, write_policy: str = "write_through"
+        self,
+        kind: str,
+        num_pages: int,
+        tier,
+        max_staged_bytes: int = 1 << 20,
+        write_policy: str = "write_through",
+        clock=time.monotonic,
     ) -> None:
         config = EngineConfig(prefix_cache=kind, page_size=PAGE, kv_cache_tokens=num_pages * PAGE)
-        inner = create_kv_cache_manager(kind, num_pages, PAGE)
+        inner = create_kv_cache_manager(kind, num_pages, PAGE, clock=clock)
         self.kv = TieredKVCache(inner, tier, CHUNK, "sha256", write_policy, max_staged_bytes=max_staged_bytes)
         self.tier = tier
         self.scheduler = Scheduler(config, self.kv, create_policy(config))
@@ -254,6 +262,74 @@ def test_prefetch_reads_a_new_requests_chunks_in_the_background():
     assert eng.kv._staged_bytes == 0
 
 
+def test_a_read_ahead_is_taken_by_the_request_it_was_for_and_yields_to_requests_in_hand(tmp_path):
+    """Chunks read ahead of any request (TieredKVCache.read_ahead, by chunk key) are loaded by the request whose
+    prompt extends them, without another read; they count in the staging bound, where a request's own chunks
+    come first (the oldest reads ahead are dropped for room)."""
+    tier = DiskTier(str(tmp_path), 64 * MANIFEST.payload_bytes, MANIFEST)
+    FakeEngine("hash", 8, tier).run(make_request(PROMPT_A))
+    FakeEngine("hash", 8, tier).run(make_request(PROMPT_B))
+    eng = FakeEngine("radix", 8, tier, max_staged_bytes=3 * MANIFEST.payload_bytes)
+    assert eng.kv.read_ahead(make_request(PROMPT_A)) == 3  # a finished sequence: its next turn extends it
+    eng.kv.check_invariants()  # reads ahead count against the bound
+    eng.kv.wait_reads()
+    reads = tier.stats.hits
+    assert eng.run(make_request([*PROMPT_A, 5, 6])) == 96  # the driver checked every loaded slot
+    assert tier.stats.hits == reads and eng.kv.tier_stats.read_ahead_loaded_chunks == 3
+
+    eng = FakeEngine("hash", 8, tier, max_staged_bytes=3 * MANIFEST.payload_bytes)
+    assert eng.kv.read_ahead(make_request(PROMPT_A)) == 3  # staging full of reads ahead
+    eng.kv.prefetch(b := make_request(PROMPT_B))  # a request in hand: A's reads ahead make room for it
+    assert eng.kv.tier_stats.read_ahead_dropped_chunks == 3 and eng.run(b) == 96
+    assert eng.kv.read_ahead(make_request(PROMPT_A)) == 3
+    assert eng.kv.drop_read_ahead(make_request(PROMPT_A), keep_tokens=40) == 2  # chunk 0 is wholly inside 40
+    eng.kv.check_invariants()
+    tier.close()
+
+
+def test_a_session_read_ahead_starts_before_its_pause_ends_and_is_dropped_when_superseded_released_or_late(
+    tmp_path,
+):
+    """SessionPins with +prefetch (engine/agent_sessions.py) on its injected clock: a turn announcing a 30 s pause is
+    read back from 29 s on (1 s lead, no read measured yet), not at all if the session is back first; what was read
+    is dropped when the session (here its parent) is released, or when it is later than the pause x 1.25 + 1 s."""
+    from prefixkv.engine.agent_sessions import SessionPins
+    from prefixkv.session_hint import SessionHint
+
+    now = [100.0]
+    tier = DiskTier(str(tmp_path), 64 * MANIFEST.payload_bytes, MANIFEST)
+    FakeEngine("hash", 8, tier).run(make_request(PROMPT_A))
+    kv = FakeEngine("hash", 8, tier, clock=lambda: now[0]).kv  # its pool never held A: only the tier does
+    with pytest.raises(ValueError, match="needs a tier"):
+        SessionPins(kv.inner, "session+prefetch")
+    pins = SessionPins(kv, "none+prefetch")
+    staged = kv.tier.manifest.payload_bytes * 3
+
+    def turn(session: str, parent: str | None = None, pause: float | None = 30.0, action: str = "keep") -> None:
+        request = make_request(PROMPT_A, session=SessionHint(session, parent, pause, action))
+        pins.on_add(request)
+        pins.on_finish(request)  # answered at once (the clock stands still)
+
+    turn("child", parent="agent")
+    assert pins.run_timers() == 29.0 and pins.read_aheads == 0
+    now[0] = 110.0
+    turn("child", parent="agent")  # back early: the first read-ahead never starts; this one is due at 139
+    assert pins.run_timers() == 29.0
+    now[0] = 139.0
+    assert pins.run_timers() == 9.5 and pins.read_ahead_chunks == 3 and kv._staged_bytes == staged
+    turn("agent", pause=None, action="release")  # the parent ends: its subagent's read-ahead goes with it
+    assert kv._staged_bytes == 0 and pins.read_ahead_dropped_chunks == 3 and pins.run_timers() is None
+
+    turn("solo")
+    now[0] += 29.0
+    assert pins.run_timers() == 9.5 and kv._staged_bytes == staged
+    now[0] += 9.5  # 38.5 s after the answer: the session is late past the pause policy's horizon
+    assert pins.run_timers() is None and kv._staged_bytes == 0 and pins.read_aheads_expired == 1
+    assert pins.summary()["session_read_aheads"] == 2 and pins.summary()["session_policy"] == "none+prefetch"
+    kv.check_invariants()
+    tier.close()
+
+
 def test_options_are_checked():
     inner = create_kv_cache_manager("hash", 8, PAGE)
     with pytest.raises(ValueError, match="kv_offload_chunk_tokens"):
@@ -298,6 +374,9 @@ def test_config_checks_the_offload_options():
         EngineConfig(page_size=16, kv_offload_host_size=1 << 20, kv_offload_chunk_tokens=40)
     with pytest.raises(ValueError, match="kv_offload_size"):
         EngineConfig(kv_offload_dir="/tmp/x", kv_offload_size=0)
+    with pytest.raises(ValueError, match="needs a tier"):  # refused, never accepted and ignored
+        EngineConfig(session_policy="session+prefetch")
+    assert EngineConfig(session_policy="pause+prefetch", kv_offload_host_size=1 << 20).session_policy
     with pytest.raises(ValueError, match="kv_offload_host_size"):
         EngineConfig(kv_offload_host_size=-1)
     with pytest.raises(ValueError, match="set one of them"):

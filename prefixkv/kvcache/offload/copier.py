@@ -2,7 +2,8 @@
 
 TieredKVCache decides what a step loads from the tier and saves into it; the pool's bytes belong to the model
 runner. TierCopier joins them, as a step component of the engine core (prefixkv/engine/core.py):
-- when a request is queued, the cache starts reading its chunks (prefetch);
+- when a request is queued, the cache starts reading its chunks (prefetch), taking over what was read ahead of it
+  (an agent session's turn, read back before its announced pause ended: engine/agent_sessions.py);
 - before the forward pass, chunks to save are read out of the pool first (write_back: pages this step's
   allocations reuse), then the loads the step's admissions took are written into their pool slots;
 - after the step, what it completed is read out and handed to the writer thread, which puts it into the tier;
@@ -60,8 +61,9 @@ class TierCopier:
         pass
 
     def flush(self) -> None:
-        """Wait until every chunk saved so far is in the tier."""
+        """Wait until every chunk saved so far is in the tier, and every read started so far is done."""
         self.writer.flush()
+        self.cache.wait_reads()
 
     def close(self) -> None:
         """Save what only the pool holds (write_back), finish the queued writes, close the cache's prefetching
@@ -88,6 +90,8 @@ class TierCopier:
             kv_tier_corrupt=tier.corrupt,
             kv_tier_saved_chunks=self.writer.written,
             kv_tier_dropped_saves=self.writer.dropped,
+            kv_tier_read_ahead_chunks=hits.read_ahead_chunks,
+            kv_tier_read_ahead_loaded_chunks=hits.read_ahead_loaded_chunks,
         )
 
     def _save(self) -> None:

@@ -21,6 +21,14 @@ the chunks the tier holds for it into its staging (within the same bound), while
 a lookup that needs a chunk still being read waits for that read alone. A request that waits in the queue finds
 its chunks read by the time it is admitted, and an idle engine loses nothing.
 
+Read-ahead: read_ahead(sequence) starts the same background reads before any request exists (an agent session's
+next turn, due when its announced pause ends: engine/agent_sessions.py). Having no request to belong to, those
+reads are kept by chunk key (the chain key names the prefix, salt and adapter, so it is what the next turn's lookup
+computes); the first request whose prefetch or lookup reaches such a key takes the read over as its own. They
+count in the same staging bound, below any request's own staging: when a request needs room, the oldest reads
+ahead are dropped first; whoever started them drops those never taken (drop_read_ahead: the session came back
+with another prompt, ended, or is overdue).
+
 Write policies. write_through: after each step, every newly completed full chunk the tier does not hold yet is
 saved. write_back: such a chunk is only remembered (its pages), and saved when one of its pages is handed out
 again by an allocation, i.e. when the pool evicts it; the engine reads those saves right after scheduling, before
@@ -32,8 +40,10 @@ finds it).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 
 from prefixkv.cache_miss import CacheMiss
@@ -79,6 +89,9 @@ class TierHitStats:
     read_seconds: float = 0.0  # reading and verifying payloads from the tier (in lookups and admissions)
     failed_reads: int = 0  # chunks the tier held but could not give back verified: recomputed instead
     saved_chunks: int = 0  # chunks handed to the engine to save
+    read_ahead_chunks: int = 0  # chunk reads read_ahead() started, before any request asked for them
+    read_ahead_loaded_chunks: int = 0  # of those, loaded into the pool by the request that came for them
+    read_ahead_dropped_chunks: int = 0  # of those, dropped unused (for room, or by drop_read_ahead)
 
 
 @dataclass(slots=True)
@@ -96,12 +109,15 @@ class _TierState:
     tier_hit: int = 0
     loaded_chunks: range = range(0)  # chunks that came from the tier at admission: never saved back
     checked_chunks: int = 0  # leading full chunks already saved, remembered to save, or found in the tier
+    ahead: set[int] = field(default_factory=set)  # chunks whose read it took over from read_ahead()
 
 
 class TieredKVCache(KVCacheManager):
     """`inner` (a hash or radix prefix cache) plus `tier`: a decorator of the KVCacheManager interface. lookup,
     allocate, commit and free add the tier to the inner cache's answers; everything else (the pool, its stats,
     retention and events, the views) is the inner cache's, forwarded."""
+
+    reads_ahead = True
 
     def __init__(
         self,
@@ -143,6 +159,8 @@ class TieredKVCache(KVCacheManager):
         self._unsaved: dict[bytes, list[int]] = {}
         self._unsaved_by_page: dict[int, bytes] = {}
         self._prefetcher: ThreadPoolExecutor | None = None  # started by the first prefetch()
+        # read_ahead(): chunk key -> its background read (as in _TierState.reading), oldest first
+        self._ahead: OrderedDict[bytes, Future] = OrderedDict()
 
     @property
     def keys_in_flight_pages(self) -> bool:  # type: ignore[override]
@@ -194,6 +212,7 @@ class TieredKVCache(KVCacheManager):
         for c in [c for c in state.reading if below is None or c < below]:
             state.reading.pop(c).cancel()
             self._staged_bytes -= self.tier.manifest.payload_bytes
+        state.ahead.difference_update([c for c in state.ahead if below is None or c < below])
 
     # -- prefetch ------------------------------------------------------------------------------------------
     def prefetch(self, request: Request) -> None:
@@ -204,15 +223,103 @@ class TieredKVCache(KVCacheManager):
         index = self.inner.lookup(request) // c
         max_chunks = (request.num_tokens - 1) // c
         keys = self._chunk_keys(state, max_chunks)
-        while index < max_chunks and self._staged_bytes + size <= self.max_staged_bytes:
+        if self._ahead:  # take over what was read ahead for it (what the pool holds again is let go)
+            for i, key in enumerate(keys[:max_chunks]):
+                if i < index and key in self._ahead:
+                    self._drop_ahead(key)
+                elif i >= index:
+                    self._adopt(state, i, key)
+        while index < max_chunks and self._make_room(size):
             if index not in state.staged and index not in state.reading:
                 if not self.tier.contains(keys[index]):
                     break
-                if self._prefetcher is None:
-                    self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix=f"prefixkv-{self.tier.name}-prefetch")
-                state.reading[index] = self._prefetcher.submit(self._timed_get, keys[index])
+                state.reading[index] = self._submit(keys[index])
                 self._staged_bytes += size
             index += 1
+
+    def _submit(self, key: bytes) -> Future:
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix=f"prefixkv-{self.tier.name}-prefetch")
+        return self._prefetcher.submit(self._timed_get, key)
+
+    def _make_room(self, size: int, keep: bytes | None = None) -> bool:
+        """Whether `size` more staged bytes fit the bound, once the oldest reads ahead are dropped if need be (a
+        request in hand comes before a guess about one); `keep`: a read ahead not to drop (nor any after it)."""
+        while self._staged_bytes + size > self.max_staged_bytes and self._ahead:
+            oldest = next(iter(self._ahead))
+            if oldest == keep:
+                return False
+            self._drop_ahead(oldest)
+        return self._staged_bytes + size <= self.max_staged_bytes
+
+    # -- read-ahead, before the request exists -------------------------------------------------------------
+    def read_ahead(self, request: Request) -> int:
+        """Start reading, in the background, the chunks of request.token_ids the tier holds after the pool's hit
+        (whole chunks below its last token, as a lookup of it would load), kept by chunk key for a request yet to
+        come; within the staging bound, dropping older reads ahead for room. Returns how many reads it started."""
+        c, size = self.chunk_tokens, self.tier.manifest.payload_bytes
+        keys = self._sequence_keys(request, (request.num_tokens - 1) // c)
+        started = 0
+        first: bytes | None = None  # this sequence's oldest read ahead: room is never made by dropping its own
+        for key in keys[self.inner.lookup(request) // c :]:
+            if key in self._ahead:
+                self._ahead.move_to_end(key)
+            else:
+                if not self.tier.contains(key) or not self._make_room(size, keep=first):
+                    break
+                self._ahead[key] = self._submit(key)
+                self._staged_bytes += size
+                started += 1
+            first = first or key
+        self.tier_stats.read_ahead_chunks += started
+        return started
+
+    def drop_read_ahead(self, request: Request, keep_tokens: int = 0) -> int:
+        """Drop the reads ahead of request.token_ids' chunks not yet taken by a request, except those wholly
+        inside its first keep_tokens tokens (a request that extends them is about to take them). Returns how
+        many were dropped."""
+        if not self._ahead:
+            return 0
+        c = self.chunk_tokens
+        dropped = 0
+        for key in self._sequence_keys(request, (request.num_tokens - 1) // c)[keep_tokens // c :]:
+            if key in self._ahead:
+                self._drop_ahead(key)
+                dropped += 1
+        return dropped
+
+    def expected_read_seconds(self, num_tokens: int) -> float:
+        """Reading num_tokens' whole chunks one after another (one prefetch thread) at the tier's measured read
+        rate so far; 0 before its first read."""
+        stats = self.tier.stats
+        if not stats.bytes_read:
+            return 0.0
+        seconds_per_byte = stats.read_seconds / stats.bytes_read
+        return num_tokens // self.chunk_tokens * self.tier.manifest.payload_bytes * seconds_per_byte
+
+    def _adopt(self, state: _TierState, index: int, key: bytes) -> None:
+        """Chunk `index` of the request was read ahead under `key`: the read becomes the request's own."""
+        future = self._ahead.pop(key, None)
+        if future is None:
+            return
+        if index in state.staged or index in state.reading:  # read twice: the request's own read stands
+            self._release_ahead(future)
+            return
+        state.reading[index] = future
+        state.ahead.add(index)
+
+    def _drop_ahead(self, key: bytes) -> None:
+        self._release_ahead(self._ahead.pop(key))
+
+    def _release_ahead(self, future: Future) -> None:
+        future.cancel()  # a read already running finishes unused
+        self._staged_bytes -= self.tier.manifest.payload_bytes
+        self.tier_stats.read_ahead_dropped_chunks += 1
+
+    def wait_reads(self) -> None:
+        """Wait for the background reads started so far (prefetches and reads ahead) to finish."""
+        futures = [*self._ahead.values(), *(f for state in self._states.values() for f in state.reading.values())]
+        wait_for(futures)
 
     def _timed_get(self, key: bytes) -> tuple[bytes | None, float]:
         started = time.perf_counter()
@@ -234,6 +341,8 @@ class TieredKVCache(KVCacheManager):
         """Stop the prefetch thread (reads in flight finish; their results are dropped)."""
         for state in self._states.values():
             self._unstage(state)
+        for key in list(self._ahead):
+            self._drop_ahead(key)
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
             self._prefetcher = None
@@ -242,13 +351,15 @@ class TieredKVCache(KVCacheManager):
         """Whether chunk `index` can be promised. While staging has room it is read and verified now (and staged,
         so later lookups of the waiting request read nothing); with staging full, the tier holding it is enough
         and admission verifies it (_take_payloads). False when the tier lacks it or it failed verification."""
+        if self._ahead:
+            self._adopt(state, index, self._chunk_keys(state, index + 1)[index])
         if index in state.reading:
             return self._take_read(state, index) is not None
         key = self._chunk_keys(state, index + 1)[index]
         if not self.tier.contains(key):
             return False
         size = self.tier.manifest.payload_bytes
-        if self._staged_bytes + size > self.max_staged_bytes:
+        if not self._make_room(size):
             return True
         payload = self._read(key)
         if payload is None:
@@ -277,6 +388,8 @@ class TieredKVCache(KVCacheManager):
         keys = self._chunk_keys(state, chunks.stop)
         for index in chunks:
             payload = state.staged.get(index)
+            if payload is None and self._ahead:
+                self._adopt(state, index, keys[index])
             if payload is None and index in state.reading:
                 payload = self._take_read(state, index)
             elif payload is None:
@@ -332,6 +445,7 @@ class TieredKVCache(KVCacheManager):
         self.tier_stats.pool_hit_tokens += pool_part
         if tier_part:
             self._queue_loads(payloads, request, pool_part, num_cached_tokens)
+            self.tier_stats.read_ahead_loaded_chunks += len(state.ahead.intersection(payloads))
         state.loaded_chunks = chunks
         self._unstage(state)
         return True
@@ -522,7 +636,8 @@ class TieredKVCache(KVCacheManager):
     def check_invariants(self) -> None:
         self.inner.check_invariants()
         staged = sum(len(p) for state in self._states.values() for p in state.staged.values())
-        staged += sum(len(state.reading) for state in self._states.values()) * self.tier.manifest.payload_bytes
+        reading = sum(len(state.reading) for state in self._states.values()) + len(self._ahead)
+        staged += reading * self.tier.manifest.payload_bytes
         assert staged == self._staged_bytes, f"staged bytes {self._staged_bytes} != {staged} held or being read"
         assert self._staged_bytes <= self.max_staged_bytes, "staging over its bound"
         for load in self._loads:
