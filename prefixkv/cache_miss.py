@@ -10,7 +10,8 @@ Causes, in the order a missed page is tested for them:
   router's index, which tells the replica it routes to how many leading prompt tokens another one holds).
 - evicted: the page was cached and dropped to make room (`policy`: the eviction policy, or "reset" for an admin
   reset; `evicted_s_ago`: how long before this request's admission).
-- expired: the page was cached under a retention (a TTL, a cache breakpoint) that ran out, and was evicted after.
+- expired: the page was cached under a retention (a TTL, a cache breakpoint) that ran out, and was evicted after,
+  while an endless retention would still have held it (else the cap, not the TTL, let it go: evicted).
 - isolated: the same tokens are cached, but under another tenant's salt or another adapter.
 - never_seen: no page with these tokens was cached within the engine's eviction history.
 - granularity: the tail no hit can cover: a partial last page, and the last token (always recomputed).

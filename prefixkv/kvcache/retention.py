@@ -21,6 +21,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -64,6 +65,9 @@ class RetentionTable:
         self.on_end: Callable[[int], None] | None = None
         self.expired = 0  # pages whose retention ran out
         self._lapsed: set[int] = set()  # cached pages whose retention ran out (not ended by the cap), until evicted
+        # the pages a retention without end would hold now: the `capacity` most recently retained (what the cap
+        # keeps when no deadline passes first). A lapsed page outside it was the cap's to drop anyway.
+        self._endless: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -88,6 +92,12 @@ class RetentionTable:
         now = self.clock()
         ended = self.expire(now)
         deadline = now + seconds
+        endless = self._endless
+        for page in pages:
+            endless[page] = None
+            endless.move_to_end(page)
+        while len(endless) > self.capacity:
+            endless.popitem(last=False)
         for k, page in enumerate(pages):
             old = self._entries.get(page)
             if old is not None and old.priority >= priority and old.deadline >= deadline:
@@ -135,6 +145,7 @@ class RetentionTable:
         set one aside puts it back. Returns the pages that were retained."""
         ended = []
         for page in pages:
+            self._endless.pop(page, None)
             if self._entries.pop(page, None) is not None:
                 ended.append(page)
                 if self.on_end is not None:
@@ -147,8 +158,12 @@ class RetentionTable:
         self._lapsed.discard(page)
 
     def lapsed(self, page: int) -> bool:
-        """Whether the page was retained and its deadline has passed (the cap ending it early does not count):
-        an eviction of it now is the TTL's doing (miss_reasons.py calls it expired)."""
+        """Whether an eviction of the page now is the TTL's doing (miss_reasons.py calls it expired): it was
+        retained, its deadline has passed (the cap ending it early does not count), and without deadlines the cap
+        would still hold it (fewer than `capacity` pages were retained since; same-priority retentions assumed).
+        Otherwise the cap, not the TTL, would have let it go, and its eviction is capacity's."""
+        if page not in self._endless:
+            return False
         if page in self._lapsed:
             return True
         entry = self._entries.get(page)

@@ -190,10 +190,20 @@ def register(sub) -> argparse.ArgumentParser:
     )
     m = p.add_argument_group("miss causes (cache_miss.py)")
     m.add_argument(
-        "--tenants", type=int, default=1, help="give the requests this many cache salts (by session, else in turn)"
+        "--tenants",
+        type=int,
+        default=1,
+        help="give the conversations this many cache salts (a conversation: the trace's session, else the "
+        "requests sharing their first two blocks)",
     )
     m.add_argument(
         "--retention-seconds", type=float, default=None, help="retain every request's pages this long (simulated s)"
+    )
+    m.add_argument(
+        "--retention-share",
+        type=float,
+        default=1.0,
+        help="with --retention-seconds: only this share of the conversations retain (chosen by a hash)",
     )
     m.add_argument(
         "--check-causes",
@@ -419,7 +429,7 @@ def run_command(args: argparse.Namespace) -> int:
     kv_tokens = pool * args.replicas + (tier.capacity_tokens if tier else 0)
     offline = None if args.no_bounds else _offline(accesses, kv_tokens)  # the bound of all the KV there is
     options = router_options(args)
-    tenancy = Tenancy(args.tenants, args.retention_seconds)
+    tenancy = Tenancy(args.tenants, args.retention_seconds, args.retention_share)
     summary, ttfts, queues = _run_one(
         config, requests, cost, args.quiet, "simulate", args.replicas, args.router, options, tenancy, tier
     )

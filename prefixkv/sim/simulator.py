@@ -395,28 +395,56 @@ def simulate(
 
 @dataclass(frozen=True)
 class Tenancy:
-    """What a trace does not say and a run may add: `tenants` > 1 gives each request one of that many cache salts
-    (by its session where the trace has one, else round robin), and retention_seconds retains every request's
-    pages that long (simulated seconds). Both make misses of their own (isolated, expired) to study."""
+    """What a trace does not say and a run may add: `tenants` > 1 gives each conversation one of that many cache
+    salts, and retention_seconds retains pages that long (simulated seconds), for the conversations
+    `retention_share` of them (all by default; a share models clients that mark breakpoints beside ones that do
+    not). Both make misses of their own (isolated, expired) to study.
+
+    A conversation is the trace's session where it has one; else the requests that share their first two blocks
+    (a system prompt many requests share, then the conversation's first turn, which each later turn resends:
+    Mooncake's conversation trace); else each request alone."""
 
     tenants: int = 1
     retention_seconds: float | None = None
+    retention_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.tenants < 1:
             raise ValueError(f"--tenants must be >= 1, got {self.tenants}")
         validate_retention(self.retention_seconds, 0)
+        if not 0 < self.retention_share <= 1:
+            raise ValueError(f"--retention-share must be in (0, 1], got {self.retention_share}")
+        if self.retention_share < 1 and not self.retention_seconds:
+            raise ValueError("--retention-share needs --retention-seconds (a share of no retention)")
+
+    def salt(self, conversation: str) -> str | None:
+        return f"tenant-{zlib.crc32(conversation.encode()) % self.tenants}" if self.tenants > 1 else None
+
+    def retention(self, conversation: str) -> float | None:
+        """The conversation's retention: the share is taken by a hash of its key, apart from the tenant's."""
+        if self.retention_share < 1 and zlib.crc32(b"retain:" + conversation.encode()) % 10_000 >= (
+            self.retention_share * 10_000
+        ):
+            return None
+        return self.retention_seconds
 
 
 NO_TENANCY = Tenancy()
 
 
+def conversation_key(request: TimedRequest, index: int) -> str:
+    """Which conversation a trace request belongs to (see Tenancy)."""
+    session = getattr(request, "session", None)
+    if session:
+        return session
+    blocks: tuple[int, ...] = getattr(request, "block_ids", ())
+    return f"blocks:{blocks[0]}-{blocks[1]}" if len(blocks) >= 2 else f"request:{index}"
+
+
 def trace_arrivals(requests: Iterable[TimedRequest], tenancy: Tenancy = NO_TENANCY) -> Iterator[Arrival]:
     for i, r in enumerate(requests):
         session = getattr(r, "session", None)
-        salt = None
-        if tenancy.tenants > 1:
-            salt = f"tenant-{(zlib.crc32(session.encode()) if session else i) % tenancy.tenants}"
+        conversation = conversation_key(r, i)
         yield Arrival(
             r.arrival_s,
             f"r{i}",
@@ -424,8 +452,8 @@ def trace_arrivals(requests: Iterable[TimedRequest], tenancy: Tenancy = NO_TENAN
             r.output_len,
             r.prompt_tokens,
             session or "",
-            cache_salt=salt,
-            retention_seconds=tenancy.retention_seconds,
+            cache_salt=tenancy.salt(conversation),
+            retention_seconds=tenancy.retention(conversation),
         )
 
 

@@ -95,6 +95,20 @@ def test_expired_when_the_retention_ran_out_before_the_eviction(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_lapsed_page_the_cap_would_have_dropped_anyway_is_evicted_not_expired(kind):
+    """Expired means the TTL decided: had the retention had no end, the cap (here 3 pages) would still hold the
+    page. Once as many pages were retained after it, the cap would have let it go too: capacity's miss."""
+    clock = Clock()
+    kv = make_cache(kind, num_pages=6, clock=clock)
+    serve(kv, make_request(prompt(0, 9), retention_seconds=10.0))
+    serve(kv, make_request(prompt(200, 9), retention_seconds=10.0))  # 3 pages retained after the first's
+    clock.now += 11
+    serve(kv, make_request(prompt(500, 21)))
+    assert serve(kv, make_request(prompt(0, 9))).cause == "evicted"
+    assert serve(kv, make_request(prompt(200, 9))).cause == "expired"  # within the cap: the TTL's doing
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_isolated_when_another_salt_holds_the_tokens(kind):
     kv = make_cache(kind)
     serve(kv, make_request(prompt(0, 9), cache_salt="tenant-a"))
