@@ -1,15 +1,21 @@
 """Two engine replicas on a real local Ray Serve, behind the ingress, driven by the official openai client.
 
-One module-scoped Ray for both Ray tests: starting Ray and loading the weights in each replica is most of the cost.
+One module-scoped Ray for every Ray test: starting Ray and loading the weights in each replica is most of the cost.
+The replicas take keys from a key file (each key's tenant isolated), so the cache-entry test can play two tenants.
+The ingress's pure logic (cache-entry pins, listing merge) is tested without Ray at the end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
 import uuid
 from collections import Counter
+from functools import partial
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
@@ -34,14 +40,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+KEYS = "unused default\ntenant-a acme\ntenant-b beta\n"  # KEY TENANT: "unused" is the other tests' key
+
+
 @pytest.fixture(scope="module")
-def base_url():
+def base_url(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text(KEYS)
     port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         config = EngineConfig(dtype="float32", kv_cache_tokens=4096, max_model_len=512, num_threads=1)
-        serve.run(build_application(config, replicas=2, policy="precise"), name="prefixkv", route_prefix="/")
+        options = ServingOptions(api_key_file=str(keys))  # tenants isolated by key, none of them an admin
+        app = build_application(config, replicas=2, policy="precise", app_options=options)
+        serve.run(app, name="prefixkv", route_prefix="/")
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         # ray.shutdown() alone: the local cluster ray.init started here goes with every actor on it (Serve's
@@ -120,8 +133,138 @@ def _routed_away_misses_are_routed(client, holder: str) -> None:
     assert miss["cause"] == "routed" and miss["tokens_by_cause"]["routed"] >= 16, miss
 
 
+SYSTEM = "You answer questions about the Eiffel Tower in one word. " + " ".join(
+    f"Rule {i}: be brief." for i in range(6)
+)
+
+
+def _tenant(base_url: str, key: str) -> httpx.Client:
+    return httpx.Client(base_url=base_url.removesuffix("/v1"), headers={"authorization": f"Bearer {key}"}, timeout=120)
+
+
+def _one_entry_per_replica(client, tenant: httpx.Client) -> list[dict]:
+    """Two messages entries of `tenant` (`client` its OpenAI client), one on each replica, as created (plus
+    `replica` and `session`, the create's prompt_cache_key, which the replica ignores and the router pins).
+
+    A long answer streaming on one replica makes it the busier: a fresh entry goes to the other one. The second
+    stream follows the first entry's session, so the second entry goes to the first stream's replica."""
+    created: list[dict] = []
+    for _ in range(2):
+        session = {"prompt_cache_key": created[0]["session"]} if created else {}
+        with client.completions.with_streaming_response.create(
+            model=MODEL,
+            prompt=f"[{uuid.uuid4().hex}] {PROMPT}",
+            max_tokens=LONG_ANSWER,
+            stream=True,
+            extra_body=session,
+        ) as busy:
+            key = f"create-{uuid.uuid4().hex}"
+            system = {"role": "system", "content": f"[{uuid.uuid4().hex}] {SYSTEM}"}
+            r = tenant.post("/v1/caches", json={"messages": [system], "ttl": "600s", "prompt_cache_key": key})
+            assert r.status_code == 200, r.text
+            created.append({**r.json(), "replica": r.headers[REPLICA_HEADER], "session": key})
+            assert created[-1]["replica"] != busy.headers[REPLICA_HEADER], "an entry went to the busy replica"
+            assert busy.read()
+    return created
+
+
+def test_cache_entries_behave_as_on_one_server(base_url):
+    """/v1/caches behind the ingress, as on one server: entries made on either replica are listed once each,
+    newest first, paged across both; every use (OpenAI, streamed, Anthropic, Gemini) goes to the replica holding
+    the entry, even a session pinned to the other one, and hits its pages; PATCH extends it there; another tenant
+    gets one server's 404 / 400; DELETE releases it, after which it is the 400 of an unknown name."""
+    a, b = _tenant(base_url, "tenant-a"), _tenant(base_url, "tenant-b")
+    client = openai.OpenAI(base_url=base_url, api_key="tenant-a", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    created = _one_entry_per_replica(client, a)
+    entry, other = created  # on different replicas
+    holder, name = entry["replica"], entry["name"]
+    assert entry["usage"]["cached_tokens"] > 0
+
+    newest_first = [e["id"] for e in sorted(created, key=lambda e: e["create_time"], reverse=True)]
+    listing = a.get("/v1/caches").json()
+    assert [e["id"] for e in listing["data"]] == newest_first and listing["next_page_token"] is None
+    paged, params = [], {"page_size": 1}
+    while True:  # one entry a page: the merged page token resumes each replica where the page stopped
+        page = a.get("/v1/caches", params=params).json()
+        paged += [e["id"] for e in page["data"]]
+        if page["next_page_token"] is None:
+            break
+        params["page_token"] = page["next_page_token"]
+    assert paged == newest_first
+    gemini = a.get("/v1beta/cachedContents").json()
+    assert [e["name"] for e in gemini["cachedContents"]] == [f"cachedContents/{i}" for i in newest_first]
+    assert "nextPageToken" not in gemini
+    bad = a.get("/v1/caches", params={"page_token": "not-a-token"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "page_token"
+
+    def chat(question: str, cache: str = name, stream: bool = False, **extra):
+        return client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=2,
+            temperature=0,
+            stream=stream,
+            extra_body={"cached_content": cache, **extra},
+        )
+
+    # the other entry's session is pinned to the other replica, a fresh one goes where the policy says: all here
+    for i, session in enumerate([other["session"], f"s-{uuid.uuid4().hex}", other["session"]]):
+        raw = chat(f"Question {i}: how tall is it?", prompt_cache_key=session)
+        assert raw.headers[REPLICA_HEADER] == holder
+        assert raw.parse().usage.prompt_tokens_details.cached_tokens >= entry["usage"]["cached_tokens"]
+    stream = chat("And how old?", stream=True)
+    assert stream.headers[REPLICA_HEADER] == holder and any(c.choices for c in stream.parse())
+    anthropic = {"x-api-key": "tenant-a", "anthropic-version": "2023-06-01"}
+    messages = {
+        "model": model,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "cached_content": name,
+    }
+    r = httpx.post(base_url + "/messages", json=messages, headers=anthropic, timeout=120)
+    assert r.status_code == 200 and r.headers[REPLICA_HEADER] == holder, r.text
+    generate = {
+        "contents": [{"role": "user", "parts": [{"text": "Hi"}]}],
+        "cachedContent": f"cachedContents/{entry['id']}",
+        "generationConfig": {"maxOutputTokens": 2},
+    }
+    r = a.post(f"/v1beta/models/{model}:generateContent", json=generate)
+    assert r.status_code == 200 and r.headers[REPLICA_HEADER] == holder, r.text
+    assert r.json()["usageMetadata"]["cachedContentTokenCount"] >= entry["usage"]["cached_tokens"]
+
+    r = a.patch(f"/v1/caches/{name}", json={"ttl": "1200s"})
+    assert r.status_code == 200 and r.headers[REPLICA_HEADER] == holder
+    assert r.json()["expire_time"] > entry["expire_time"]
+
+    # another tenant: one server's answers (the holder's own), whichever replica it is
+    assert b.get("/v1/caches").json() == {"object": "list", "data": [], "next_page_token": None}
+    for r in (b.get(f"/v1/caches/{name}"), b.delete(f"/v1/caches/{entry['id']}")):
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    tenant_b = openai.OpenAI(base_url=base_url, api_key="tenant-b", timeout=120, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        tenant_b.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_body={"cached_content": name}
+        )
+    assert refused.value.body["code"] == "cached_content_not_found"
+
+    r = a.delete(f"/v1/caches/{name}")
+    assert r.status_code == 200 and r.json()["deleted"] is True and r.headers[REPLICA_HEADER] == holder
+    assert a.get(f"/v1/caches/{entry['id']}").status_code == 404
+    for gone in (name, "caches/cache_never_made"):  # a deleted entry reads as one never made
+        with pytest.raises(openai.BadRequestError) as unknown:
+            chat("Still there?", cache=gone)
+        assert unknown.value.body["code"] == "cached_content_not_found"
+        assert unknown.value.body["param"] == "cached_content"
+    assert [e["id"] for e in a.get("/v1/caches").json()["data"]] == [i for i in newest_first if i != entry["id"]]
+    assert a.delete(f"/v1beta/cachedContents/{other['id']}").json() == {}  # Gemini's delete, on the same store
+    assert a.get("/v1beta/cachedContents").json() == {"cachedContents": []}
+
+
 def _ingress_stats(base_url: str) -> dict:
-    response = httpx.get(base_url.removesuffix("/v1") + STATS_PATH, timeout=30)
+    response = httpx.get(
+        base_url.removesuffix("/v1") + STATS_PATH, headers={"authorization": "Bearer unused"}, timeout=30
+    )
     response.raise_for_status()
     return response.json()
 
@@ -131,10 +274,13 @@ def test_replica_killed_under_load(base_url):
     on the other replica, which answers it exactly as the victim would have; new requests succeed too; nothing
     hangs (the client's timeout is only a hang guard). The proof is the ingress's: each answer names the replica
     that gave it and how many replicas were lost under it, and its counters name the actor each attempt was lost
-    with."""
+    with. A cache entry on the victim goes with it: naming it is the 400 of a name never made (not a 500), and
+    the listing has only the survivor's."""
     client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=120, max_retries=0)
     # long enough answers that a request still in flight when the replica is killed is not answered first
     _, reference = _complete(client, max_tokens=LONG_ANSWER)
+    tenant = _tenant(base_url, "unused")
+    entries = _one_entry_per_replica(client, tenant)  # the victim's goes with it
     prefix = "SERVE_REPLICA::prefixkv#EngineReplica#"
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
     actors = {name.removeprefix(prefix): ray.get_actor(name, namespace="serve") for name in names}
@@ -194,6 +340,17 @@ def test_replica_killed_under_load(base_url):
     for _ in range(3):
         replica, text = _complete(client)
         assert text and replica != victim
+    died, kept = sorted(entries, key=lambda e: e["replica"] != victim)
+    with pytest.raises(openai.BadRequestError) as gone:  # as a name never made: a 400, not a 500
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=1,
+            extra_body={"cached_content": died["name"]},
+        )
+    assert gone.value.body["code"] == "cached_content_not_found"
+    assert tenant.get(f"/v1/caches/{died['id']}").status_code == 404
+    assert [e["id"] for e in tenant.get("/v1/caches").json()["data"]] == [kept["id"]]
 
 
 def test_route_request_tokens_and_session_key():
@@ -227,6 +384,8 @@ def test_route_request_keys_tenants_apart(tmp_path):
     ]
     assert routes[0].cache_salt == derive_cache_salt("api-key", Principal("acme", "user"), "k1", None, None)
     assert routes[0].block_hashes(16) == routes[1].block_hashes(16) != routes[2].block_hashes(16)
+    for header in ("x-api-key", "x-goog-api-key"):  # Anthropic's and Gemini's clients send the key so
+        assert route_request(body, {header: "k1"}, tokenizer=object(), salts=salts).cache_salt == routes[0].cache_salt
     assert route_request(body, {}, tokenizer=object(), salts=TenantSalts(ServingOptions())).cache_salt is None
 
 
@@ -238,7 +397,7 @@ def test_ingress_stats_count_each_lost_attempt_and_only_the_retries_that_follow(
 
     stats = IngressStats()
     for attempt in range(MAX_ATTEMPTS):
-        stats.lost(RayActorError(actor_id="a1" if attempt else None), attempt, "before answering")
+        stats.lost(RayActorError(actor_id="a1") if attempt else RayActorError(), attempt, "before answering")
     assert stats.as_dict() == {
         "requests": 0,
         "retries": MAX_ATTEMPTS - 1,
@@ -246,3 +405,175 @@ def test_ingress_stats_count_each_lost_attempt_and_only_the_retries_that_follow(
         "streams_cut": 0,
         "lost_attempts_by_replica_actor": {"unknown": 1, "a1": MAX_ATTEMPTS - 1},
     }
+
+
+# -- the ingress's cache-entry logic, without Ray ---------------------------------------------------------------
+
+
+def test_cache_calls_are_recognised_on_every_api():
+    from prefixkv.serve_ray.cache_entries import CacheCall, cache_call
+
+    assert cache_call("POST", "/v1/caches", {"prompt": "x"}) == CacheCall("create", "openai")
+    assert cache_call("get", "/v1beta/cachedContents", None) == CacheCall("list", "gemini")
+    assert cache_call("PATCH", "/v1/caches/caches/cache_1", {}) == CacheCall("entry", "openai", "cache_1")
+    assert cache_call("DELETE", "/v1beta/cachedContents/cache_2", None) == CacheCall("entry", "gemini", "cache_2")
+    assert cache_call("POST", "/v1/caches/cache_1", {}) is None  # no such route: any replica answers it
+    assert cache_call("POST", "/v1/chat/completions", {"cached_content": "caches/cache_3"}) == CacheCall(
+        "use", entry_id="cache_3"
+    )
+    gemini_count = {"generateContentRequest": {"cachedContent": "cachedContents/cache_4"}}
+    assert cache_call("POST", "/v1beta/models/m:countTokens", gemini_count) == CacheCall("use", entry_id="cache_4")
+    assert cache_call("POST", "/v1/completions", {"cached_content": 5}) is None  # the replica's 400/422
+    assert cache_call("GET", "/v1/models", None) is None
+
+
+def test_entry_pins_are_bounded_and_keep_only_recent_prefixes():
+    from prefixkv.serve_ray.cache_entries import EntryPins, EntryPrefix, created_entry_id, entry_prefix
+
+    pins = EntryPins(max_entries=2, max_prefixes=1)
+    prompt = entry_prefix({"prompt": "Hello"}, [7, 8])
+    assert prompt == EntryPrefix("prompt", token_ids=(7, 8)) and entry_prefix({"prompt": "Hello"}, []) is None
+    pins.pin("e1", "r1", prompt)
+    pins.pin("e2", "r2", entry_prefix({"messages": [{"role": "system", "content": "S"}]}, [1]))
+    assert pins.prefix("e1") is None and pins.prefix("e2").kind == "messages"  # type: ignore[union-attr]
+    assert pins.replica("e1") == "r1"  # now the most recent: e2 is dropped next
+    pins.pin("e3", "r1")
+    assert (pins.replica("e2"), pins.replica("e3"), len(pins)) == (None, "r1", 2)
+    pins.unpin("e3")
+    assert pins.replica("e3") is None
+    assert created_entry_id("gemini", b'{"name": "cachedContents/cache_9"}') == "cache_9"
+    assert created_entry_id("openai", b"not json") is None
+
+
+def test_a_use_routes_on_the_entry_prefix_and_its_own_prompt():
+    from prefixkv.serve_ray.cache_entries import EntryPrefix
+    from prefixkv.serve_ray.ingress import route_request
+
+    tokenizer = SimpleNamespace(encode=lambda text: [len(w) for w in text.split()], apply_chat_template=repr)
+    prompt = route_request(b'{"prompt": "ab c"}', {}, tokenizer, prefix=EntryPrefix("prompt", token_ids=(9, 9)))
+    assert list(prompt.token_ids) == [9, 9, 2, 1]
+    system, user = {"role": "system", "content": "S"}, {"role": "user", "content": "U"}
+    chat = route_request(
+        b'{"messages": [%s]}' % repr(user).replace("'", '"').encode(),
+        {},
+        tokenizer,
+        prefix=EntryPrefix("messages", messages=(system,)),
+    )
+    assert list(chat.token_ids) == tokenizer.encode(repr([system, user]))
+
+
+def _replica_store(rid: str, times: list[tuple[int, int]]) -> list[dict]:
+    """A replica's entries, newest first as it lists them: seq, create time (seconds), id."""
+    return [{"seq": s, "create_time": f"2026-01-01T00:00:{t:02d}.000000Z", "id": f"{rid}-{t}"} for s, t in times]
+
+
+def _fake_listing(stores: dict[str, list[dict]], gone: set[str]):
+    """A replica's GET /v1/caches as caches.py answers it: entries before the token's seq, newest first, each
+    row's token in the header; a gone replica answers None (another replica answered for it)."""
+    from prefixkv.serve_ray.cache_entries import ReplicaPage
+
+    async def fetch(rid: str, token: str | None, size: int):
+        if rid in gone:
+            return None
+        rows = [e for e in stores[rid] if token is None or e["seq"] < int(token)]
+        page = rows[:size]
+        body = [{k: e[k] for k in ("id", "create_time")} for e in page]
+        return ReplicaPage(token, body, [str(e["seq"]) for e in page], len(rows) > size)
+
+    return fetch
+
+
+def test_merged_listing_pages_like_one_server_while_entries_change():
+    """Pages of 2 over two replicas' entries, interleaved in time: every entry once, newest first; an entry deleted
+    after being listed does not shift the next page (the token is a position, not a count), one created after the
+    first page is not in the later ones (as on one server), and a replica that died is skipped."""
+    from prefixkv.serve_ray.cache_entries import (
+        decode_cursor,
+        gather_pages,
+        list_query,
+        listing_body,
+        merge_pages,
+    )
+
+    stores = {
+        "r1": _replica_store("r1", [(4, 9), (3, 6), (2, 5), (1, 1)]),
+        "r2": _replica_store("r2", [(3, 8), (2, 7), (1, 2)]),
+    }
+    gone: set[str] = set()
+
+    def page(params: dict) -> dict:
+        query = list_query("openai", params)
+        assert query is not None
+        start = query.cursor if query.cursor is not None else dict.fromkeys(stores)
+        pages, refused = asyncio.run(gather_pages(start, partial(_fake_listing(stores, gone), size=query.size)))
+        assert not refused
+        return listing_body("openai", *merge_pages("openai", pages, query.size))
+
+    first = page({"page_size": "2"})
+    assert [e["id"] for e in first["data"]] == ["r1-9", "r2-8"]
+    stores["r1"] = [e for e in stores["r1"] if e["id"] != "r1-9"]  # deleted after it was listed
+    stores["r2"].insert(0, {"seq": 4, "create_time": "2026-01-01T00:00:10.000000Z", "id": "r2-10"})  # made now
+    second = page({"page_size": "2", "page_token": first["next_page_token"]})
+    assert [e["id"] for e in second["data"]] == ["r2-7", "r1-6"]
+    gone.add("r2")
+    third = page({"page_size": "2", "page_token": second["next_page_token"]})
+    assert [e["id"] for e in third["data"]] == ["r1-5", "r1-1"] and third["next_page_token"] is None
+    assert decode_cursor(second["next_page_token"]) == {"r1": "3", "r2": "2"}
+    rows, cursor = merge_pages("openai", {}, 5)
+    assert listing_body("gemini", rows, cursor) == {"cachedContents": []}
+
+
+def test_list_queries_one_server_would_refuse_are_left_to_a_replica():
+    from prefixkv.serve_ray.cache_entries import encode_cursor, list_query, replica_page
+
+    assert list_query("openai", {}) is not None and list_query("openai", {}).size == 100  # type: ignore[union-attr]
+    assert list_query("gemini", {"pageSize": "0", "pageToken": ""}).size == 100  # type: ignore[union-attr]
+    assert list_query("gemini", {"pageSize": "5000"}).size == 1000  # type: ignore[union-attr]
+    token = encode_cursor({"r1": None, "r2": "7"})
+    assert list_query("openai", {"page_token": token}).cursor == {"r1": None, "r2": "7"}  # type: ignore[union-attr]
+    for params in (
+        {"page_size": "0"},
+        {"page_size": "x"},
+        {"page_token": "12"},
+        {"page_token": ""},
+        {"page_token": token[:-3] + "@@@"},
+        {"page_token": encode_cursor({"r1": "x"})},
+    ):
+        assert list_query("openai", params) is None, params
+    assert list_query("gemini", {"pageSize": "-1"}) is None
+    with pytest.raises(ValueError, match="page token per row"):
+        replica_page("openai", None, b'{"data": [{"id": "a"}], "next_page_token": null}', None)
+
+
+class _FakeReplicas:
+    """What the ingress's DeploymentHandle does for it, without Ray: the request router sends a call to its target
+    while that replica lives (else to the first), and records the live replicas on the call's RouteRequest."""
+
+    def __init__(self, stores: dict[str, set[str]]) -> None:
+        self.stores = stores
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, method: str):
+        return SimpleNamespace(remote=partial(self._call, method))
+
+    async def _call(self, method: str, route, *args):
+        self.calls[method] += 1
+        route.live_replicas = tuple(sorted(self.stores))
+        rid = route.target_replica if route.target_replica in self.stores else route.live_replicas[0]
+        return rid if method == "identify" else (rid, args[0] in self.stores[rid])
+
+
+def test_the_ingress_finds_an_entry_it_never_saw_created():
+    """After an ingress restart its pins are gone: the replicas are asked once, and the answer is pinned."""
+    from prefixkv.serve_ray.cache_entries import EntryPins
+    from prefixkv.serve_ray.ingress import Ingress, IngressStats
+
+    cls: Any = Ingress.func_or_class  # type: ignore[attr-defined]  # the class under serve.deployment
+    replicas = _FakeReplicas({"r1": set(), "r2": {"cache_b"}})
+    ingress = SimpleNamespace(pins=EntryPins(), _live=(), _replicas=replicas, stats=IngressStats())
+    ingress._saw = partial(cls._saw, ingress)
+    ingress._live_replicas = partial(cls._live_replicas, ingress)
+    assert asyncio.run(cls._holder(ingress, "cache_b")) == "r2"
+    assert replicas.calls == {"identify": 1, "holds_cache_entry": 2}
+    assert asyncio.run(cls._holder(ingress, "cache_b")) == "r2" and replicas.calls["holds_cache_entry"] == 2
+    assert asyncio.run(cls._holder(ingress, "cache_unknown")) is None  # routed as any request: 'not found'

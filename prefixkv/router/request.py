@@ -24,9 +24,15 @@ class RouteRequest:
     cache_salt: str | None = None
     session_key: str | None = None
     request_id: str = ""
+    # the replica this request must go to while it is alive (it holds state the request names: a /v1/caches
+    # entry); it outranks the session pin and the policy. Gone: routed as if unset, and that replica's state with it
+    target_replica: str | None = None
     # set by Router.route: the longest prompt prefix (tokens) another live replica holds, as the policy's index
     # believes; the replica names its misses of it `routed` (cache_miss.py). 0: none, or the policy keeps no index
     held_elsewhere_tokens: int = 0
+    # set by the Ray Serve adapter when it routes the request: the live replicas it chose among, which the caller
+    # (the ingress, in the same process) reads back to address each replica (a listing fanned out to all)
+    live_replicas: tuple[str, ...] = ()
     _hashes: dict[tuple[int, str], list[int]] = field(default_factory=dict, repr=False)
 
     @property

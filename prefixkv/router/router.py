@@ -1,7 +1,9 @@
 """A router: one policy, the live replicas, and the conversations pinned by a session key.
 
 A request with a session key (`prompt_cache_key`, or a session header) goes where its conversation went before,
-as long as that replica is alive; the policy chooses for every other request and for a conversation's first.
+as long as that replica is alive; the policy chooses for every other request and for a conversation's first. A
+request naming a target replica (RouteRequest.target_replica: the holder of a cache entry it uses) goes there
+while it is alive, before any pin, and its session follows it.
 Pins are LRU-bounded, so a router serving millions of sessions holds only the recent ones. The router owns the
 pins; the policy owns what it learns (tree, index); every routed request reaches the policy's on_routed.
 A cache-aware policy's index also says how much of the prompt another replica holds: the router records it on
@@ -55,8 +57,11 @@ class Router:
         if not replicas:
             raise ValueError("no live replica to route to")
         chosen = None
+        target = request.target_replica
+        if target is not None and any(r.replica_id == target for r in replicas):
+            chosen = target
         key = request.session_key
-        if key is not None:
+        if key is not None and chosen is None:
             pinned = self._sessions.get(key)
             if pinned is not None and any(r.replica_id == pinned for r in replicas):
                 chosen = pinned

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from prefixkv.config import EngineConfig
+from prefixkv.router.request import RouteRequest
 from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
 from prefixkv.server.options import ServingOptions
 from prefixkv.server.router_hints import HELD_ELSEWHERE
@@ -90,6 +91,18 @@ class EngineReplica:
                 yield chunk
         finally:
             await response.aclose()
+
+    async def identify(self, route: RouteRequest) -> str:
+        """This replica's id. `route` is for the request router, which records the live replicas on it: how the
+        ingress learns whom to fan a listing out to before any request has told it."""
+        return self.replica_id
+
+    async def holds_cache_entry(self, route: RouteRequest, entry_id: str) -> tuple[str, bool]:
+        """Whether this replica's store holds the live cache entry `entry_id`, whoever owns it (the ingress only
+        routes on the answer: the request it then forwards is answered with the caller's own rights), and which
+        replica answered (a call targeting a replica that died is answered by another)."""
+        server = self._app.state.server
+        return self.replica_id, server.caches.get(entry_id, None, admin=True) is not None
 
     async def record_routing_stats(self) -> dict[str, Any]:
         await self._start()

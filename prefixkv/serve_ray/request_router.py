@@ -9,6 +9,10 @@ each replica's ZMQ publisher, drained before every decision; a replica Ray repor
 its pins and index entries go with it. Router.route records on the request's RouteRequest how much of the prompt
 another replica holds; Ray sends the arguments only after choose_replicas returns, so the replica gets it
 (replica.py turns it into the header that lets the engine name those misses `routed`).
+
+Addressing one replica: a RouteRequest's target_replica (the holder of a cache entry the request names) goes there
+while it is alive. Addressing all: choose_replicas records the live replica ids on the RouteRequest, which the
+ingress (this router runs in its process) reads back after the call and then targets each id (cache listings).
 """
 
 from __future__ import annotations
@@ -90,7 +94,9 @@ class PrefixkvRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self._apply_kv_events(candidate_replicas)
         states = [replica_state(r, self._ongoing.get(r.replica_id.unique_id, 0)) for r in candidate_replicas]
-        chosen = self.router.route(_route_request(pending_request), states)
+        route = _route_request(pending_request)
+        chosen = self.router.route(route, states)
+        route.live_replicas = tuple(sorted(by_id))  # read back by the ingress, in this process (cache entries)
         return [[by_id[chosen]]]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
@@ -103,9 +109,12 @@ class PrefixkvRequestRouter(RequestRouter):
 
 
 def _route_request(pending_request: PendingRequest | None) -> RouteRequest:
-    """The RouteRequest the ingress attached; an empty one for a call that carries none (a health probe)."""
+    """The RouteRequest the ingress attached (a forwarded request's, or one passed alone to a replica method such as
+    holds_cache_entry); an empty one for a call that carries none (a health probe)."""
     if pending_request is not None:
         for arg in pending_request.args:
             if isinstance(arg, ForwardedRequest):
                 return arg.route
+            if isinstance(arg, RouteRequest):
+                return arg
     return RouteRequest(token_ids=[])

@@ -28,6 +28,9 @@ DEFAULT_MAX_ENTRIES = 16384  # all owners together (without keys, every bearer s
 ID_PREFIX = "cache_"
 NAME_PREFIX = "caches/"
 GEMINI_NAME_PREFIX = "cachedContents/"  # the same entries as Gemini names them (gemini.py)
+# On a listing (caches.py, gemini.py): each row's page token, the one that resumes right after it. A proxy merging
+# several servers' listings (the Ray ingress) resumes each exactly where its merged page stopped taking from it.
+PAGE_TOKENS_HEADER = "x-prefixkv-page-tokens"
 
 
 class CacheStoreFull(ValueError):

@@ -23,11 +23,11 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixkv.server.auth import cache_salt_for, principal_of
-from prefixkv.server.cache_store import ID_PREFIX, CacheEntry, CacheStoreFull, entry_id_of
+from prefixkv.server.cache_store import ID_PREFIX, PAGE_TOKENS_HEADER, CacheEntry, CacheStoreFull, entry_id_of
 from prefixkv.server.cached_content import ENTRY_RETENTION_PRIORITY, owner_of
 from prefixkv.server.errors import APIError
 from prefixkv.server.prewarm import warm
@@ -136,10 +136,12 @@ async def add_entry(state: ServerState, entry: CacheEntry, param: str) -> None:
 @router.get("/v1/caches")
 async def list_caches(
     raw: Request,
+    response: Response,
     page_size: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
     page_token: Annotated[str | None, Query(max_length=32)] = None,
 ) -> dict:
-    """Newest first; next_page_token (null on the last page) asks for the entries after this page."""
+    """Newest first; next_page_token (null on the last page) asks for the entries after this page (and the
+    PAGE_TOKENS_HEADER header gives each row's)."""
     state = server_state(raw)
     before = None
     if page_token is not None:
@@ -151,6 +153,7 @@ async def list_caches(
     page = rows[:page_size]
     cached = await state.engine.cached_prompt_tokens_of([(list(e.token_ids), e.cache_salt) for e in page])
     more = len(rows) > page_size
+    response.headers[PAGE_TOKENS_HEADER] = ",".join(str(e.seq) for e in page)
     return {
         "object": "list",
         "data": [e.body(n, with_tenant=admin) for e, n in zip(page, cached, strict=True)],

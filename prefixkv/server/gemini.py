@@ -25,11 +25,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 
 from prefixkv.outputs import RequestOutput
 from prefixkv.server.auth import cache_salt_for, principal_of
-from prefixkv.server.cache_store import GEMINI_NAME_PREFIX, ID_PREFIX, CacheEntry, rfc3339
+from prefixkv.server.cache_store import GEMINI_NAME_PREFIX, ID_PREFIX, PAGE_TOKENS_HEADER, CacheEntry, rfc3339
 from prefixkv.server.cached_content import entry_for, owner_of, use_retention
 from prefixkv.server.caches import (
     DEFAULT_PAGE_SIZE,
@@ -273,10 +273,12 @@ async def create_cached_content(body: CreateCachedContentRequest, raw: Request) 
 @router.get("/v1beta/cachedContents")
 async def list_cached_contents(
     raw: Request,
+    response: Response,
     page_size: Annotated[int, Query(alias="pageSize", ge=0, description="0: the default (100); at most 1000")] = 0,
     page_token: Annotated[str | None, Query(alias="pageToken", max_length=32)] = None,
 ) -> dict:
-    """Newest first; nextPageToken (absent on the last page) asks for the entries after this page."""
+    """Newest first; nextPageToken (absent on the last page) asks for the entries after this page (and the
+    PAGE_TOKENS_HEADER header gives each row's)."""
     state = server_state(raw)
     size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
     before = None
@@ -287,6 +289,7 @@ async def list_cached_contents(
     rows = state.caches.listing(owner_of(state, raw, None), principal_of(raw).is_admin, before)
     rows = [e for e in rows if e.kind == "messages"]  # a /v1/caches prompt entry is no Gemini content
     out: dict = {"cachedContents": [_resource(e) for e in rows[:size]]}
+    response.headers[PAGE_TOKENS_HEADER] = ",".join(str(e.seq) for e in rows[:size])
     if len(rows) > size:
         out["nextPageToken"] = str(rows[size - 1].seq)
     return out

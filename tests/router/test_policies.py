@@ -112,6 +112,16 @@ def test_a_session_key_pins_its_conversation_until_the_replica_goes():
     assert router.route(prompt(0, session_key="chat-1"), states(0, 5)[1:]) == "r1"
 
 
+def test_a_target_replica_outranks_pins_and_policy_while_it_lives():
+    """A request naming a cache entry goes to the entry's holder, whatever its load or session pin, and its
+    session follows it; once the holder is gone it routes as if untargeted (that replica answers 'not found')."""
+    router = Router(LeastLoaded())
+    assert router.route(prompt(0, session_key="chat-1"), states(0, 5)) == "r0"
+    assert router.route(prompt(0, session_key="chat-1", target_replica="r1"), states(0, 5)) == "r1"
+    assert router.route(prompt(0, session_key="chat-1"), states(0, 5)) == "r1"  # the session followed the entry
+    assert router.route(prompt(0, target_replica="gone"), states(3, 0)) == "r1"  # dead holder: the policy decides
+
+
 def test_the_router_records_the_prefix_another_replica_holds_for_the_one_it_chose():
     """held_elsewhere_tokens (the replica's `routed` miss cause): the longest prefix another live replica's tree
     holds, never the chosen one's own; 0 from a policy that keeps no index."""

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from prefixkv.server.cache_store import PAGE_TOKENS_HEADER
 from tests.server.live_server import running_server
 
 KEY_FILE = "alice-key alice\nbob-key bob\ncarol-key carol\nops-key ops admin\n"
@@ -180,8 +181,12 @@ def test_bad_bodies_bounds_expiry_and_pages(served):
 
     store = served[2].caches
     first, second, third = (create(served, "carol-key", prompt=f"carol {i}")["id"] for i in range(3))
-    page = api(served, "GET", "/v1/caches", "carol-key", params={"page_size": 2}).json()
+    listed = api(served, "GET", "/v1/caches", "carol-key", params={"page_size": 2})
+    page = listed.json()
     assert [row["id"] for row in page["data"]] == [third, second] and page["next_page_token"]
+    # each row's own page token (how the Ray ingress resumes each replica mid-page), the last one the page's
+    row_tokens = listed.headers[PAGE_TOKENS_HEADER].split(",")
+    assert len(row_tokens) == 2 and row_tokens[-1] == page["next_page_token"]
     rest = api(served, "GET", "/v1/caches", "carol-key", params={"page_token": page["next_page_token"]}).json()
     assert [row["id"] for row in rest["data"]] == [first] and rest["next_page_token"] is None
 
