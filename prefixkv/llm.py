@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from prefixkv import prewarm
 from prefixkv.config import EngineConfig
+from prefixkv.engine.client import TierDirectory
 from prefixkv.engine.core import StepComponent
 from prefixkv.engine.engine import Engine
 from prefixkv.kv_events.publisher import ZmqEventPublisher
@@ -21,7 +22,7 @@ from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.kvcache.offload.copier import TierCopier
 from prefixkv.kvcache.offload.factory import create_kv_tier
-from prefixkv.kvcache.offload.tier import TierManifest
+from prefixkv.kvcache.offload.tier import KVTier, TierManifest
 from prefixkv.kvcache.offload.tiered_cache import TieredKVCache
 from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.model import loader
@@ -79,9 +80,17 @@ def build_engine(
         ", ".join(on) or "plain torch",
     )
     logger.info("%s", kernel_line(kernels, config.dtype))
-    kv, components = _kv_and_components(config, runner, loaded, kernels, clock)
+    kv, components, tier = _kv_and_components(config, runner, loaded, kernels, clock)
     return Engine(
-        config, runner, loaded.tokenizer, loaded.config, kv, components, model_name=loaded.name, kernels=kernels
+        config,
+        runner,
+        loaded.tokenizer,
+        loaded.config,
+        kv,
+        components,
+        model_name=loaded.name,
+        kernels=kernels,
+        tier_directory=_tier_directory(tier),
     )
 
 
@@ -91,9 +100,9 @@ def _kv_and_components(
     loaded: LoadedModel,
     kernels: dict[str, str],
     clock: Callable[[], float] = time.monotonic,
-) -> tuple[KVCacheManager, list[StepComponent]]:
+) -> tuple[KVCacheManager, list[StepComponent], KVTier | None]:
     """The KV manager over the runner's pool, behind it the second tier config names (whose directory must hold
-    KV this model, dtype and kernels computed), and the step components that serve them."""
+    KV this model, dtype and kernels computed), the step components that serve them, and the tier."""
     kv: KVCacheManager = create_kv_cache_manager(
         config.prefix_cache,
         runner.num_pages,
@@ -104,6 +113,7 @@ def _kv_and_components(
         clock=clock,
     )
     components: list[StepComponent] = []
+    tier: KVTier | None = None
     if config.kv_offload:
         manifest = TierManifest(
             model_digest=loader.model_digest(runner.model),
@@ -133,7 +143,19 @@ def _kv_and_components(
             fmt=config.kv_events_format,
         )
         components.append(EventRelay(kv, publisher))
-    return kv, components
+    return kv, components, tier
+
+
+def _tier_directory(tier: KVTier | None) -> TierDirectory | None:
+    """The disk tier's directory and manifest, for what the server keeps beside the KV; None without a disk tier
+    or when it ignores its directory (written for another model)."""
+    if tier is None or tier.name != "disk":
+        return None
+    from prefixkv.kvcache.offload.disk_tier import DiskTier
+
+    if not isinstance(tier, DiskTier) or tier.disabled_reason is not None:
+        return None
+    return TierDirectory(str(tier.path), tier.manifest.to_dict())
 
 
 def kernel_line(kernels: dict[str, str], dtype: str) -> str:

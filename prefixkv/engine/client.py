@@ -9,7 +9,8 @@ the engine package needs the Engine class or reaches past this protocol into the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.metrics import EngineStats
@@ -48,12 +49,25 @@ class ModelShape(Protocol):
     max_position_embeddings: int
 
 
+@dataclass(frozen=True)
+class TierDirectory:
+    """The directory of the disk KV tier an engine stores KV in, and that KV's manifest (model digest, dtype, chunk
+    size, kernels, ...: kvcache/offload/tier.py). What a front end keeps there outlives the process with the KV,
+    and is only read back by a server whose manifest matches (the server's cache entries: server/cache_store_file.py).
+    """
+
+    path: str
+    manifest: dict[str, Any]
+
+
 class EngineClient(Protocol):
     config: EngineConfig
     model_name: str
     max_model_len: int
     tokenizer: EngineTokenizer
     kernels: dict[str, str]  # the hardware and kernel paths the model runs on (ModelRunner.kernel_report)
+    # None: no tier, a host-RAM tier, or a directory ignored as another model's (kv_offload_on_mismatch=ignore)
+    tier_directory: TierDirectory | None
 
     def add_request(
         self,

@@ -23,7 +23,7 @@ from typing import Protocol
 from prefixkv.batch import BatchItem, Sample
 from prefixkv.config import EngineConfig
 from prefixkv.engine.agent_sessions import SessionPins
-from prefixkv.engine.client import EngineTokenizer, ModelShape, Prompt
+from prefixkv.engine.client import EngineTokenizer, ModelShape, Prompt, TierDirectory
 from prefixkv.engine.core import EngineCore, StepComponent
 from prefixkv.engine.detokenizer import IncrementalDetokenizer
 from prefixkv.engine.metrics import EngineStats
@@ -92,12 +92,14 @@ class Engine:
         components: Sequence[StepComponent] = (),
         model_name: str = "",
         kernels: dict[str, str] | None = None,
+        tier_directory: TierDirectory | None = None,
     ) -> None:
         """runner: a model runner over a pool of runner.num_pages pages of config.page_size tokens, and kv the KV
         manager over the same pool (prefixkv.kvcache.factory; a TieredKVCache with a second tier); components: what
         else takes part in every step (engine/core.py: a tier's copier, the KV event relay), which the engine
         closes in close(). tokenizer and model_config: the model's. kernels: labels of the hardware and kernel
-        paths the runner computes with (ModelRunner.kernel_report), passed through to /metrics and benchmarks."""
+        paths the runner computes with (ModelRunner.kernel_report), passed through to /metrics and benchmarks.
+        tier_directory: the disk tier's directory and manifest when one is in use (client.TierDirectory)."""
         if runner.page_size != config.page_size:
             raise ValueError(f"the runner's page size {runner.page_size} differs from page_size={config.page_size}")
         if (kv.num_pages, kv.page_size) != (runner.num_pages, runner.page_size):
@@ -111,6 +113,7 @@ class Engine:
         self.model_config = model_config
         self.model_name = model_name
         self.kernels = dict(kernels or {})
+        self.tier_directory = tier_directory
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )

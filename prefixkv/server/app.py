@@ -2,6 +2,8 @@
 
 The engine is built before the app (loading weights takes seconds), so uvicorn only starts accepting
 connections once /health can answer ok. The engine thread starts and stops with the app's lifespan.
+With a disk KV tier, the /v1/caches entries are read back from its directory here and written there
+(cache_store_file.py) until the lifespan ends.
 The app carries its ServerLimits (app.state.limits); serving.make_server reads the connection-level ones there.
 """
 
@@ -15,6 +17,7 @@ from prefixkv.engine.client import EngineClient
 from prefixkv.server import admin, caches, chat, completions, gemini, messages, prewarm, responses
 from prefixkv.server.async_engine import AsyncEngine
 from prefixkv.server.auth import KeyRing, authenticate, isolation_mode, require_admin
+from prefixkv.server.cache_store_file import open_cache_store
 from prefixkv.server.errors import install_error_handlers
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.openapi import install_openapi
@@ -37,6 +40,7 @@ def build_app(engine: EngineClient, options: ServingOptions | None = None) -> Fa
         on_aborted=metrics.observe_aborted,
         max_backlog=limits.max_stream_queue,
     )
+    cache_store, cache_file = open_cache_store(engine, name)  # with a disk tier, what the last run left there
     state = ServerState(
         engine=async_engine,
         tokenizer=engine.tokenizer,
@@ -50,6 +54,7 @@ def build_app(engine: EngineClient, options: ServingOptions | None = None) -> Fa
         max_prompts_per_request=options.max_prompts_per_request,
         allow_special_tokens_in_content=options.allow_special_tokens_in_content,
         prefix_caching=engine.config.prefix_cache != "off",
+        caches=cache_store,
     )
 
     @asynccontextmanager
@@ -58,8 +63,12 @@ def build_app(engine: EngineClient, options: ServingOptions | None = None) -> Fa
         try:
             yield
         finally:
-            async_engine.shutdown()
-            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            try:
+                if cache_file is not None:  # before the engine closes and lets its tier directory go
+                    cache_file.close()
+            finally:
+                async_engine.shutdown()
+                state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="prefixkv", lifespan=lifespan)
     app.state.server = state

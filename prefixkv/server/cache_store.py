@@ -9,19 +9,25 @@ engine's, retained by the prewarm that created the entry; the store only decides
 Bounded per owner and in all (a create past either bound is refused, nothing is dropped silently: an entry is a
 promise). Expired entries go lazily, when a lookup or a listing meets them; their pages' retention has ended in the
 engine at the same deadline, by itself.
+
+The store is the one owner of the entries. With a disk KV tier the server also keeps them in a file beside the
+tier's KV (cache_store_file.py), so their names outlive a restart: `on_change` tells it when to write a `snapshot`,
+and `restore` registers what it read back at start.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from prefixkv.engine.prompts import shared_prefix
-from prefixkv.server.auth import salt_prefix
+from prefixkv.server.auth import TAG_LEN
 
 DEFAULT_MAX_ENTRIES_PER_OWNER = 1024
 DEFAULT_MAX_ENTRIES = 16384  # all owners together (without keys, every bearer string is an owner)
@@ -31,6 +37,7 @@ GEMINI_NAME_PREFIX = "cachedContents/"  # the same entries as Gemini names them 
 # On a listing (caches.py, gemini.py): each row's page token, the one that resumes right after it. A proxy merging
 # several servers' listings (the Ray ingress) resumes each exactly where its merged page stopped taking from it.
 PAGE_TOKENS_HEADER = "x-prefixkv-page-tokens"
+HASHED_BEARER = "bearer-sha256:"  # how the store keeps an owner that is a bearer string (owner_key)
 
 
 class CacheStoreFull(ValueError):
@@ -40,7 +47,7 @@ class CacheStoreFull(ValueError):
 @dataclass
 class CacheEntry:
     id: str
-    owner: str | None  # tenant_owner(): whose entry it is (None: isolation off)
+    owner: str | None  # tenant_owner(): whose entry it is (None: isolation off); the store keeps its owner_key
     cache_salt: str | None  # the salt its pages are keyed with; a request must use the same one to hit them
     kind: str  # "messages" (chat routes) or "prompt" (/v1/completions)
     token_ids: tuple[int, ...]  # the prefix (a messages entry: rendered without a generation prompt)
@@ -85,11 +92,21 @@ def rfc3339(seconds: float) -> str:
 
 def owner_label(owner: str | None) -> str | None:
     """The tenant an admin reads: a key file's tenant or a `user` value as given (what `?tenant=` takes
-    elsewhere); a bearer string (no keys configured) only as its tag, never in the clear."""
+    elsewhere); a bearer string (no keys configured) only as its tag (its salts' prefix), never in the clear."""
+    owner = owner_key(owner)
     if owner is None:
         return None
     kind, _, name = owner.partition(":")
-    return name if kind in ("tenant", "user") else "bearer:" + salt_prefix(owner)
+    return name if kind in ("tenant", "user") else "bearer:" + name[:TAG_LEN]
+
+
+def owner_key(owner: str | None) -> str | None:
+    """The form the store keeps and compares an owner in. A bearer string (tenant isolation by api-key without a
+    key file: the token itself names the tenant) only as its sha256, so no token is kept past its request or written
+    to disk (cache_store_file.py); a tenant, a user or None as it is."""
+    if owner is None or not owner.startswith("bearer:"):
+        return owner
+    return HASHED_BEARER + hashlib.sha256(owner.encode()).hexdigest()
 
 
 def entry_id_of(name: str) -> str:
@@ -105,6 +122,9 @@ class CacheStore:
     max_per_owner: int = DEFAULT_MAX_ENTRIES_PER_OWNER
     max_entries: int = DEFAULT_MAX_ENTRIES
     clock: Callable[[], float] = time.time
+    # called (under the store's lock: it must be quick and not call back) after every change: an add, a remove, a
+    # new expiry, expired entries dropped
+    on_change: Callable[[], None] | None = None
     _entries: dict[str, CacheEntry] = field(default_factory=dict)
     _seq: itertools.count = field(default_factory=lambda: itertools.count(1))
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -123,20 +143,50 @@ class CacheStore:
 
     def add(self, entry: CacheEntry) -> CacheEntry:
         with self._lock:
+            entry.owner = owner_key(entry.owner)
             self._check_room(entry.owner)
             entry.seq = next(self._seq)
             self._entries[entry.id] = entry
+            self._changed()
             return entry
+
+    def restore(self, entries: Iterable[CacheEntry]) -> list[CacheEntry]:
+        """Register entries read back at start (cache_store_file.py) with their ids and creation order; expired ones
+        are left out, and so are those past a bound (oldest first, as creates would have been refused): the ones
+        not taken are returned. Not a change: on_change is not called."""
+        left_out: list[CacheEntry] = []
+        with self._lock:
+            now = self.clock()
+            for entry in sorted(entries, key=lambda e: e.seq):
+                entry.owner = owner_key(entry.owner)
+                if entry.expire_time <= now or entry.id in self._entries or not self._has_room(entry.owner):
+                    left_out.append(entry)
+                    continue
+                self._entries[entry.id] = entry
+            last = max((e.seq for e in self._entries.values()), default=0)
+            self._seq = itertools.count(max(last + 1, next(self._seq)))
+        return left_out
+
+    def snapshot(self) -> list[CacheEntry]:
+        """Copies of the live entries, oldest first (what cache_store_file.py writes)."""
+        with self._lock:
+            now = self.clock()
+            rows = [dataclasses.replace(e) for e in self._entries.values() if e.expire_time > now]
+        return sorted(rows, key=lambda e: e.seq)
 
     def get(self, entry_id: str, owner: str | None, admin: bool = False) -> CacheEntry | None:
         """The live entry of that id if `owner` may see it (an admin sees all); another owner's is not found."""
+        owner = owner_key(owner)
         with self._lock:
             entry = self._live(entry_id)
             return entry if entry is not None and (admin or entry.owner == owner) else None
 
     def remove(self, entry_id: str) -> CacheEntry | None:
         with self._lock:
-            return self._entries.pop(entry_id, None)
+            entry = self._entries.pop(entry_id, None)
+            if entry is not None:
+                self._changed()
+            return entry
 
     def set_expiry(self, entry_id: str, expire_time: float) -> CacheEntry | None:
         """None when the entry is gone meanwhile (deleted, expired)."""
@@ -144,10 +194,12 @@ class CacheStore:
             entry = self._live(entry_id)
             if entry is not None:
                 entry.expire_time, entry.update_time = expire_time, self.clock()
+                self._changed()
             return entry
 
     def listing(self, owner: str | None, admin: bool = False, before_seq: int | None = None) -> list[CacheEntry]:
         """Live entries `owner` may see, newest first; before_seq: only those created before that one."""
+        owner = owner_key(owner)
         with self._lock:
             self._purge()
             rows = [
@@ -173,15 +225,29 @@ class CacheStore:
         entry = self._entries.get(entry_id)
         if entry is not None and entry.expire_time <= self.clock():
             del self._entries[entry_id]
+            self._changed()
             return None
         return entry
 
     def _purge(self) -> None:
         now = self.clock()
-        for entry_id in [i for i, e in self._entries.items() if e.expire_time <= now]:
+        expired = [i for i, e in self._entries.items() if e.expire_time <= now]
+        for entry_id in expired:
             del self._entries[entry_id]
+        if expired:
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def _has_room(self, owner: str | None) -> bool:
+        if len(self._entries) >= self.max_entries:
+            return False
+        return sum(1 for e in self._entries.values() if e.owner == owner) < self.max_per_owner
 
     def _check_room(self, owner: str | None) -> None:
+        owner = owner_key(owner)
         self._purge()
         if len(self._entries) >= self.max_entries:
             raise CacheStoreFull(f"the server holds its maximum of {self.max_entries} cache entries; delete some")

@@ -129,6 +129,7 @@ def serve(args: argparse.Namespace) -> int:
     prefixkv.serve_ray, which builds on this package)."""
     from prefixkv.llm import build_engine
     from prefixkv.server.app import build_app
+    from prefixkv.server.cache_store_file import CacheEntriesFileError
     from prefixkv.server.engine_thread import on_short_lived_thread
     from prefixkv.server.serving import make_server, raise_open_files_limit
 
@@ -156,7 +157,12 @@ def serve(args: argparse.Namespace) -> int:
             num_cached,
             time.perf_counter() - started,
         )
-    app = build_app(engine, app_options)
+    try:
+        app = build_app(engine, app_options)
+    except CacheEntriesFileError as exc:  # --kv-offload-on-mismatch refuse: said, not a traceback
+        print(f"prefixkv serve: error: {exc}", file=sys.stderr)
+        engine.close()
+        return 2
     make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0
 
