@@ -5,7 +5,15 @@ Each session is a task: it waits its think time after each answer, sends the req
 /v1/completions, streamed, the output length fixed by ignore_eos), and starts its subagents concurrently at their
 recorded offsets, resuming after the last of them, exactly as sim/sessions.py schedules them. The job completion
 time (first request due -> last answer) of each session is printed beside the simulator's for the same sessions,
-start times, scaling and cost model, with a pool of --sim-kv-cache-tokens (the server's pool).
+start times, scaling and cost model, with a pool of --sim-kv-cache-tokens (the server's pool). The simulator charges
+the cost model's serving overhead (StepCostModel.served(): its serve_* coefficients, fitted by `prefixkv simulate
+fit --serve-url`), since these requests are served; with any, the engine-only prediction is printed too.
+
+Before the clock starts the server is warmed up (--no-warm-up: not): fresh prompts as many tokens as the pool
+holds, then its prefix cache emptied. A fresh server's first forward pass pays ~0.9 s, nearly all of it faulting in
+the KV pool's memory (model/huge_pages.py: a pool page's memory is mapped on first touch, ~10 ms a 2 MiB page on
+these VMs, ~2 s for a 16K-token pool of SmolLM2), which the simulator, like a server that has run a while, does not
+pay.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,9 +40,9 @@ from prefixkv.sim.agent_traces import (
     scaled_prompt,
     token_mapping,
 )
-from prefixkv.sim.cost_model import load_cost_model
+from prefixkv.sim.cost_model import SERVE_COEFFICIENTS, load_cost_model
 from prefixkv.sim.session_command import start_times
-from prefixkv.sim.sessions import SessionPolicy, replay_sessions, step_hint
+from prefixkv.sim.sessions import SessionPolicy, SessionResult, replay_sessions, step_hint
 from prefixkv.sim.traces import BlockTokens
 
 
@@ -110,8 +119,11 @@ async def replay_live(
     drawn = draw_sessions(trace, args.sessions, args.seed)
     starts = start_times(len(drawn), args.stagger_s, args.seed)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    warm_up: dict | None = None
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=args.timeout) as client:
         settings = await settings_for(client)
+        if not args.no_warm_up:
+            warm_up = await warm_up_server(client, settings, send, args.sim_kv_cache_tokens or 0, args.seed)
         live = _Live(client, settings, send, scaling, mapping, time.perf_counter(), hints=not args.no_session_hints)
         runs = [
             _run_agent(live, s, start, f"{k}:{s.id}", None)
@@ -131,26 +143,70 @@ async def replay_live(
         "cached_tokens": live.cached_tokens,
         "hit_rate": live.cached_tokens / live.prompt_tokens if live.prompt_tokens else None,
         "jct_s": measured,
+        "warm_up": warm_up,
     }
     if args.sim_kv_cache_tokens:
         config = EngineConfig(kv_cache_tokens=args.sim_kv_cache_tokens, prefix_caching_hash_algo="xxhash")
         cost = load_cost_model(args.sim_cost_model)
         policy = SessionPolicy("lru" if args.no_session_hints else args.sim_session_policy)
-        sim = replay_sessions(config, cost, scaling, mapping, policy, drawn, starts)
-        predicted = [run.end_s - run.start_s for run in sim.sessions if run.end_s is not None]
+        sim = replay_sessions(config, cost.served(), scaling, mapping, policy, drawn, starts)
+        predicted = _jcts(sim)
         out["simulated"] = {
             "cost_model": cost.name,
             "session_policy": policy.name,
             "kv_cache_tokens": args.sim_kv_cache_tokens,
             "jct_s": predicted,
             "hit_rate": sim.summary["token_hit_rate"],
-            "measured_over_simulated": [m / p if p else None for m, p in zip(measured, predicted, strict=True)],
+            "measured_over_simulated": _ratios(measured, predicted),
         }
+        if cost.has_serve_overhead:  # what the engine's steps alone predict, to show what serving adds
+            engine = replay_sessions(config, cost.engine_only(), scaling, mapping, policy, drawn, starts)
+            out["simulated"]["serve_overhead"] = {k: getattr(cost, k) for k in SERVE_COEFFICIENTS}
+            out["simulated"]["engine_only_jct_s"] = _jcts(engine)
+            out["simulated"]["measured_over_engine_only"] = _ratios(measured, _jcts(engine))
     return out
+
+
+WARM_UP_PROMPT_TOKENS = 1024
+_WARM_UP_IDS = (100, 49_000)  # BlockTokens' default range: ids every vocabulary the replays run holds
+
+
+async def warm_up_server(
+    client: httpx.AsyncClient, settings: Any, send: Callable[..., Awaitable[Any]], pool_tokens: int, seed: int
+) -> dict:
+    """Fresh prompts of WARM_UP_PROMPT_TOKENS, one more than fills `pool_tokens` (at least one), each answered
+    with one token; then POST /reset_prefix_cache, so that the replay starts from an empty cache. What it took."""
+    rng = random.Random(f"warm-up {seed}")
+    count = pool_tokens // WARM_UP_PROMPT_TOKENS + 1
+    started = time.perf_counter()
+    for _ in range(count):
+        prompt = [rng.randrange(*_WARM_UP_IDS) for _ in range(WARM_UP_PROMPT_TOKENS)]
+        result = await send(client, settings, prompt, 1)
+        if not result.ok:
+            raise RuntimeError(f"the warm-up request failed: {result.error}")
+    reset = await client.post("/reset_prefix_cache")
+    return {
+        "requests": count,
+        "prompt_tokens": count * WARM_UP_PROMPT_TOKENS,
+        "seconds": time.perf_counter() - started,
+        "cache_reset": reset.status_code == 200,
+    }
+
+
+def _jcts(sim: SessionResult) -> list[float]:
+    return [run.end_s - run.start_s for run in sim.sessions if run.end_s is not None]
+
+
+def _ratios(measured: list[float], predicted: list[float]) -> list[float | None]:
+    return [m / p if p else None for m, p in zip(measured, predicted, strict=True)]
 
 
 def print_summary(out: dict) -> None:
     print(f"{len(out['sessions'])} sessions of {out['trace']} ({out['scaling']}), closed loop")
+    warm = out.get("warm_up")
+    if warm:
+        reset = "its cache emptied" if warm["cache_reset"] else "its cache NOT emptied (/reset_prefix_cache refused)"
+        print(f"server warmed up first: {warm['requests']} fresh prompts in {warm['seconds']:.1f} s, {reset}")
     print(
         f"{out['requests']} requests, {out['failed_requests']} failed; hit rate "
         f"{out['hit_rate'] if out['hit_rate'] is None else round(out['hit_rate'], 4)}"
@@ -165,6 +221,10 @@ def print_summary(out: dict) -> None:
         print(line)
     if sim:
         print(f"simulated hit rate {sim['hit_rate']:.4f} (cost model {sim['cost_model']})")
+        if "engine_only_jct_s" in sim:
+            overhead = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in sim["serve_overhead"].items())
+            ratios = " / ".join(f"{r:.3f}" for r in sim["measured_over_engine_only"] if r is not None)
+            print(f"serving overhead charged: {overhead}; measured / engine-only simulated: {ratios}")
 
 
 def add_session_arguments(t: argparse._ArgumentGroup) -> None:
@@ -188,4 +248,10 @@ def add_session_arguments(t: argparse._ArgumentGroup) -> None:
     )
     t.add_argument(
         "--no-session-hints", action="store_true", help="agent traces: send no x-session-* headers (plain LRU)"
+    )
+    t.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="agent traces: start at once, on a cold server (default: first fill its pool once with fresh prompts "
+        "and empty its cache)",
     )

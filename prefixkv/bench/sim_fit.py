@@ -5,34 +5,51 @@ The simulator's clock is only as good as its cost model, so the model is measure
 several sizes at several context starts, decode batches of several sizes at several context lengths, and decodes
 mixed with a prefill chunk), every step is timed as a whole (`Engine.step`, scheduling included: that is what a
 request waits for), and the five coefficients of StepCostModel are fitted to the fastest of a few repeats of each
-shape (a shared machine only ever adds time).
+shape (a shared machine only ever adds time), or with `--statistic median` to the median one: on a VM whose
+neighbours share its memory bandwidth the typical step is slower than the fastest (long-context decodes, which read
+the whole KV, by 10-25% on the 2-core AMD EPYC here), and a long run's time is many typical steps.
 
 A chunk's context start is set with a prefix hit: its prefix is computed once, untimed, and each timed request is
 that prefix plus fresh tokens, so only the chunk runs in the timed step. Decode contexts are distinct random
 prompts (sharing one prefix would take the cascade-decode path, which attends to the shared part once and so
 costs less per pair than the linear model assumes). The fit minimises the relative error (each point weighted by
 1 / its time), with every coefficient >= 0, so short decode steps count as much as second-long prefills.
+
+`--serve-url URL --cost-model M` fits instead what serving adds to M (its serve_* coefficients): a request served
+over HTTP and streamed also waits on the server's event loop and the client, on the same CPUs as the engine, which
+Engine.step does not time. Against a running `prefixkv serve` it streams rounds of 1 and 4 concurrent requests
+(fresh token-id prompts to /v1/completions, as `bench serve --trace` sends them), keeps each shape's fastest (or
+median) round, simulates the same rounds with M, and fits per request, per step with outputs and per output token
+what the measured times take beyond the simulated ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import datetime
 import itertools
 import json
 import os
 import platform
+import random
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
 
 from prefixkv.bench import common
 from prefixkv.bench.workloads import TokenSampler, sampler_for
 from prefixkv.engine.core import StepComponent
-from prefixkv.sim.cost_model import BatchShape, StepCostModel
+from prefixkv.engine_args import engine_config
+from prefixkv.sim.cost_model import BatchShape, StepCostModel, load_cost_model
 
 # the step overhead is the constant term
+STATISTICS = ("min", "median")
+T = TypeVar("T")
+_KEPT = {"min": "fastest", "median": "median"}
 FEATURES = ("computed_tokens", "prefill_pairs", "decode_pairs", "num_sequences")
 BUSY_LOAD_PER_CPU = 0.5  # load average beyond the fit's own threads, per CPU, that says other work shared the cores
 
@@ -51,7 +68,7 @@ class FitGrid:
         decodes = "; ".join(f"{list(batches)} x ctx {ctx}" for ctx, batches in self.decode_batches)
         return (
             f"prefill chunks {prefills}; decode batches {decodes}; mixed: decodes + a chunk of "
-            f"{list(self.mixed_chunks)}; min of {self.repeats}"
+            f"{list(self.mixed_chunks)}; {self.repeats} repeats"
         )
 
     def kv_tokens_needed(self) -> int:
@@ -107,13 +124,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="cost_model.json", help="where the fitted StepCostModel JSON goes")
     parser.add_argument("--name", default=None, help="the model's name (default: fit-<model>-<dtype>-<threads>t)")
     parser.add_argument("--quick", action="store_true", help="a small grid: seconds instead of minutes, rougher")
-    parser.add_argument("--repeats", type=int, default=None, help="repeats per shape, fastest kept (default: grid's)")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per shape (default: grid's)")
+    parser.add_argument(
+        "--statistic",
+        choices=STATISTICS,
+        default="min",
+        help="which of a shape's repeats is fitted: min, the step without interference (a shared machine only adds "
+        "time); median, the typical step, what many steps add up to where the machine's own speed varies (a VM "
+        "whose neighbours share its memory bandwidth): the prediction of a long run's wall time",
+    )
     common.add_engine_args(parser)
     parser.set_defaults(dtype="bfloat16")  # what serving on this CPU uses; --dtype float32 measures the exact path
+    served = parser.add_argument_group("serving overhead (instead of the engine's steps)")
+    served.add_argument(
+        "--serve-url",
+        default=None,
+        help="fit the serving overhead of --cost-model against this running `prefixkv serve` (started with the "
+        "engine flags given here: the simulation of its rounds uses them)",
+    )
+    served.add_argument("--cost-model", default=None, help="with --serve-url: the step model (a preset or JSON)")
+    served.add_argument("--serve-prompt-tokens", type=int, default=512, help="each request's fresh prompt")
+    served.add_argument("--serve-output-tokens", default="32,128", help="output lengths measured (comma-separated)")
+    served.add_argument("--serve-concurrency", default="1,4", help="requests per round measured (comma-separated)")
+    served.add_argument("--api-key", default=None, help="with --serve-url: the server's key")
 
 
 def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None, grid: FitGrid | None = None) -> int:
-    """Measure, fit, print, write `args.output`. `grid` (tests): a grid of one's own instead of --quick's."""
+    """Measure, fit, print, write `args.output`. `grid` (tests): a grid of one's own instead of --quick's.
+    With --serve-url: the serving overhead of --cost-model instead (run_served)."""
+    if args.serve_url:
+        return run_served(args)
     grid = grid or (QUICK_GRID if args.quick else DEFAULT_GRID)
     if args.repeats is not None:
         if args.repeats < 1:
@@ -130,12 +170,13 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None, 
     llm = common.factory_for(args, llm_factory)(**overrides)
     load = [os.getloadavg()[0]]
     started = time.perf_counter()
-    steps = measure(llm, grid, seed=0 if args.seed is None else args.seed)
+    steps = measure(llm, grid, seed=0 if args.seed is None else args.seed, statistic=args.statistic)
     measure_s = time.perf_counter() - started
     load.append(os.getloadavg()[0])
-    model = fit(steps, name=args.name or default_name(llm), source=describe_source(llm, grid, load))
+    source = describe_source(llm, grid, load, args.statistic)
+    model = fit(steps, name=args.name or default_name(llm), source=source)
     report = fit_report(model, steps)
-    print_fit(model, report, measure_s)
+    print_fit(model, report, measure_s, args.statistic)
     if max(load) - _num_threads() > BUSY_LOAD_PER_CPU * (os.cpu_count() or 1):  # beyond the fit's own threads
         print(
             f"warning: the machine was busy (1-minute load average {load[0]:.1f} -> {load[1]:.1f} on "
@@ -259,17 +300,25 @@ class _Measurer:
                 self.engine.abort(rid)
             self.run_to_completion()
 
-    def fastest(self) -> list[MeasuredStep]:
-        """Per shape, in grid order, the fastest sample with that sample's own shape."""
+    def kept(self, statistic: str = "min") -> list[MeasuredStep]:
+        """Per shape, in grid order, its fastest (min) or its median sample, with that sample's own shape."""
         steps = []
         for label, samples in self.samples.items():
             if samples:
-                shape, seconds, model_seconds = min(samples, key=lambda t: t[1])
+                shape, seconds, model_seconds = pick(samples, statistic, key=lambda t: t[1])
                 steps.append(MeasuredStep(label, shape, seconds, model_seconds, len(samples)))
         return steps
 
 
-def measure(llm, grid: FitGrid, seed: int = 0) -> list[MeasuredStep]:
+def pick(samples: Sequence[T], statistic: str, key: Callable[[T], float]) -> T:
+    """The fastest sample (min) or the median one (the upper of two middle ones)."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+    ordered = sorted(samples, key=key)
+    return ordered[0] if statistic == "min" else ordered[len(ordered) // 2]
+
+
+def measure(llm, grid: FitGrid, seed: int = 0, statistic: str = "min") -> list[MeasuredStep]:
     """Run the grid on `llm`'s engine (its prefix cache is emptied before and after)."""
     sampler = sampler_for(llm, seed=seed)
     common.warmup(llm, sampler)
@@ -286,7 +335,7 @@ def measure(llm, grid: FitGrid, seed: int = 0) -> list[MeasuredStep]:
     finally:
         measurer.timer.close()
         llm.reset_prefix_cache()
-    return measurer.fastest()
+    return measurer.kept(statistic)
 
 
 # -- fitting -----------------------------------------------------------------------------------------------------
@@ -344,7 +393,7 @@ def fit_report(model: StepCostModel, steps: Sequence[MeasuredStep]) -> dict:
     }
 
 
-def print_fit(model: StepCostModel, report: dict, measure_s: float) -> None:
+def print_fit(model: StepCostModel, report: dict, measure_s: float, statistic: str = "min") -> None:
     rows = [
         [
             p["label"],
@@ -360,7 +409,7 @@ def print_fit(model: StepCostModel, report: dict, measure_s: float) -> None:
     common.print_table(
         ["shape", "tokens", "pairs", "seqs", "measured ms", "fitted ms", "error"],
         rows,
-        title=f"measured steps (fastest of repeats; {measure_s:.0f} s of measuring)",
+        title=f"measured steps ({_KEPT[statistic]} of repeats; {measure_s:.0f} s of measuring)",
     )
     print(
         f"\n{model.name}: step {model.step_overhead_s * 1e3:.3f} ms + {model.per_token_s * 1e6:.2f} us/token + "
@@ -379,7 +428,7 @@ def default_name(llm) -> str:
     return f"fit-{model}-{engine.config.dtype}-{_num_threads()}t"
 
 
-def describe_source(llm, grid: FitGrid, load: Sequence[float] = ()) -> str:
+def describe_source(llm, grid: FitGrid, load: Sequence[float] = (), statistic: str = "min") -> str:
     """Where the numbers come from: machine, model, dtype, threads, date, grid, and how busy the machine was."""
     engine = llm.llm_engine
     config = engine.config
@@ -388,7 +437,7 @@ def describe_source(llm, grid: FitGrid, load: Sequence[float] = ()) -> str:
         f"prefixkv simulate fit on {platform.node()} ({_cpu_name()}, {os.cpu_count()} CPUs), {when}: "
         f"model {engine.model_name}, {config.dtype} on {config.device}, {_num_threads()} threads, "
         f"prefix cache {config.prefix_cache} (page {engine.kv.page_size}), max_num_batched_tokens "
-        f"{config.max_num_batched_tokens}; Engine.step wall time, fastest repeat; grid: {grid.describe()}"
+        f"{config.max_num_batched_tokens}; Engine.step wall time, {_KEPT[statistic]} repeat; grid: {grid.describe()}"
         + (f"; 1-minute load average {load[0]:.1f} -> {load[-1]:.1f} while measuring" if load else "")
     )
 
@@ -408,3 +457,242 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# -- the serving overhead (--serve-url) --------------------------------------------------------------------------
+SERVE_REPEATS = 5
+_PROMPT_IDS = (1000, 10000)  # fresh prompts: random ids any real vocabulary holds, so no prefix hits
+_STEP_TERMS = ("serve_per_step_s", "serve_per_output_token_s")  # fitted to the decode phases
+SLOWER_MODEL = 0.05  # an engine-only prediction this much above a served round's time: the step model is stale
+
+
+@dataclass(frozen=True)
+class ServedShape:
+    """A round: `concurrency` requests sent together, each a fresh prompt of `prompt_tokens` and `output_tokens`
+    generated (ignore_eos)."""
+
+    concurrency: int
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.concurrency} x ({self.prompt_tokens} -> {self.output_tokens})"
+
+
+@dataclass(frozen=True)
+class RoundTimes:
+    """A round's mean time to the first token and to the end of the stream, per request (seconds)."""
+
+    ttft_s: float
+    e2e_s: float
+
+    @property
+    def decode_s(self) -> float:
+        """After the first token: the decode steps and their deliveries only (no prefill, no request)."""
+        return self.e2e_s - self.ttft_s
+
+
+@dataclass
+class _TimedPrompt:
+    """A simulated request of a round (simulator.TimedRequest)."""
+
+    arrival_s: float
+    output_len: int
+    prompt_len: int
+    first_id: int
+
+    def prompt_tokens(self) -> list[int]:
+        return list(range(self.first_id, self.first_id + self.prompt_len))
+
+
+def served_shapes(args: argparse.Namespace) -> list[ServedShape]:
+    outputs = [int(n) for n in str(args.serve_output_tokens).split(",")]
+    concurrency = [int(c) for c in str(args.serve_concurrency).split(",")]
+    if min(outputs) < 2 or min(concurrency + [args.serve_prompt_tokens]) < 1:
+        raise ValueError("--serve-output-tokens must be >= 2 (a decode phase); the prompt and concurrency >= 1")
+    return [ServedShape(c, args.serve_prompt_tokens, n) for c in concurrency for n in outputs]
+
+
+async def measure_served(
+    base_url: str, shapes: Sequence[ServedShape], repeats: int, seed: int = 0, api_key: str | None = None
+) -> dict[ServedShape, list[RoundTimes]]:
+    """Each shape's rounds as the client sees them (sent -> first token, -> the stream's end); rounds go shape
+    after shape, `repeats` times, so a burst of load elsewhere spoils one sample of a shape, not all."""
+    import httpx
+
+    from prefixkv.bench.serve_client import Settings, stream_completion
+
+    rng = random.Random(seed)
+    base = base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    samples: dict[ServedShape, list[RoundTimes]] = {shape: [] for shape in shapes}
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=600.0) as client:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        settings = Settings(base, response.json()["data"][0]["id"], api_key, 0, True, 600.0)
+
+        async def one_round(shape: ServedShape) -> RoundTimes:
+            prompts = [
+                [rng.randrange(*_PROMPT_IDS) for _ in range(shape.prompt_tokens)] for _ in range(shape.concurrency)
+            ]
+            results = await asyncio.gather(
+                *(stream_completion(client, settings, p, shape.output_tokens) for p in prompts)
+            )
+            for r in results:
+                if not r.ok or r.output_tokens != shape.output_tokens:
+                    raise RuntimeError(f"{shape.label}: the server answered {r.error or f'{r.output_tokens} tokens'}")
+            return RoundTimes(statistics.fmean(r.ttft for r in results), statistics.fmean(r.e2e for r in results))
+
+        await one_round(shapes[-1])  # warm-up: the server's first requests pay for lazy initialisation
+        for _ in range(repeats):
+            for shape in shapes:
+                samples[shape].append(await one_round(shape))
+    return samples
+
+
+def simulate_round(config, cost: StepCostModel, shape: ServedShape) -> RoundTimes:
+    """The round in the simulator: all its requests due at 0 (plus the cost model's request overhead), distinct
+    prompts."""
+    from prefixkv.sim.simulator import simulate_trace
+
+    late = cost.request_overhead_s()
+    requests = [
+        _TimedPrompt(0.0, shape.output_tokens, shape.prompt_tokens, 1 + k * shape.prompt_tokens)
+        for k in range(shape.concurrency)
+    ]
+    result, _ = simulate_trace(config, requests, cost)
+    if any(m.latency_s is None or m.ttft_s is None for m in result.metrics):
+        raise ValueError(f"{shape.label}: the simulated pool cannot hold the round (--kv-cache-tokens)")
+    ttft = statistics.fmean(m.ttft_s for m in result.metrics)  # type: ignore[misc]
+    return RoundTimes(ttft + late, statistics.fmean(m.latency_s for m in result.metrics) + late)  # type: ignore[misc]
+
+
+def decode_features(config, cost: StepCostModel, shape: ServedShape) -> list[float]:
+    """How many seconds each of _STEP_TERMS adds to the simulated decode phase per second of it: every request
+    arrives at 0, so each adds linearly (the steps after the first token, and their outputs)."""
+    engine = cost.engine_only()
+    base = simulate_round(config, engine, shape).decode_s
+    unit = 1e-3
+    features = []
+    for key in _STEP_TERMS:
+        probe: dict[str, Any] = {key: unit}
+        features.append(
+            (simulate_round(config, dataclasses.replace(engine, **probe).served(), shape).decode_s - base) / unit
+        )
+    return features
+
+
+def fit_serve_overhead(
+    config, cost: StepCostModel, measured: dict[ServedShape, RoundTimes]
+) -> tuple[StepCostModel, list[dict]]:
+    """cost with its serving overhead fitted to each shape's measured round, and each shape's figures.
+
+    Per step and per output token: from the decode phases (after the first token), minimising the relative error,
+    both >= 0, so that an error of the step model on the prompt's prefill does not leak into them. Per request:
+    what the measured times to the first token exceed the simulated ones by, on average (>= 0)."""
+    engine = cost.engine_only()
+    shapes = list(measured)
+    simulated = {shape: simulate_round(config, engine, shape) for shape in shapes}
+    rows, targets = [], []
+    for shape in shapes:
+        decode_s = measured[shape].decode_s
+        rows.append([f / decode_s for f in decode_features(config, engine, shape)])
+        targets.append((decode_s - simulated[shape].decode_s) / decode_s)
+    per_step, per_token = nonnegative_least_squares(rows, targets)
+    stepped = dataclasses.replace(engine, serve_per_step_s=per_step, serve_per_output_token_s=per_token).served()
+    late = [measured[shape].ttft_s - simulate_round(config, stepped, shape).ttft_s for shape in shapes]
+    model = dataclasses.replace(stepped.engine_only(), serve_per_request_s=max(0.0, statistics.fmean(late)))
+    report = []
+    for shape in shapes:
+        served = simulate_round(config, model.served(), shape)
+        m = measured[shape]
+        report.append(
+            {
+                "label": shape.label,
+                **asdict(shape),
+                "ttft_seconds": m.ttft_s,
+                "seconds": m.e2e_s,
+                "engine_only_seconds": simulated[shape].e2e_s,
+                "served_seconds": served.e2e_s,
+                "engine_only_relative_error": simulated[shape].e2e_s / m.e2e_s - 1,
+                "relative_error": served.e2e_s / m.e2e_s - 1,
+                "decode_relative_error": served.decode_s / m.decode_s - 1,
+            }
+        )
+    return model, report
+
+
+def run_served(args: argparse.Namespace) -> int:
+    """Measure the served rounds, fit the serving overhead of --cost-model, print, write `args.output` (the step
+    model's coefficients and its own fit record kept, the serving overhead and its rounds added)."""
+    if not args.cost_model:
+        raise ValueError("--serve-url needs --cost-model: the step model whose serving overhead is fitted")
+    base_model = load_cost_model(args.cost_model)
+    base_record: dict = {}
+    if os.path.isfile(args.cost_model):
+        with open(args.cost_model) as f:
+            base_record = json.load(f)
+    shapes = served_shapes(args)
+    repeats = args.repeats if args.repeats is not None else SERVE_REPEATS
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    config = dataclasses.replace(
+        engine_config(args), kv_cache_tokens=args.kv_cache_tokens or 1 << 20, kv_cache_memory=None
+    )
+    load = [os.getloadavg()[0]]
+    started = time.perf_counter()
+    samples = asyncio.run(measure_served(args.serve_url, shapes, repeats, args.seed or 0, args.api_key))
+    measure_s = time.perf_counter() - started
+    load.append(os.getloadavg()[0])
+    kept = {shape: pick(rounds, args.statistic, key=lambda r: r.e2e_s) for shape, rounds in samples.items()}
+    model, report = fit_serve_overhead(config, base_model, kept)
+    for point, shape in zip(report, shapes, strict=True):
+        point["samples_seconds"] = [r.e2e_s for r in samples[shape]]
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    note = (
+        f"serving overhead: `prefixkv simulate fit --serve-url` on {platform.node()} ({_cpu_name()}, "
+        f"{os.cpu_count()} CPUs), {when}: rounds of {', '.join(s.label for s in shapes)} streamed to "
+        f"/v1/completions by the bench client (httpx), {_KEPT[args.statistic]} of {repeats}; per step and per "
+        f"token fitted to the decode phases, per request to the time to first token; 1-minute load average "
+        f"{load[0]:.1f} -> {load[1]:.1f}"
+    )
+    model = dataclasses.replace(model, source=f"{base_model.source}; {note}")
+    print_served(model, report, measure_s, args.statistic)
+    faster = [p["label"] for p in report if p["engine_only_relative_error"] > SLOWER_MODEL]
+    if faster:
+        print(
+            f"warning: served rounds ran faster than the step model predicts for the engine alone ({', '.join(faster)}"
+            f"): the model no longer fits this machine (its speed changed since the fit?); refit it, then this"
+        )
+    fit_record = dict(base_record.get("fit") or {})
+    fit_record["serving"] = {"measure_seconds": measure_s, "load_average": load, "points": report}
+    directory = os.path.dirname(os.path.abspath(args.output))
+    os.makedirs(directory, exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump({**model.to_json(), "fit": fit_record}, f, indent=2)
+    print(f"cost model with its serving overhead written to {args.output}")
+    return 0
+
+
+def print_served(model: StepCostModel, report: Sequence[dict], measure_s: float, statistic: str = "min") -> None:
+    rows = [
+        [
+            p["label"],
+            f"{p['seconds'] * 1e3:.1f}",
+            f"{p['engine_only_seconds'] * 1e3:.1f}",
+            f"{p['served_seconds'] * 1e3:.1f}",
+            f"{p['engine_only_relative_error']:+.1%}",
+            f"{p['relative_error']:+.1%}",
+        ]
+        for p in report
+    ]
+    common.print_table(
+        ["round", "measured ms", "engine-only ms", "served ms", "engine-only error", "served error"],
+        rows,
+        title=f"served rounds (mean end-to-end per request, {_KEPT[statistic]} round; {measure_s:.0f} s of measuring)",
+    )
+    print(
+        f"\nserving overhead: {model.serve_per_request_s * 1e3:.3f} ms/request + {model.serve_per_step_s * 1e3:.3f} "
+        f"ms/step with outputs + {model.serve_per_output_token_s * 1e3:.3f} ms/output token"
+    )

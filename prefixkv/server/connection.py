@@ -100,6 +100,11 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.abort()
 
     # -- for the app ----------------------------------------------------------------------------------------
+    def write_would_wait(self) -> bool:
+        """Whether the app's next send would wait for the client to read: uvicorn's send awaits only while the
+        transport has paused writing (its buffer over the high-water mark); otherwise it writes and returns."""
+        return self.flow.write_paused
+
     def abort_connection(self) -> None:
         """Drop the connection now, discarding whatever is still buffered for the client."""
         # also after close(): that one waits to flush the buffer to a client that will not read it

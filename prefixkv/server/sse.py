@@ -84,23 +84,29 @@ class EventStreamResponse(StreamingResponse):
         self._write_timeout = write_timeout
 
     async def __call__(self, scope, receive, send) -> None:
+        connection = scope.get("extensions", {}).get(EXTENSION)
         try:
-            await super().__call__(scope, receive, self._guarded(send))
+            await super().__call__(scope, receive, self._guarded(send, connection))
         except SlowClient as exc:
             logger.warning("dropped a stream: %s", exc)
             self._on_close()
-            connection = scope.get("extensions", {}).get(EXTENSION)
             if connection is not None:
                 connection.abort_connection()
                 await asyncio.sleep(0)  # let the transport report the loss, so uvicorn sees a disconnect
         finally:
             self._on_close()
 
-    def _guarded(self, send):
+    def _guarded(self, send, connection=None):
+        """send, bounded by the write timeout and the group's stop. A send that cannot wait (the connection has
+        not paused writing, the usual case: one per token) is awaited directly: it returns without suspending,
+        so the guard would only add two tasks, a timer and three event-loop turns to every token."""
         if self._write_timeout is None and self._stopped is None:
             return send
+        would_wait = getattr(connection, "write_would_wait", None)
 
         async def guarded_send(message) -> None:
+            if would_wait is not None and not would_wait():
+                return await send(message)
             sending = asyncio.ensure_future(send(message))
             waiters = {sending}
             stopped = None

@@ -7,6 +7,12 @@ per pair of decodes (one token reading its whole context's KV: memory-bound, dea
 a CPU), and a part per sequence (sampling, bookkeeping). `prefixkv simulate fit` fits the five coefficients to
 measured engine steps; the presets for GPU models derive them from published hardware figures, with the
 derivation in `source`.
+
+A served request also waits on work outside Engine.step: its HTTP request and the engine thread's hand-off, each
+step's delivery of its tokens as server-sent events and the client's reading of them, all on the same CPUs as the
+engine. The serve_* coefficients model that (`prefixkv simulate fit --serve-url` fits them against a running
+server); they are 0 in the presets and in files written before them, and only a served replay charges them
+(StepCostModel.served()): the engine alone, as `simulate` runs it, does not pay them.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class BatchShape:
     num_sequences: int  # requests in the batch
     num_decodes: int  # chunks of 1 token whose request is past its prompt
     decode_pairs: int = 0  # the part of attended_pairs that the decodes attend (each its whole context)
+    sampled: int = 0  # items that sample a token (decodes, and chunks that end their prompt): the step's outputs
 
     @property
     def prefill_pairs(self) -> int:
@@ -40,7 +47,7 @@ class BatchShape:
     def of(cls, scheduled: Sequence[tuple[Request, int]]) -> BatchShape:
         """The shape of SchedulerOutput.scheduled, read BEFORE Scheduler.update advances the requests (a chunk
         starts at the request's num_computed_tokens)."""
-        tokens = pairs = decodes = decode_pairs = 0
+        tokens = pairs = decodes = decode_pairs = sampled = 0
         for request, n in scheduled:
             start = request.num_computed_tokens
             tokens += n
@@ -48,10 +55,13 @@ class BatchShape:
             if n == 1 and start >= request.num_prompt_tokens:
                 decodes += 1
                 decode_pairs += start + 1
-        return cls(tokens, pairs, len(scheduled), decodes, decode_pairs)
+            if start + n >= request.num_tokens:
+                sampled += 1
+        return cls(tokens, pairs, len(scheduled), decodes, decode_pairs, sampled)
 
 
 _COEFFICIENTS = ("step_overhead_s", "per_token_s", "per_attended_pair_s", "per_sequence_s")
+SERVE_COEFFICIENTS = ("serve_per_request_s", "serve_per_step_s", "serve_per_output_token_s")
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,12 @@ class StepCostModel:
     per_attended_pair_s too, as in models written before the two were told apart).
 
     Every coefficient is in seconds and >= 0. `source` says where the numbers come from (a fit on which machine,
-    or which published figures), so a result printed with this model can be traced back."""
+    or which published figures), so a result printed with this model can be traced back.
+
+    The serve_* coefficients are what serving adds (see the module's docstring), charged only by served():
+    serve_per_request_s once per request (before the engine sees it), serve_per_step_s per step that outputs
+    tokens (waking the server's event loop and the client), serve_per_output_token_s per token output (its
+    event, written and parsed)."""
 
     name: str
     source: str  # where the numbers come from (fit on which machine, or published figures)
@@ -70,9 +85,13 @@ class StepCostModel:
     per_attended_pair_s: float  # per query x key pair: attention
     per_sequence_s: float = 0.0  # per sequence in the batch: sampling, bookkeeping
     per_decode_pair_s: float | None = None  # per query x key pair of a decode: its context's KV read
+    serve_per_request_s: float = 0.0  # served only: HTTP request, parsing, the hand-off to the engine thread
+    serve_per_step_s: float = 0.0  # served only: per step with outputs, the event loop's and the client's wake-up
+    serve_per_output_token_s: float = 0.0  # served only: per output token, its SSE event sent and parsed
 
     def __post_init__(self) -> None:
-        keys = _COEFFICIENTS + (("per_decode_pair_s",) if self.per_decode_pair_s is not None else ())
+        keys: tuple[str, ...] = _COEFFICIENTS + SERVE_COEFFICIENTS
+        keys += ("per_decode_pair_s",) if self.per_decode_pair_s is not None else ()
         for key in keys:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -90,6 +109,31 @@ class StepCostModel:
             + self.decode_pair_s * batch.decode_pairs
             + self.per_sequence_s * batch.num_sequences
         )
+
+    def serve_overhead_s(self, batch: BatchShape) -> float:
+        """What serving adds to a step of this shape (0 without outputs)."""
+        if not batch.sampled:
+            return 0.0
+        return self.serve_per_step_s + self.serve_per_output_token_s * batch.sampled
+
+    def request_overhead_s(self) -> float:
+        """How long after it is due a request reaches the engine: 0 for the engine alone (see served())."""
+        return 0.0
+
+    @property
+    def has_serve_overhead(self) -> bool:
+        return any(getattr(self, key) for key in SERVE_COEFFICIENTS)
+
+    def served(self) -> StepCostModel:
+        """This model as a served replay sees it: every step also pays serve_overhead_s, every request arrives
+        serve_per_request_s late. The same model (unchanged step_time) when its serve_* coefficients are all 0."""
+        if not self.has_serve_overhead:
+            return self
+        return ServedStepCostModel(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def engine_only(self) -> StepCostModel:
+        """The engine's steps alone (undoes served())."""
+        return self
 
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -112,6 +156,23 @@ class StepCostModel:
             if not isinstance(d[key], str):
                 raise ValueError(f"cost model: {key} must be a string, got {d[key]!r}")
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class ServedStepCostModel(StepCostModel):
+    """StepCostModel.served(): the same coefficients, the serving overhead charged (its to_json is the same)."""
+
+    def step_time(self, batch: BatchShape) -> float:
+        return super().step_time(batch) + self.serve_overhead_s(batch)
+
+    def request_overhead_s(self) -> float:
+        return self.serve_per_request_s
+
+    def served(self) -> StepCostModel:
+        return self
+
+    def engine_only(self) -> StepCostModel:
+        return StepCostModel(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 def _gpu_preset(

@@ -170,6 +170,7 @@ class SessionReplay:
         if tier is None and (policy.demote or policy.prefetch):
             raise ValueError(f"session policy {policy.name!r} acts on a second tier: give the run one")
         self.config, self.scaling, self.mapping, self.policy = config, scaling, mapping, policy
+        self.request_overhead_s = cost.request_overhead_s()  # StepCostModel.served(): HTTP and hand-off per request
         self.clock = SimClock()
         self.kv: KVCacheManager = create_kv(config, self.clock)
         self.copier: SimTierCopier | None = None
@@ -298,6 +299,7 @@ class SessionReplay:
         step = agent.session.steps[agent.step]
         if isinstance(step, AgentRequest):
             due = agent.base_s + (0.0 if agent.joined else self.scaling.pause(step.think_s))
+            due += self.request_overhead_s  # a served replay's request reaches the engine late (the engine alone: 0)
             agent.joined = False
             self._at(due, lambda: self._issue(agent, step, due))
             return

@@ -141,6 +141,7 @@ def check_session_replay(base: str, tmp_path, engine) -> None:
     flags = ["--trace", str(path), "--tokens-per-block", "16", "--think-scale", "0.01", "--sessions", "1"]
     res = run(_args(base, *flags, "--sim-kv-cache-tokens", "4096"))
     assert res["requests"] == 3 and res["failed_requests"] == 0
+    assert res["warm_up"]["requests"] == 4096 // 1024 + 1 and res["warm_up"]["cache_reset"]  # the pool filled once
     assert res["prompt_tokens"] == 64 + 16 + 80 and res["cached_tokens"] == 64
     assert res["jct_s"][0] > 0 and res["simulated"]["hit_rate"] == res["hit_rate"] == 64 / 160
     pins = engine.sessions.summary()

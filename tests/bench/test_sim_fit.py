@@ -5,6 +5,7 @@ load_cost_model, and validate's real and simulated runs agree on the cache (same
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -117,3 +118,55 @@ def test_validate_names_a_missing_trace_or_cost_model_before_loading_the_model(t
     args = parse(sim_validate, ["--trace", str(tmp_path / "none.jsonl"), "--cost-model", str(tmp_path / "m.json")])
     with pytest.raises(ValueError, match="neither a preset"):
         sim_validate.run(args)
+
+
+def test_the_serving_overhead_fit_recovers_a_known_overhead():
+    """Rounds "measured" on a simulated server with a known overhead: the fit finds it again, and the step model's
+    own coefficients are kept."""
+    from prefixkv.config import EngineConfig
+
+    config = EngineConfig(kv_cache_tokens=1 << 16)
+    engine = StepCostModel("e", "test", 0.006, 3e-4, 1.2e-7, 1.4e-4, per_decode_pair_s=1.1e-6)
+    truth = dataclasses.replace(
+        engine, serve_per_request_s=0.002, serve_per_step_s=0.0015, serve_per_output_token_s=3e-4
+    )
+    shapes = [sim_fit.ServedShape(c, 256, n) for c in (1, 4) for n in (16, 64)]
+    measured = {shape: sim_fit.simulate_round(config, truth.served(), shape) for shape in shapes}
+    model, report = sim_fit.fit_serve_overhead(config, engine, measured)
+    assert model.serve_per_step_s == pytest.approx(0.0015, rel=1e-6)
+    assert model.serve_per_output_token_s == pytest.approx(3e-4, rel=1e-6)
+    assert model.serve_per_request_s == pytest.approx(0.002, rel=1e-6)
+    unserved = {"serve_per_request_s": 0.0, "serve_per_step_s": 0.0, "serve_per_output_token_s": 0.0}
+    assert dataclasses.replace(model, **unserved) == engine  # the step terms untouched
+    assert all(abs(p["relative_error"]) < 1e-9 and p["engine_only_relative_error"] < 0 for p in report)
+
+
+def test_serving_overhead_fit_against_a_live_server(new_engine, tmp_path):
+    """`simulate fit --serve-url` end to end on tiny rounds: a cost model the simulator loads, its step terms those
+    of --cost-model, its serving overhead finite and >= 0, every round recorded."""
+    from tests.server.live_server import running_server
+
+    output = tmp_path / "served.json"
+    argv = ["--cost-model", "smollm2-cpu-2t", "--output", str(output), "--repeats", "1", "--kv-cache-tokens", "4096"]
+    argv += ["--serve-prompt-tokens", "16", "--serve-output-tokens", "2,6", "--serve-concurrency", "1,2"]
+    with running_server(new_engine(kv_cache_tokens=4096)) as (base, _, _):
+        assert sim_fit.run(parse(sim_fit, ["--serve-url", base, *argv])) == 0
+    model = load_cost_model(str(output))
+    preset = load_cost_model("smollm2-cpu-2t")
+    unserved = {"serve_per_request_s": 0.0, "serve_per_step_s": 0.0, "serve_per_output_token_s": 0.0}
+    assert dataclasses.replace(model, source=preset.source, **unserved) == preset
+    serve = [model.serve_per_request_s, model.serve_per_step_s, model.serve_per_output_token_s]
+    assert all(math.isfinite(v) and v >= 0 for v in serve)
+    record = json.loads(output.read_text())
+    labels = [p["label"] for p in record["fit"]["serving"]["points"]]
+    assert labels == ["1 x (16 -> 2)", "1 x (16 -> 6)", "2 x (16 -> 2)", "2 x (16 -> 6)"]
+    assert "serving overhead" in model.source
+
+
+def test_the_kept_repeat_is_the_fastest_or_the_median_one():
+    samples = [("a", 3.0), ("b", 1.0), ("c", 2.0), ("d", 9.0)]
+    assert sim_fit.pick(samples, "min", key=lambda s: s[1]) == ("b", 1.0)
+    assert sim_fit.pick(samples, "median", key=lambda s: s[1]) == ("a", 3.0)  # the upper of the two middle ones
+    assert sim_fit.pick(samples[:3], "median", key=lambda s: s[1]) == ("c", 2.0)
+    with pytest.raises(ValueError, match="statistic"):
+        sim_fit.pick(samples, "mean", key=lambda s: s[1])

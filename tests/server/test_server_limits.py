@@ -347,3 +347,46 @@ def test_unread_outputs_are_coalesced():
 
     got = asyncio.run(scenario())
     assert [(i, len(o.outputs[0].text), o.finished) for i, o in got] == [(0, 1000, True), (1, 10, True)]
+
+
+def test_a_send_that_cannot_wait_skips_the_guard(monkeypatch):
+    """A stream's send goes straight to the transport while the connection has not paused writing (one send per
+    token: no tasks, no timer); once paused it is guarded by the write timeout again."""
+    from prefixkv.server import sse
+
+    class Connection:
+        paused = False
+
+        def write_would_wait(self) -> bool:
+            return self.paused
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def scenario() -> None:
+        connection = Connection()
+        response = sse.EventStreamResponse(_no_events(), on_close=lambda: None, write_timeout=0.05)
+        guarded = response._guarded(send, connection)
+        futures = 0
+        ensure_future = asyncio.ensure_future
+
+        def counted(*args, **kwargs):
+            nonlocal futures
+            futures += 1
+            return ensure_future(*args, **kwargs)
+
+        monkeypatch.setattr(sse.asyncio, "ensure_future", counted)
+        await guarded({"type": "http.response.body", "body": b"a"})
+        assert futures == 0 and len(sent) == 1
+        connection.paused = True
+        await guarded({"type": "http.response.body", "body": b"b"})  # the guard's own send does not block
+        assert futures == 1 and len(sent) == 2
+
+    asyncio.run(scenario())
+
+
+async def _no_events():
+    return
+    yield

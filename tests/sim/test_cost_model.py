@@ -23,7 +23,9 @@ def test_batch_shape_counts_tokens_pairs_and_decodes():
     decode = _request(3, 3, outputs=1)  # one token at position 3 after its prompt: 3 + 1 pairs
     last_prompt_token = _request(5, 4)  # one token, but still the prompt: not a decode
     shape = BatchShape.of([(prefill, 6), (decode, 1), (last_prompt_token, 1)])
-    assert shape == BatchShape(8, attended_pairs=45 + 4 + 5, num_sequences=3, num_decodes=1, decode_pairs=4)
+    # all three sample a token: the chunk and the last prompt token end their prompts
+    assert shape == BatchShape(8, attended_pairs=45 + 4 + 5, num_sequences=3, num_decodes=1, decode_pairs=4, sampled=3)
+    assert BatchShape.of([(_request(10, 2), 6)]).sampled == 0  # a chunk short of its prompt's end outputs nothing
     assert shape.prefill_pairs == 50
     assert BatchShape.of([]) == BatchShape(0, 0, 0, 0)
 
@@ -87,3 +89,32 @@ def test_a_bad_cost_model_file_gets_a_clear_error(tmp_path, content, message):
 def test_an_unknown_name_lists_the_presets():
     with pytest.raises(ValueError, match="neither a preset .*smollm2-cpu-2t.* nor an existing JSON file"):
         load_cost_model("no-such-model")
+
+
+def test_serving_overhead_is_charged_only_by_the_served_model():
+    """served() adds serve_per_step_s and serve_per_output_token_s per output to a step that outputs, and delays
+    each request by serve_per_request_s; the model itself (the engine alone, as `simulate` runs it) charges none."""
+    model = StepCostModel(
+        "m", "test", 1.0, 0.1, 0.01, 0.5, serve_per_request_s=0.3, serve_per_step_s=0.2, serve_per_output_token_s=0.05
+    )
+    shape = BatchShape(10, 100, 2, 1, sampled=2)
+    assert model.step_time(shape) == pytest.approx(4.0) and model.request_overhead_s() == 0.0
+    served = model.served()
+    assert served.step_time(shape) == pytest.approx(4.0 + 0.2 + 2 * 0.05)
+    assert served.step_time(BatchShape(10, 100, 2, 0, sampled=0)) == pytest.approx(4.0)  # no outputs, no delivery
+    assert served.request_overhead_s() == pytest.approx(0.3)
+    assert served.engine_only() == model and served.served() is served
+    assert StepCostModel.from_json(served.to_json()) == model  # the file keeps the coefficients, not the mode
+    plain = StepCostModel("m", "test", 1.0, 0.1, 0.01)
+    assert plain.served() is plain and not plain.has_serve_overhead
+
+
+def test_files_written_before_the_serving_overhead_load_with_none(tmp_path):
+    old = {k: v for k, v in PRESETS["smollm2-cpu-2t"].to_json().items() if not k.startswith("serve_")}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**old, "fit": {"points": []}}))
+    model = load_cost_model(str(path))
+    assert (model.serve_per_request_s, model.serve_per_step_s, model.serve_per_output_token_s) == (0.0, 0.0, 0.0)
+    assert all(not m.has_serve_overhead for m in PRESETS.values())
+    with pytest.raises(ValueError, match="serve_per_step_s"):
+        StepCostModel("m", "test", 1.0, 0.1, 0.01, serve_per_step_s=-1.0)

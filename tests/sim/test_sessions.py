@@ -5,6 +5,7 @@ bound with every missed token attributed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -236,3 +237,24 @@ def test_the_session_table_is_bounded_and_a_parent_ending_ends_its_subagents():
     # let go: the parent's pin when its next turn arrived (re-pinned: the 5 pages it extends), then the parent's
     # and its subagent's at the end, then the two sessions the table dropped
     assert pins.summary()["session_released_pages"] == 5 + 10 + 10
+
+
+def test_a_served_model_charges_its_serving_overhead_and_the_engine_alone_does_not(tmp_path):
+    """StepCostModel.served(): each request reaches the engine serve_per_request_s late and every step with outputs
+    pays serve_per_step_s + serve_per_output_token_s per output; `simulate sessions` (the engine alone) neither."""
+    session = {"requests": [_request(0, [1, 2], think_time=0), _request(20, [1, 2, 3], think_time=5)]}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(session))
+    trace = load_agent_trace(str(path))
+    cfg = EngineConfig(page_size=4, kv_cache_tokens=256)
+    mapping = token_mapping(trace, SCALING)
+    fitted = dataclasses.replace(CLOCK, serve_per_request_s=0.5, serve_per_step_s=0.25, serve_per_output_token_s=0.125)
+    served = fitted.served()
+
+    def jct(cost: StepCostModel) -> float:
+        result = replay_sessions(cfg, cost, SCALING, mapping, SessionPolicy("lru"), trace.sessions, [0.0])
+        return result.sessions[0].end_s
+
+    outputs = 2 * SCALING.output_len(trace.sessions[0].steps[0])  # one token a step, one request at a time
+    assert jct(served) == pytest.approx(jct(CLOCK) + 2 * 0.5 + outputs * (0.25 + 0.125))
+    assert jct(fitted) == jct(served.engine_only()) == jct(CLOCK)
