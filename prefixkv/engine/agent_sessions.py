@@ -192,6 +192,8 @@ class SessionPins:
     def run_timers(self) -> float | None:
         """Start the read-aheads due now, drop the expired ones; the seconds until the next is due (None: none is
         pending). The engine calls it at each step, and when idle, again after that long."""
+        if not self._timers:  # every step asks: without +prefetch nothing is ever pending
+            return None
         now = self._now()
         while self._timers and self._timers[0][0] <= now:
             _, _, key, ahead = heapq.heappop(self._timers)
