@@ -10,10 +10,9 @@ the cost model's serving overhead (StepCostModel.served(): its serve_* coefficie
 fit --serve-url`), since these requests are served; with any, the engine-only prediction is printed too.
 
 Before the clock starts the server is warmed up (--no-warm-up: not): fresh prompts as many tokens as the pool
-holds, then its prefix cache emptied. A fresh server's first forward pass pays ~0.9 s, nearly all of it faulting in
-the KV pool's memory (model/huge_pages.py: a pool page's memory is mapped on first touch, ~10 ms a 2 MiB page on
-these VMs, ~2 s for a 16K-token pool of SmolLM2), which the simulator, like a server that has run a while, does not
-pay.
+holds, then its prefix cache emptied. A fresh server's first passes over the pool pay for faulting in its memory
+(model/pool_memory.py: mapped page by page on first touch), which the simulator, like a server that has run a
+while, does not pay.
 """
 
 from __future__ import annotations

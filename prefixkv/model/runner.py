@@ -16,9 +16,9 @@ from prefixkv.batch import BatchItem, Sample
 from prefixkv.model import cpu_features
 from prefixkv.model.attention import StepPlanner
 from prefixkv.model.config import ModelConfig
-from prefixkv.model.huge_pages import zeros_on_huge_pages
 from prefixkv.model.loader import LoadedModel, parse_dtype
 from prefixkv.model.options import KernelOptions
+from prefixkv.model.pool_memory import lazily_zeroed
 from prefixkv.model.sampler import Sampler
 
 
@@ -58,9 +58,8 @@ class ModelRunner:
         self.model.use_kernels(options)
         self.num_pages, self.page_size = num_pages, page_size
         c = self.config
-        # zeros, not empty: padded decode rows read slot 0 and masked garbage must still be finite; on huge pages
-        # because attention reads a request's pages scattered over the whole pool
-        self.kv_cache = zeros_on_huge_pages(
+        # zeros, not empty: padded decode rows read slot 0 and masked garbage must still be finite
+        self.kv_cache = lazily_zeroed(
             (c.num_layers, 2, c.num_kv_heads, num_pages * page_size, c.head_dim), self.dtype, self.device
         )
         self.model.bind_kv_cache(self.kv_cache)
