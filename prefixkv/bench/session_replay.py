@@ -12,7 +12,9 @@ fit --serve-url`), since these requests are served; with any, the engine-only pr
 Before the clock starts the server is warmed up (--no-warm-up: not): fresh prompts as many tokens as the pool
 holds, then its prefix cache emptied. A fresh server's first passes over the pool pay for faulting in its memory
 (model/pool_memory.py: mapped page by page on first touch), which the simulator, like a server that has run a
-while, does not pay.
+while, does not pay. Then the cost model is calibrated (--calibration-rounds 0: not): a few served rounds timed and
+simulated, every coefficient scaled by how much slower they ran than predicted, since a VM's speed drifts by more
+within the hour than the model's own error.
 """
 
 from __future__ import annotations
@@ -20,13 +22,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import datetime
 import random
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 
+from prefixkv.bench.served_rounds import (
+    RoundTimes,
+    ServedShape,
+    measure_rounds,
+    median_round,
+    parse_served_shapes,
+    simulate_round,
+)
 from prefixkv.config import EngineConfig
 from prefixkv.session_hint import SessionHint
 from prefixkv.sim.agent_traces import (
@@ -39,7 +51,7 @@ from prefixkv.sim.agent_traces import (
     scaled_prompt,
     token_mapping,
 )
-from prefixkv.sim.cost_model import SERVE_COEFFICIENTS, load_cost_model
+from prefixkv.sim.cost_model import SERVE_COEFFICIENTS, StepCostModel, load_cost_model
 from prefixkv.sim.session_command import start_times
 from prefixkv.sim.sessions import SessionPolicy, SessionResult, replay_sessions, step_hint
 from prefixkv.sim.traces import BlockTokens
@@ -123,6 +135,9 @@ async def replay_live(
         settings = await settings_for(client)
         if not args.no_warm_up:
             warm_up = await warm_up_server(client, settings, send, args.sim_kv_cache_tokens or 0, args.seed)
+        calibration: Calibration | None = None
+        if args.sim_kv_cache_tokens and args.calibration_rounds:
+            calibration = await measure_calibration(client, settings, send, args)
         live = _Live(client, settings, send, scaling, mapping, time.perf_counter(), hints=not args.no_session_hints)
         runs = [
             _run_agent(live, s, start, f"{k}:{s.id}", None)
@@ -146,9 +161,10 @@ async def replay_live(
     }
     if args.sim_kv_cache_tokens:
         config = EngineConfig(kv_cache_tokens=args.sim_kv_cache_tokens, prefix_caching_hash_algo="xxhash")
-        cost = load_cost_model(args.sim_cost_model)
+        fitted = load_cost_model(args.sim_cost_model).served()
+        cost = calibration.apply(config, fitted) if calibration else fitted
         policy = SessionPolicy("lru" if args.no_session_hints else args.sim_session_policy)
-        sim = replay_sessions(config, cost.served(), scaling, mapping, policy, drawn, starts)
+        sim = replay_sessions(config, cost, scaling, mapping, policy, drawn, starts)
         predicted = _jcts(sim)
         out["simulated"] = {
             "cost_model": cost.name,
@@ -158,12 +174,68 @@ async def replay_live(
             "hit_rate": sim.summary["token_hit_rate"],
             "measured_over_simulated": _ratios(measured, predicted),
         }
+        if calibration:  # and what the model predicts as fitted, to show what the calibration changed
+            uncalibrated = _jcts(replay_sessions(config, fitted, scaling, mapping, policy, drawn, starts))
+            out["simulated"]["calibration"] = calibration.report
+            out["simulated"]["uncalibrated_jct_s"] = uncalibrated
+            out["simulated"]["measured_over_uncalibrated"] = _ratios(measured, uncalibrated)
         if cost.has_serve_overhead:  # what the engine's steps alone predict, to show what serving adds
             engine = replay_sessions(config, cost.engine_only(), scaling, mapping, policy, drawn, starts)
             out["simulated"]["serve_overhead"] = {k: getattr(cost, k) for k in SERVE_COEFFICIENTS}
             out["simulated"]["engine_only_jct_s"] = _jcts(engine)
             out["simulated"]["measured_over_engine_only"] = _ratios(measured, _jcts(engine))
     return out
+
+
+CALIBRATION_SHAPES = "1x1024->32,4x256->16"
+
+
+@dataclasses.dataclass
+class Calibration:
+    """Served rounds measured just before the replay, to scale the cost model to the machine's speed now."""
+
+    shapes: list[ServedShape]
+    rounds: dict[ServedShape, list[RoundTimes]]
+    seconds: float
+    report: dict = dataclasses.field(default_factory=dict)  # filled by apply()
+
+    def apply(self, config: EngineConfig, cost: StepCostModel) -> StepCostModel:
+        """`cost` (served) scaled by the median over shapes of measured / simulated round time (each shape's
+        median round): the step model's shape kept, its speed taken from now."""
+        rows: list[dict[str, Any]] = []
+        for shape in self.shapes:
+            kept = median_round(self.rounds[shape])
+            simulated = simulate_round(config, cost, shape).e2e_s
+            rows.append(
+                {
+                    "label": shape.label,
+                    "measured_s": kept.e2e_s,
+                    "simulated_s": simulated,
+                    "ratio": kept.e2e_s / simulated,
+                    "samples_s": [r.e2e_s for r in self.rounds[shape]],
+                }
+            )
+        factor = statistics.median(row["ratio"] for row in rows)
+        when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        why = f"calibrated by the replay's served rounds ({', '.join(r['label'] for r in rows)}), {when}"
+        self.report = {"factor": factor, "seconds": self.seconds, "shapes": rows}
+        return cost.scaled(factor, why)
+
+
+async def measure_calibration(
+    client: httpx.AsyncClient, settings: Any, send: Callable[..., Awaitable[Any]], args: argparse.Namespace
+) -> Calibration:
+    """--calibration-rounds rounds of each --calibration-shapes shape (fresh prompts), then the cache emptied.
+    Without the warm-up, one round more first (a cold server's first requests pay for lazy initialisation)."""
+    if args.calibration_rounds < 0:
+        raise ValueError(f"--calibration-rounds must be >= 0, got {args.calibration_rounds}")
+    shapes = parse_served_shapes(args.calibration_shapes, "--calibration-shapes")
+    started = time.perf_counter()
+    rounds = await measure_rounds(
+        client, settings, send, shapes, args.calibration_rounds, args.seed, warm_up=args.no_warm_up
+    )
+    await client.post("/reset_prefix_cache")
+    return Calibration(shapes, rounds, time.perf_counter() - started)
 
 
 WARM_UP_PROMPT_TOKENS = 1024
@@ -220,6 +292,14 @@ def print_summary(out: dict) -> None:
         print(line)
     if sim:
         print(f"simulated hit rate {sim['hit_rate']:.4f} (cost model {sim['cost_model']})")
+        if "calibration" in sim:
+            c = sim["calibration"]
+            rounds = ", ".join(f"{r['label']} x{r['ratio']:.3f}" for r in c["shapes"])
+            ratios = " / ".join(f"{r:.3f}" for r in sim["measured_over_uncalibrated"] if r is not None)
+            print(
+                f"calibration ({c['seconds']:.0f} s): served rounds took x{c['factor']:.3f} the cost model's time "
+                f"({rounds}); the prediction above is the model scaled by it; as fitted, measured / simulated: {ratios}"
+            )
         if "engine_only_jct_s" in sim:
             overhead = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in sim["serve_overhead"].items())
             ratios = " / ".join(f"{r:.3f}" for r in sim["measured_over_engine_only"] if r is not None)
@@ -244,6 +324,19 @@ def add_session_arguments(t: argparse._ArgumentGroup) -> None:
         default="session",
         choices=("ttl", "pause", "session"),
         help="agent traces: the server's --session-policy, for the simulation (default: the server's default)",
+    )
+    t.add_argument(
+        "--calibration-rounds",
+        type=int,
+        default=3,
+        help="agent traces, with --sim-kv-cache-tokens: before the replay, time this many served rounds of each "
+        "--calibration-shapes shape and scale the simulator's cost model by how much slower (or faster) they ran "
+        "than it predicts: the machine's speed now, not the fit's (0: the model as fitted)",
+    )
+    t.add_argument(
+        "--calibration-shapes",
+        default=CALIBRATION_SHAPES,
+        help="agent traces: the calibration rounds, CONCURRENCYxPROMPT->OUTPUT, comma-separated (fresh prompts)",
     )
     t.add_argument(
         "--no-session-hints", action="store_true", help="agent traces: send no x-session-* headers (plain LRU)"

@@ -33,7 +33,6 @@ import itertools
 import json
 import os
 import platform
-import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +40,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from prefixkv.bench import common
+from prefixkv.bench.served_rounds import RoundTimes, ServedShape, measure_rounds, simulate_round
 from prefixkv.bench.workloads import TokenSampler, sampler_for
 from prefixkv.engine.core import StepComponent
 from prefixkv.engine_args import engine_config
@@ -461,49 +461,8 @@ def _cpu_name() -> str:
 
 # -- the serving overhead (--serve-url) --------------------------------------------------------------------------
 SERVE_REPEATS = 5
-_PROMPT_IDS = (1000, 10000)  # fresh prompts: random ids any real vocabulary holds, so no prefix hits
 _STEP_TERMS = ("serve_per_step_s", "serve_per_output_token_s")  # fitted to the decode phases
 SLOWER_MODEL = 0.05  # an engine-only prediction this much above a served round's time: the step model is stale
-
-
-@dataclass(frozen=True)
-class ServedShape:
-    """A round: `concurrency` requests sent together, each a fresh prompt of `prompt_tokens` and `output_tokens`
-    generated (ignore_eos)."""
-
-    concurrency: int
-    prompt_tokens: int
-    output_tokens: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.concurrency} x ({self.prompt_tokens} -> {self.output_tokens})"
-
-
-@dataclass(frozen=True)
-class RoundTimes:
-    """A round's mean time to the first token and to the end of the stream, per request (seconds)."""
-
-    ttft_s: float
-    e2e_s: float
-
-    @property
-    def decode_s(self) -> float:
-        """After the first token: the decode steps and their deliveries only (no prefill, no request)."""
-        return self.e2e_s - self.ttft_s
-
-
-@dataclass
-class _TimedPrompt:
-    """A simulated request of a round (simulator.TimedRequest)."""
-
-    arrival_s: float
-    output_len: int
-    prompt_len: int
-    first_id: int
-
-    def prompt_tokens(self) -> list[int]:
-        return list(range(self.first_id, self.first_id + self.prompt_len))
 
 
 def served_shapes(args: argparse.Namespace) -> list[ServedShape]:
@@ -517,55 +476,18 @@ def served_shapes(args: argparse.Namespace) -> list[ServedShape]:
 async def measure_served(
     base_url: str, shapes: Sequence[ServedShape], repeats: int, seed: int = 0, api_key: str | None = None
 ) -> dict[ServedShape, list[RoundTimes]]:
-    """Each shape's rounds as the client sees them (sent -> first token, -> the stream's end); rounds go shape
-    after shape, `repeats` times, so a burst of load elsewhere spoils one sample of a shape, not all."""
+    """Each shape's rounds against the server at base_url (measure_rounds), after one warm-up round."""
     import httpx
 
     from prefixkv.bench.serve_client import Settings, stream_completion
 
-    rng = random.Random(seed)
     base = base_url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    samples: dict[ServedShape, list[RoundTimes]] = {shape: [] for shape in shapes}
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=600.0) as client:
         response = await client.get("/v1/models")
         response.raise_for_status()
         settings = Settings(base, response.json()["data"][0]["id"], api_key, 0, True, 600.0)
-
-        async def one_round(shape: ServedShape) -> RoundTimes:
-            prompts = [
-                [rng.randrange(*_PROMPT_IDS) for _ in range(shape.prompt_tokens)] for _ in range(shape.concurrency)
-            ]
-            results = await asyncio.gather(
-                *(stream_completion(client, settings, p, shape.output_tokens) for p in prompts)
-            )
-            for r in results:
-                if not r.ok or r.output_tokens != shape.output_tokens:
-                    raise RuntimeError(f"{shape.label}: the server answered {r.error or f'{r.output_tokens} tokens'}")
-            return RoundTimes(statistics.fmean(r.ttft for r in results), statistics.fmean(r.e2e for r in results))
-
-        await one_round(shapes[-1])  # warm-up: the server's first requests pay for lazy initialisation
-        for _ in range(repeats):
-            for shape in shapes:
-                samples[shape].append(await one_round(shape))
-    return samples
-
-
-def simulate_round(config, cost: StepCostModel, shape: ServedShape) -> RoundTimes:
-    """The round in the simulator: all its requests due at 0 (plus the cost model's request overhead), distinct
-    prompts."""
-    from prefixkv.sim.simulator import simulate_trace
-
-    late = cost.request_overhead_s()
-    requests = [
-        _TimedPrompt(0.0, shape.output_tokens, shape.prompt_tokens, 1 + k * shape.prompt_tokens)
-        for k in range(shape.concurrency)
-    ]
-    result, _ = simulate_trace(config, requests, cost)
-    if any(m.latency_s is None or m.ttft_s is None for m in result.metrics):
-        raise ValueError(f"{shape.label}: the simulated pool cannot hold the round (--kv-cache-tokens)")
-    ttft = statistics.fmean(m.ttft_s for m in result.metrics)  # type: ignore[misc]
-    return RoundTimes(ttft + late, statistics.fmean(m.latency_s for m in result.metrics) + late)  # type: ignore[misc]
+        return await measure_rounds(client, settings, stream_completion, shapes, repeats, seed, warm_up=True)
 
 
 def decode_features(config, cost: StepCostModel, shape: ServedShape) -> list[float]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TypeVar
 
 from prefixkv.request import Request
@@ -134,6 +134,18 @@ class StepCostModel:
     def engine_only(self) -> StepCostModel:
         """The engine's steps alone (undoes served())."""
         return self
+
+    def scaled(self, factor: float, why: str) -> StepCostModel:
+        """Every coefficient (step and serving) x factor, `why` added to the source: the same machine running
+        `factor` times slower than when it was fitted (a replay's calibration measures that factor). A served()
+        model stays served."""
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"cost model {self.name!r}: a scale factor must be finite and > 0, got {factor!r}")
+        keys = (*_COEFFICIENTS, *SERVE_COEFFICIENTS) + (
+            ("per_decode_pair_s",) if self.per_decode_pair_s is not None else ()
+        )
+        changes: dict = {key: getattr(self, key) * factor for key in keys}
+        return replace(self, source=f"{self.source}; x{factor:.4f}: {why}", **changes)
 
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from prefixkv.bench import sim_fit, sim_validate
+from prefixkv.bench import served_rounds, sim_fit, sim_validate
+from prefixkv.bench.session_replay import Calibration
 from prefixkv.sim.cost_model import BatchShape, StepCostModel, load_cost_model
 
 TINY_GRID = sim_fit.FitGrid(
@@ -120,6 +121,40 @@ def test_validate_names_a_missing_trace_or_cost_model_before_loading_the_model(t
         sim_validate.run(args)
 
 
+def test_a_calibration_scales_the_model_to_the_speed_its_rounds_ran_at():
+    """A replay's calibration: rounds "measured" on a machine 1.3x slower than the fit (the median of three
+    samples each, one of them spoiled) give the factor 1.3, and the scaled model (served, every coefficient x1.3)
+    predicts those rounds exactly; the model as fitted is left as it was."""
+    from prefixkv.config import EngineConfig
+
+    config = EngineConfig(kv_cache_tokens=1 << 16)
+    fitted = StepCostModel("e", "test", 0.006, 3e-4, 1.2e-7, 1.4e-4, per_decode_pair_s=1.1e-6, serve_per_step_s=1e-3)
+    fitted = fitted.served()
+    slower = fitted.scaled(1.3, "the machine now")
+    assert slower.served() is slower and slower.per_decode_pair_s == pytest.approx(1.43e-6)
+    assert slower.source == "test; x1.3000: the machine now"
+    shapes = served_rounds.parse_served_shapes("1x1024->32, 4x256->16", "--calibration-shapes")
+    assert shapes == [served_rounds.ServedShape(1, 1024, 32), served_rounds.ServedShape(4, 256, 16)]
+    rounds = {}
+    for shape in shapes:
+        r = served_rounds.simulate_round(config, slower, shape)
+        spoiled = served_rounds.RoundTimes(r.ttft_s * 3, r.e2e_s * 3)
+        rounds[shape] = [r, spoiled, r]
+    calibration = Calibration(shapes, rounds, 1.0)
+    calibrated = calibration.apply(config, fitted)
+    assert calibration.report["factor"] == pytest.approx(1.3)
+    assert [row["ratio"] for row in calibration.report["shapes"]] == pytest.approx([1.3, 1.3])
+    for shape in shapes:
+        assert served_rounds.simulate_round(config, calibrated, shape).e2e_s == pytest.approx(rounds[shape][0].e2e_s)
+    assert fitted.step_overhead_s == 0.006
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="scale factor must be finite and > 0"):
+            fitted.scaled(bad, "x")
+    for spec in ("1x64", "1x64->1", "0x64->4", "ax64->4"):
+        with pytest.raises(ValueError, match=r"--calibration-shapes: '.*'"):
+            served_rounds.parse_served_shapes(spec, "--calibration-shapes")
+
+
 def test_the_serving_overhead_fit_recovers_a_known_overhead():
     """Rounds "measured" on a simulated server with a known overhead: the fit finds it again, and the step model's
     own coefficients are kept."""
@@ -130,8 +165,8 @@ def test_the_serving_overhead_fit_recovers_a_known_overhead():
     truth = dataclasses.replace(
         engine, serve_per_request_s=0.002, serve_per_step_s=0.0015, serve_per_output_token_s=3e-4
     )
-    shapes = [sim_fit.ServedShape(c, 256, n) for c in (1, 4) for n in (16, 64)]
-    measured = {shape: sim_fit.simulate_round(config, truth.served(), shape) for shape in shapes}
+    shapes = [served_rounds.ServedShape(c, 256, n) for c in (1, 4) for n in (16, 64)]
+    measured = {shape: served_rounds.simulate_round(config, truth.served(), shape) for shape in shapes}
     model, report = sim_fit.fit_serve_overhead(config, engine, measured)
     assert model.serve_per_step_s == pytest.approx(0.0015, rel=1e-6)
     assert model.serve_per_output_token_s == pytest.approx(3e-4, rel=1e-6)
