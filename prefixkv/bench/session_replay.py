@@ -162,7 +162,7 @@ async def replay_live(
     if args.sim_kv_cache_tokens:
         config = EngineConfig(kv_cache_tokens=args.sim_kv_cache_tokens, prefix_caching_hash_algo="xxhash")
         fitted = load_cost_model(args.sim_cost_model).served()
-        cost = calibration.apply(config, fitted) if calibration else fitted
+        cost, calibrated = calibration.apply(config, fitted) if calibration else (fitted, None)
         policy = SessionPolicy("lru" if args.no_session_hints else args.sim_session_policy)
         sim = replay_sessions(config, cost, scaling, mapping, policy, drawn, starts)
         predicted = _jcts(sim)
@@ -174,9 +174,9 @@ async def replay_live(
             "hit_rate": sim.summary["token_hit_rate"],
             "measured_over_simulated": _ratios(measured, predicted),
         }
-        if calibration:  # and what the model predicts as fitted, to show what the calibration changed
+        if calibrated:  # and what the model predicts as fitted, to show what the calibration changed
             uncalibrated = _jcts(replay_sessions(config, fitted, scaling, mapping, policy, drawn, starts))
-            out["simulated"]["calibration"] = calibration.report
+            out["simulated"]["calibration"] = calibrated
             out["simulated"]["uncalibrated_jct_s"] = uncalibrated
             out["simulated"]["measured_over_uncalibrated"] = _ratios(measured, uncalibrated)
         if cost.has_serve_overhead:  # what the engine's steps alone predict, to show what serving adds
@@ -197,11 +197,10 @@ class Calibration:
     shapes: list[ServedShape]
     rounds: dict[ServedShape, list[RoundTimes]]
     seconds: float
-    report: dict = dataclasses.field(default_factory=dict)  # filled by apply()
 
-    def apply(self, config: EngineConfig, cost: StepCostModel) -> StepCostModel:
+    def apply(self, config: EngineConfig, cost: StepCostModel) -> tuple[StepCostModel, dict[str, Any]]:
         """`cost` (served) scaled by the median over shapes of measured / simulated round time (each shape's
-        median round): the step model's shape kept, its speed taken from now."""
+        median round): the step model's shape kept, its speed taken from now; and the figures (the JSON's)."""
         rows: list[dict[str, Any]] = []
         for shape in self.shapes:
             kept = median_round(self.rounds[shape])
@@ -218,8 +217,7 @@ class Calibration:
         factor = statistics.median(row["ratio"] for row in rows)
         when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
         why = f"calibrated by the replay's served rounds ({', '.join(r['label'] for r in rows)}), {when}"
-        self.report = {"factor": factor, "seconds": self.seconds, "shapes": rows}
-        return cost.scaled(factor, why)
+        return cost.scaled(factor, why), {"factor": factor, "seconds": self.seconds, "shapes": rows}
 
 
 async def measure_calibration(

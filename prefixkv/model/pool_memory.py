@@ -15,6 +15,7 @@ Elsewhere (other OSes, other devices) this is a plain zero-filled tensor.
 
 from __future__ import annotations
 
+import math
 import mmap
 import sys
 
@@ -23,10 +24,7 @@ import torch
 
 def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor whose memory is faulted in (and zeroed by the kernel) only where it is first written."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or not sys.platform.startswith("linux") or nbytes < mmap.PAGESIZE:
         return torch.zeros(shape, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

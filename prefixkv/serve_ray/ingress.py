@@ -56,7 +56,7 @@ from prefixkv.serve_ray.cache_entries import (
 )
 from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
 from prefixkv.serve_ray.replica import REPLICA_HEADER
-from prefixkv.server.auth import OPEN, KeyRing, derive_cache_salt, isolation_mode, request_api_key
+from prefixkv.server.auth import OPEN, KeyRing, api_key_of, derive_cache_salt, isolation_mode, request_api_key
 from prefixkv.server.cache_store import PAGE_TOKENS_HEADER
 from prefixkv.server.errors import APIError
 from prefixkv.server.options import ServingOptions
@@ -87,23 +87,11 @@ class TenantSalts:
     def salt(self, headers: dict[str, str], body: dict) -> str | None:
         client_salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         user = body.get("user") if isinstance(body.get("user"), str) else None
-        key = _api_key(headers)
+        key = api_key_of(headers)
         principal = OPEN if self.keys is None else self.keys.identify(key)
         if principal is None:  # the replica answers 401; where it routes does not matter
             return client_salt
         return derive_cache_salt(self.mode, principal, key, user, client_salt)
-
-
-def _api_key(headers: dict[str, str]) -> str | None:
-    """The key as the replicas read it (auth.request_api_key): a bearer token, else `x-api-key` (Anthropic's
-    clients), else `x-goog-api-key` (Gemini's)."""
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    for name in ("x-api-key", "x-goog-api-key"):
-        if headers.get(name, "").strip():
-            return headers[name].strip()
-    return None
 
 
 def route_request(

@@ -20,7 +20,7 @@ admin reset or list one tenant's namespaces by prefix without the server remembe
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -127,14 +127,19 @@ def read_key_file(path: str) -> list[tuple[str, Principal]]:
 
 
 def request_api_key(request: Request) -> str | None:
+    """The key the request sends (api_key_of its headers)."""
+    return api_key_of(request.headers)
+
+
+def api_key_of(headers: Mapping[str, str]) -> str | None:
     """The key of `Authorization: Bearer <key>`, else of `x-api-key: <key>` (how Anthropic's clients send it), else
-    of `x-goog-api-key: <key>` (how Google's google-genai sends it)."""
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
+    of `x-goog-api-key: <key>` (how Google's google-genai sends it). `headers`: lower-case names (or Starlette's
+    case-insensitive headers); the Ray ingress reads the same key from the headers it forwards."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
     for name in ("x-api-key", "x-goog-api-key"):
-        key = request.headers.get(name, "").strip()
+        key = headers.get(name, "").strip()
         if key:
             return key
     return None

@@ -241,17 +241,18 @@ class CacheStore:
         if self.on_change is not None:
             self.on_change()
 
+    def _owned_by(self, owner: str | None) -> int:
+        return sum(1 for e in self._entries.values() if e.owner == owner)
+
     def _has_room(self, owner: str | None) -> bool:
-        if len(self._entries) >= self.max_entries:
-            return False
-        return sum(1 for e in self._entries.values() if e.owner == owner) < self.max_per_owner
+        return len(self._entries) < self.max_entries and self._owned_by(owner) < self.max_per_owner
 
     def _check_room(self, owner: str | None) -> None:
         owner = owner_key(owner)
         self._purge()
         if len(self._entries) >= self.max_entries:
             raise CacheStoreFull(f"the server holds its maximum of {self.max_entries} cache entries; delete some")
-        if sum(1 for e in self._entries.values() if e.owner == owner) >= self.max_per_owner:
+        if self._owned_by(owner) >= self.max_per_owner:
             raise CacheStoreFull(
                 f"at most {self.max_per_owner} cache entries per tenant; delete some (DELETE /v1/caches/{{id}})"
             )

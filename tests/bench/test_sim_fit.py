@@ -140,10 +140,9 @@ def test_a_calibration_scales_the_model_to_the_speed_its_rounds_ran_at():
         r = served_rounds.simulate_round(config, slower, shape)
         spoiled = served_rounds.RoundTimes(r.ttft_s * 3, r.e2e_s * 3)
         rounds[shape] = [r, spoiled, r]
-    calibration = Calibration(shapes, rounds, 1.0)
-    calibrated = calibration.apply(config, fitted)
-    assert calibration.report["factor"] == pytest.approx(1.3)
-    assert [row["ratio"] for row in calibration.report["shapes"]] == pytest.approx([1.3, 1.3])
+    calibrated, report = Calibration(shapes, rounds, 1.0).apply(config, fitted)
+    assert report["factor"] == pytest.approx(1.3)
+    assert [row["ratio"] for row in report["shapes"]] == pytest.approx([1.3, 1.3])
     for shape in shapes:
         assert served_rounds.simulate_round(config, calibrated, shape).e2e_s == pytest.approx(rounds[shape][0].e2e_s)
     assert fitted.step_overhead_s == 0.006
