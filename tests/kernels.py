@@ -14,11 +14,13 @@ import pytest
 from prefixkv.model import cpu_features, native
 
 
-def requires(flag: str, kernel: Callable[[], object], what: str) -> pytest.MarkDecorator:
+def requires(flag: str, kernel: Callable[[], object], what: str, elsewhere: str = "") -> pytest.MarkDecorator:
     """Module or test mark for a test of `what`, which the native build compiles where the CPU has `flag`
-    (/proc/cpuinfo's spelling) and which `kernel()` returns (None when not compiled in)."""
+    (/proc/cpuinfo's spelling) and which `kernel()` returns (None when not compiled in). `elsewhere`: what covers
+    the same code on a CPU without the flag, said in the skip."""
     if not cpu_features.has(flag):
-        return pytest.mark.skip(reason=f"{what} needs {flag}, which this CPU ({cpu_features.model_name()}) lacks")
+        reason = f"{what} needs {flag}, which this CPU ({cpu_features.model_name()}) lacks"
+        return pytest.mark.skip(reason=reason + (f"; {elsewhere}" if elsewhere else ""))
     if kernel() is None:
         return pytest.mark.kernel_missing(
             f"this CPU ({cpu_features.model_name()}) has {flag} but the native build has no {what} "
@@ -32,4 +34,9 @@ AVX512_BF16 = requires(cpu_features.AVX512_BF16, native.flash_attention, "the AV
 GEMM = requires(cpu_features.AVX512_BF16, native.gemm, "the AVX-512 BF16 matrix product")
 FUSED_OPS = requires("avx512f", native.fused_ops, "the AVX-512 fused elementwise kernels")
 DECODE_LAYERS = requires(cpu_features.AVX512_BF16, native.decode_layers, "the one-call decoder loop")
-AMX = requires(cpu_features.AMX_BF16, native.amx_gemm, "the AMX kernels (matrix product and attention)")
+AMX = requires(
+    cpu_features.AMX_BF16,
+    native.amx_gemm,
+    "the AMX kernels (matrix product and attention)",
+    "their amx_emulated twins run the same kernels on AVX-512 tiles in software, and the avx512_bf16 ones beside",
+)
