@@ -102,3 +102,24 @@ def test_fused_decode_is_on_with_cache_invariance_only():
     assert not KernelOptions.choose(cpu, torch.float32).fused_decode
     with pytest.raises(ValueError, match="fused_decode needs cache_invariant"):
         KernelOptions.choose(cpu, torch.float32, fused_decode=True)
+
+
+def test_fused_decode_refuses_what_it_cannot_compute(llm):
+    """The native loop checks its inputs once per call, before it writes anything: a slot outside the pool, a
+    length past the page table or a wrong dtype is an error, and the pool is left as it was."""
+    import torch
+
+    model = llm.llm_engine.runner.model
+    layers, pool, c = model.fused_decode.inner, model.kv_cache, model.config
+    h = torch.zeros(1, c.hidden_size, dtype=torch.bfloat16)
+    cos = torch.ones(1, 1, c.head_dim, dtype=torch.bfloat16)
+    sin = torch.zeros_like(cos)
+    table, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    before = pool.clone()
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        layers.run(h, cos, sin, pool, torch.tensor([pool.shape[3]]), table, lens, 16, 0.125, 0)
+    with pytest.raises(RuntimeError, match="each length"):
+        layers.run(h, cos, sin, pool, torch.tensor([0]), table, torch.tensor([17]), 16, 0.125, 0)
+    with pytest.raises(RuntimeError, match="h must be"):
+        layers.run(h.float(), cos, sin, pool, torch.tensor([0]), table, lens, 16, 0.125, 0)
+    assert torch.equal(pool, before)

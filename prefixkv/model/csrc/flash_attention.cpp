@@ -39,6 +39,8 @@
 #include <limits>
 #include <vector>
 
+#include "flash_attention.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -570,40 +572,11 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
 // ids; lens [B] int64: sequence b attends to its positions [0, lens[b]) (>= 1). Bit for bit what flash_attention
 // computes for that row over the same keys (its slots in position order, q_pos = lens[b] - 1). state_in /
 // return_state as for flash_attention.
-std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
-                                           int64_t page_size, double scale, c10::optional<at::Tensor> state_in,
-                                           bool return_state, int64_t isa) {
-  check_inputs(q, kv);
+void prefixkv::attention::paged_decode(const PagedDecode& a, int64_t isa) {
   const Path path = Path::of(isa);
-  TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "table / lens must be int64");
-  TORCH_CHECK(table.dim() == 2 && table.size(0) == q.size(0) && lens.size(0) == q.size(0),
-              "one table row and length per sequence");
-  TORCH_CHECK(page_size >= 1, "page_size must be >= 1");
-  q = q.contiguous();
-  table = table.contiguous();
-  lens = lens.contiguous();
-  const int64_t batch = q.size(0), heads = q.size(1), kv_heads = kv.size(1), group = heads / kv_heads;
-  const at::Tensor state0 = checked_state(state_in, batch, heads);
-  auto out = at::empty_like(q);
-  auto lse = at::empty({batch, heads}, q.options().dtype(at::kFloat));
-  auto state = return_state ? at::empty({batch, heads, kStateWidth}, q.options().dtype(at::kFloat)) : at::Tensor();
-  const uint16_t* kv_ptr = reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>());
-  const int64_t kv_stride = kv.stride(0), head_stride = kv.stride(1), slot_stride = kv.stride(2);
-  const int64_t max_pages = table.size(1);
-  const int64_t* table_ptr = table.data_ptr<int64_t>();
-  const int64_t* len_ptr = lens.data_ptr<int64_t>();
-  const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  c10::BFloat16* out_ptr = out.data_ptr<c10::BFloat16>();
-  float* lse_ptr = lse.data_ptr<float>();
-  const float* state_in_ptr = state0.defined() ? state0.data_ptr<float>() : nullptr;
-  float* state_ptr = return_state ? state.data_ptr<float>() : nullptr;
-  const float fscale = static_cast<float>(scale);
-  for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK(len_ptr[b] >= 1 && len_ptr[b] <= max_pages * page_size,
-                "each length must be in [1, pages * page_size]");
-
+  const int64_t group = a.heads / a.kv_heads;
   // sequences come shortest first (the planner sorts decodes by length): taken from the end, longest first
-  const int64_t items = batch * kv_heads;
+  const int64_t items = a.batch * a.kv_heads;
   const int64_t padded_rows = (group + path.tile - 1) / path.tile * path.tile;
   auto scratch = [&] { return Scratch(padded_rows, path, isa != kAvx512, /*decode=*/true); };
   prefixkv::parallel_items(items, scratch, [&](Scratch& thread, int64_t i) {
@@ -611,27 +584,73 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
     const Rows& st = storage.rows;
     uint16_t *kc = thread.keys(), *vc = thread.values();
     const int64_t item = items - 1 - i;
-    const int64_t b = item / kv_heads, h = item % kv_heads, len = len_ptr[b];
-    const int64_t* pages = table_ptr + b * max_pages;
+    const int64_t b = item / a.kv_heads, h = item % a.kv_heads, len = a.lens[b];
+    const int64_t* pages = a.table + b * a.max_pages;
     for (int64_t r = 0; r < padded_rows; ++r) {
       const int64_t head = h * group + std::min(r, group - 1);  // padding rows repeat the last real one
-      storage.set_query(r, q_ptr + (b * heads + head) * kDim);
+      storage.set_query(r, a.q + b * a.q_row_stride + head * kDim);
       st.see[r] = len - 1;
-      init_row(st, r, state_in_ptr == nullptr ? nullptr : state_in_ptr + (b * heads + head) * kStateWidth);
+      init_row(st, r, a.state_in == nullptr ? nullptr : a.state_in + (b * a.heads + head) * kStateWidth);
     }
     for (int64_t c0 = 0; c0 < len; c0 += kChunk) {
       // the vectors holding keys; AMX tiles read the whole chunk (zeros past the sequence)
       const int64_t nvec = isa == kAvx512 ? std::min<int64_t>(4, (len - 1 - c0) / kKeysPerVec + 1) : 4;
-      pack_chunk_keys(kv_ptr + h * head_stride, slot_stride, pages, page_size, c0, len, nvec, kc);
-      pack_chunk_values(kv_ptr + kv_stride + h * head_stride, slot_stride, pages, page_size, c0, len, nvec * 8, vc);
-      for (int64_t t0 = 0; t0 < padded_rows; t0 += path.tile) path.attend(kc, vc, c0, t0, st, fscale);
+      pack_chunk_keys(a.kv + h * a.head_stride, a.slot_stride, pages, a.page_size, c0, len, nvec, kc);
+      pack_chunk_values(a.kv + a.kv_stride + h * a.head_stride, a.slot_stride, pages, a.page_size, c0, len, nvec * 8,
+                        vc);
+      for (int64_t t0 = 0; t0 < padded_rows; t0 += path.tile) path.attend(kc, vc, c0, t0, st, a.scale);
     }
     for (int64_t r = 0; r < group; ++r) {
-      const int64_t idx = b * heads + h * group + r;
-      float* row_state = state_ptr == nullptr ? nullptr : state_ptr + idx * kStateWidth;
-      finish_row(st, r, out_ptr + idx * kDim, lse_ptr + idx, row_state);
+      const int64_t idx = b * a.heads + h * group + r;
+      float* row_state = a.state == nullptr ? nullptr : a.state + idx * kStateWidth;
+      finish_row(st, r, a.out + idx * kDim, a.lse + idx, row_state);
     }
   });
+}
+
+// q [B, H, 64] bf16, one query token per sequence; kv as for flash_attention; table [B, max_pages] int64 page
+// ids; lens [B] int64: sequence b attends to its positions [0, lens[b]) (>= 1). Bit for bit what flash_attention
+// computes for that row over the same keys (its slots in position order, q_pos = lens[b] - 1). state_in /
+// return_state as for flash_attention.
+std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
+                                           int64_t page_size, double scale, c10::optional<at::Tensor> state_in,
+                                           bool return_state, int64_t isa) {
+  check_inputs(q, kv);
+  TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "table / lens must be int64");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == q.size(0) && lens.size(0) == q.size(0),
+              "one table row and length per sequence");
+  TORCH_CHECK(page_size >= 1, "page_size must be >= 1");
+  q = q.contiguous();
+  table = table.contiguous();
+  lens = lens.contiguous();
+  const int64_t batch = q.size(0), heads = q.size(1);
+  const at::Tensor state0 = checked_state(state_in, batch, heads);
+  auto out = at::empty_like(q);
+  auto lse = at::empty({batch, heads}, q.options().dtype(at::kFloat));
+  auto state = return_state ? at::empty({batch, heads, kStateWidth}, q.options().dtype(at::kFloat)) : at::Tensor();
+  prefixkv::attention::PagedDecode args{};
+  args.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  args.q_row_stride = heads * kDim;
+  args.batch = batch;
+  args.heads = heads;
+  args.kv = reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>());
+  args.kv_stride = kv.stride(0);
+  args.head_stride = kv.stride(1);
+  args.slot_stride = kv.stride(2);
+  args.kv_heads = kv.size(1);
+  args.table = table.data_ptr<int64_t>();
+  args.max_pages = table.size(1);
+  args.lens = lens.data_ptr<int64_t>();
+  args.page_size = page_size;
+  args.scale = static_cast<float>(scale);
+  args.state_in = state0.defined() ? state0.data_ptr<float>() : nullptr;
+  args.out = out.data_ptr<c10::BFloat16>();
+  args.lse = lse.data_ptr<float>();
+  args.state = return_state ? state.data_ptr<float>() : nullptr;
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(args.lens[b] >= 1 && args.lens[b] <= args.max_pages * page_size,
+                "each length must be in [1, pages * page_size]");
+  prefixkv::attention::paged_decode(args, isa);
   if (return_state) return {out, lse, state};
   return {out, lse};
 }
@@ -647,6 +666,10 @@ std::vector<at::Tensor> flash_attention(at::Tensor, at::Tensor, at::Tensor, at::
 
 std::vector<at::Tensor> paged_flash_decode(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
                                            c10::optional<at::Tensor>, bool, int64_t) {
+  TORCH_CHECK(false, "paged_flash_decode needs AVX-512 BF16 (not compiled in)");
+}
+
+void prefixkv::attention::paged_decode(const PagedDecode&, int64_t) {
   TORCH_CHECK(false, "paged_flash_decode needs AVX-512 BF16 (not compiled in)");
 }
 

@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "fused_ops.h"
 #include "simd.h"
 
 namespace {
@@ -27,6 +28,55 @@ using prefixkv::load16;
 using prefixkv::round_bf16;
 using prefixkv::store16;
 
+namespace prefixkv::ops {
+
+void rms_norm_row(const bf16* x, const bf16* weight, bf16* out, int64_t dim, float eps) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __m512 v = load16(x + i);
+    sum = _mm512_fmadd_ps(v, v, sum);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum) / dim + eps));
+  for (int64_t i = 0; i < dim; i += 16)
+    store16(out + i, _mm512_mul_ps(round_bf16(_mm512_mul_ps(load16(x + i), r)), load16(weight + i)));
+}
+
+void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t inter) {
+  for (int64_t i = 0; i < inter; i += 16) {
+    const __m512 x = load16(gate + i);
+    const __m512 exp_neg = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp_neg));
+    store16(out + i, _mm512_mul_ps(round_bf16(silu), load16(up + i)));
+  }
+}
+
+void rotary_row(const bf16* x, int64_t heads, int64_t head_stride, const bf16* cos, const bf16* sin, bf16* out,
+                int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const bf16* xh = x + h * head_stride;
+    bf16* oh = out + h * dim;
+    for (int64_t i = 0; i < half; i += 16) {
+      const __m512 a = load16(xh + i), b = load16(xh + half + i);
+      // torch rounds x * cos, rotate_half(x) * sin and their sum to bf16 one by one: so do we
+      const __m512 lo = _mm512_sub_ps(round_bf16(_mm512_mul_ps(a, load16(cos + i))),
+                                      round_bf16(_mm512_mul_ps(b, load16(sin + i))));
+      const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(b, load16(cos + half + i))),
+                                      round_bf16(_mm512_mul_ps(a, load16(sin + half + i))));
+      store16(oh + i, lo);
+      store16(oh + half + i, hi);
+    }
+  }
+}
+
+void add_row(bf16* h, const bf16* y, int64_t dim) {
+  for (int64_t i = 0; i < dim; i += 16) store16(h + i, _mm512_add_ps(load16(h + i), load16(y + i)));
+}
+
+}  // namespace prefixkv::ops
+
+using namespace prefixkv::ops;
+
 // gate_up [T, 2I] (rows may be strided) -> [T, I]: bf16(silu(gate)) * up
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_bf16_rows(gate_up, "silu_mul");
@@ -36,15 +86,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const auto* in = gate_up.data_ptr<c10::BFloat16>();
   auto* o = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const c10::BFloat16* g = in + t * stride;
-      const c10::BFloat16* u = g + inter;
-      for (int64_t i = 0; i < inter; i += 16) {
-        const __m512 x = load16(g + i);
-        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-        store16(o + t * inter + i, _mm512_mul_ps(round_bf16(silu), load16(u + i)));
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) silu_mul_row(in + t * stride, in + t * stride + inter, o + t * inter, inter);
   });
   return out;
 }
@@ -61,17 +103,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   auto* o = out.data_ptr<c10::BFloat16>();
   const float epsf = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const c10::BFloat16* row = in + t * stride;
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t i = 0; i < dim; i += 16) {
-        const __m512 v = load16(row + i);
-        sum = _mm512_fmadd_ps(v, v, sum);
-      }
-      const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum) / dim + epsf));
-      for (int64_t i = 0; i < dim; i += 16)
-        store16(o + t * dim + i, _mm512_mul_ps(round_bf16(_mm512_mul_ps(load16(row + i), r)), load16(w + i)));
-    }
+    for (int64_t t = begin; t < end; ++t) rms_norm_row(in + t * stride, w, o + t * dim, dim, epsf);
   });
   return out;
 }
@@ -82,7 +114,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   check_bf16_rows(cos, "rotary cos");
   check_bf16_rows(sin, "rotary sin");
   TORCH_CHECK(x.dim() == 3 && x.size(2) % 32 == 0, "rotary: expected [T, H, d] with d % 32 == 0");
-  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
   const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
   TORCH_CHECK(cos.size(0) == rows && cos.size(-1) == dim && sin.sizes() == cos.sizes(), "rotary: cos/sin shape");
   const int64_t cs_stride = cos.stride(0);
@@ -94,27 +126,22 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   auto* o = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const c10::BFloat16* ct = c + t * cs_stride;
-      const c10::BFloat16* st = s + t * cs_stride;
-      for (int64_t h = 0; h < heads; ++h) {
-        const c10::BFloat16* xh = in + t * row_stride + h * head_stride;
-        c10::BFloat16* oh = o + (t * heads + h) * dim;
-        for (int64_t i = 0; i < half; i += 16) {
-          const __m512 a = load16(xh + i), b = load16(xh + half + i);
-          // torch rounds x * cos, rotate_half(x) * sin and their sum to bf16 one by one: so do we
-          const __m512 lo = _mm512_sub_ps(round_bf16(_mm512_mul_ps(a, load16(ct + i))),
-                                          round_bf16(_mm512_mul_ps(b, load16(st + i))));
-          const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(b, load16(ct + half + i))),
-                                          round_bf16(_mm512_mul_ps(a, load16(st + half + i))));
-          store16(oh + i, lo);
-          store16(oh + half + i, hi);
-        }
-      }
+      const int64_t cs = t * cs_stride;
+      rotary_row(in + t * row_stride, heads, head_stride, c + cs, s + cs, o + t * heads * dim, dim);
     }
   });
   return out;
 }
 #else
+namespace prefixkv::ops {
+void rms_norm_row(const bf16*, const bf16*, bf16*, int64_t, float) { TORCH_CHECK(false, "rms_norm needs AVX-512"); }
+void silu_mul_row(const bf16*, const bf16*, bf16*, int64_t) { TORCH_CHECK(false, "silu_mul needs AVX-512"); }
+void rotary_row(const bf16*, int64_t, int64_t, const bf16*, const bf16*, bf16*, int64_t) {
+  TORCH_CHECK(false, "rotary needs AVX-512");
+}
+void add_row(bf16*, const bf16*, int64_t) { TORCH_CHECK(false, "add_row needs AVX-512"); }
+}  // namespace prefixkv::ops
+
 at::Tensor silu_mul(const at::Tensor&) { TORCH_CHECK(false, "silu_mul needs AVX-512"); }
 at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) { TORCH_CHECK(false, "rms_norm needs AVX-512"); }
 at::Tensor rotary(const at::Tensor&, const at::Tensor&, const at::Tensor&) {

@@ -142,20 +142,26 @@ void avx512_block(const Problem& pb, int64_t ma, int64_t mz, int64_t pa, int64_t
   }
 }
 
+void run(const Problem& pb) {
+  for_each_block(pb, 6, [&](int64_t ma, int64_t mz, int64_t pa, int64_t pz) { avx512_block(pb, ma, mz, pa, pz); });
+}
+
 }  // namespace prefixkv::gemm
 
 // x [M, K] bf16 (last dim contiguous), packed from gemm_pack of a [N, K] weight, bias [N] bf16 or none -> [M, N]
 at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias) {
   Call call = prepare("gemm", std::move(x), packed, n, bias);
-  for_each_block(call.pb, 6, [&](int64_t ma, int64_t mz, int64_t pa, int64_t pz) {
-    avx512_block(call.pb, ma, mz, pa, pz);
-  });
+  run(call.pb);
   return call.y;
 }
 
 bool has_gemm() { return true; }
 
 #else
+
+namespace prefixkv::gemm {
+void run(const Problem&) { TORCH_CHECK(false, "gemm needs AVX-512 BF16 (not compiled in)"); }
+}  // namespace prefixkv::gemm
 
 at::Tensor gemm(at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>) {
   TORCH_CHECK(false, "gemm needs AVX-512 BF16 (not compiled in)");

@@ -43,6 +43,11 @@ struct Call {
 Call prepare(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n,
              const c10::optional<at::Tensor>& bias);
 
+// The products of gemm and amx_gemm on a Problem whose buffers the caller owns: no checks, no allocation
+// (gemm.cpp, gemm_amx.cpp; decode_layers.cpp calls them with its step's workspace)
+void run(const Problem& pb);
+void run_amx(const Problem& pb);
+
 // Work items are (row block, group of panels); fn(ma, mz, pa, pz) is called for each, in parallel (parallel.h:
 // handed out one at a time). Items follow each other by panel within a row block, so the x rows of a block stay
 // in L2 while the threads walk its panels. Row blocks are whole row_tile tiles of about 192 KB of x, equal in

@@ -150,20 +150,29 @@ void amx_block(const Problem& pb, int64_t ma, int64_t mz, int64_t pa, int64_t pz
 }
 
 template <class T>
+void run_on(const Problem& pb) {
+  const bool whole_blocks = pb.pairs % kBlockPairs == 0;
+  for_each_block(pb, whole_blocks ? 32 : 6, [&](int64_t ma, int64_t mz, int64_t pa, int64_t pz) {
+    if (whole_blocks)
+      amx_block<T>(pb, ma, mz, pa, pz);
+    else
+      avx512_block(pb, ma, mz, pa, pz);
+  });
+}
+
+template <class T>
 at::Tensor amx_gemm_on(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n,
                        const c10::optional<at::Tensor>& bias) {
   Call call = prepare(name, std::move(x), packed, n, bias);
-  const bool whole_blocks = call.pb.pairs % kBlockPairs == 0;
-  for_each_block(call.pb, whole_blocks ? 32 : 6, [&](int64_t ma, int64_t mz, int64_t pa, int64_t pz) {
-    if (whole_blocks)
-      amx_block<T>(call.pb, ma, mz, pa, pz);
-    else
-      avx512_block(call.pb, ma, mz, pa, pz);
-  });
+  run_on<T>(call.pb);
   return call.y;
 }
 
 }  // namespace
+
+namespace prefixkv::gemm {
+void run_amx(const Problem& pb) { run_on<prefixkv::HwTiles>(pb); }
+}  // namespace prefixkv::gemm
 
 // gemm's contract on AMX tiles; an error where the CPU or the OS does not offer them
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias) {
@@ -179,6 +188,10 @@ at::Tensor amx_gemm_emulated(at::Tensor x, at::Tensor packed, int64_t n, c10::op
 bool has_amx() { return prefixkv::amx_supported(); }
 
 #else
+
+namespace prefixkv::gemm {
+void run_amx(const Problem&) { TORCH_CHECK(false, "amx_gemm needs AVX-512 BF16 (not compiled in)"); }
+}  // namespace prefixkv::gemm
 
 at::Tensor amx_gemm(at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>) {
   TORCH_CHECK(false, "amx_gemm needs AVX-512 BF16 (not compiled in)");

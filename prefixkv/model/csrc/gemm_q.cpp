@@ -311,6 +311,18 @@ void run(const Problem& pb) {
 
 }  // namespace
 
+void prefixkv::qgemm::run_format(Format f, Problem& pb, float* xsum) {
+  if (f == Format::Q4_1) {
+    block_sums(pb, xsum);
+    pb.xsum = xsum;
+  }
+  switch (f) {
+    case Format::Q8_0: run<Format::Q8_0>(pb); break;
+    case Format::Q4_0: run<Format::Q4_0>(pb); break;
+    case Format::Q4_1: run<Format::Q4_1>(pb); break;
+  }
+}
+
 // x [M, K] bf16 (last dim contiguous), packed from qgemm_pack of N rows of K, bias [N] bf16 or none -> [M, N] bf16
 at::Tensor qgemm(at::Tensor x, at::Tensor packed, int64_t n, std::string format, c10::optional<at::Tensor> bias) {
   const Format f = parse_format(format, "qgemm");
@@ -339,23 +351,18 @@ at::Tensor qgemm(at::Tensor x, at::Tensor packed, int64_t n, std::string format,
   const uint16_t* bias_ptr = b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>()) : nullptr;
   pb.out = prefixkv::gemm::Problem{nullptr, 0, nullptr, 0, m, n, bias_ptr,
                                    reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), n};
-  at::Tensor xsum;
-  if (f == Format::Q4_1) {
-    xsum = at::empty({m, blocks}, x.options().dtype(at::kFloat));
-    block_sums(pb, xsum.data_ptr<float>());
-    pb.xsum = xsum.data_ptr<float>();
-  }
-  switch (f) {
-    case Format::Q8_0: run<Format::Q8_0>(pb); break;
-    case Format::Q4_0: run<Format::Q4_0>(pb); break;
-    case Format::Q4_1: run<Format::Q4_1>(pb); break;
-  }
+  at::Tensor xsum = f == Format::Q4_1 ? at::empty({m, blocks}, x.options().dtype(at::kFloat)) : at::Tensor();
+  run_format(f, pb, xsum.defined() ? xsum.data_ptr<float>() : nullptr);
   return y;
 }
 
 bool has_qgemm() { return true; }
 
 #else
+
+void prefixkv::qgemm::run_format(Format, Problem&, float*) {
+  TORCH_CHECK(false, "qgemm needs AVX-512 BF16 (not compiled in)");
+}
 
 at::Tensor qgemm(at::Tensor, at::Tensor, int64_t, std::string, c10::optional<at::Tensor>) {
   TORCH_CHECK(false, "qgemm needs AVX-512 BF16 (not compiled in)");

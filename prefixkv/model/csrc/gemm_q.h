@@ -44,6 +44,10 @@ struct Problem {
   const uint8_t* panel(int64_t p) const { return w + p * panel_bytes; }
 };
 
+// qgemm's product on a Problem whose buffers the caller owns (decode_layers.cpp): no checks, no allocation;
+// q4_1's per-block row sums of x are written to xsum ([M, blocks] floats, the caller's; unused by other formats)
+void run_format(Format f, Problem& pb, float* xsum);
+
 // Work items (row block, run of consecutive panels), handed out by parallel_items as gemm.h's for_each_block: row
 // blocks of about 192 KB of x, whole row_tile tiles; runs of total / (2 x threads) panels, 1 to 16, so that a
 // one-row product reads a few long sequential stretches (runs of 4 or 1 panels, as gemm's groups, were 10-25%

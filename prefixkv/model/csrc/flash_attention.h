@@ -1,0 +1,31 @@
+// paged_flash_decode of flash_attention.cpp on raw buffers, for callers that own them (decode_layers.cpp): the
+// same arithmetic, no checks, no allocation but each thread's scratch.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+namespace prefixkv::attention {
+
+struct PagedDecode {
+  const uint16_t* q;     // [B] rows of H x 64 bf16 (heads contiguous), rows q_row_stride elements apart
+  int64_t q_row_stride;
+  int64_t batch, heads;
+  const uint16_t* kv;    // one layer of the pool: [2, KVH, slots, 64] at these strides (elements)
+  int64_t kv_stride, head_stride, slot_stride, kv_heads;
+  const int64_t* table;  // [B, max_pages] page ids
+  int64_t max_pages;
+  const int64_t* lens;   // [B] context lengths, each in [1, max_pages * page_size]
+  int64_t page_size;
+  float scale;
+  const float* state_in;  // [B, H, 66] or nullptr
+  c10::BFloat16* out;     // [B, H, 64]
+  float* lse;             // [B, H]
+  float* state;           // [B, H, 66] or nullptr
+};
+
+// isa: 0 AVX512_BF16, 1 AMX tiles, 2 AMX kernels on emulated tiles
+void paged_decode(const PagedDecode& args, int64_t isa);
+
+}  // namespace prefixkv::attention
