@@ -20,11 +20,12 @@ Three measurements, in one run:
   steps count (every scheduled request computes one token and has sampled before).
 - The floor: the bytes of weights one decode step must read (every matrix the layers multiply by, the norms'
   weights and the lm_head, which is the tied embedding here; embedding rows are left out: a step reads N rows of
-  it), in bf16, divided by this machine's memory bandwidth measured with torch on the engine's thread count
-  (a bf16 .sum() and a bf16 copy over buffers far larger than L3, best of a few passes, before and after the
-  decode runs). Floor ms/step = bytes / bandwidth; a decode step can be no shorter, whatever the stream count, so
-  N streams' floor is N / floor tok/s. The KV the attention reads (it grows with streams and context) is reported
-  beside it, not counted in the floor.
+  it), in bf16, divided by this machine's memory bandwidth measured on the engine's thread count (a bf16 .sum(),
+  a bf16 copy and the native kernels' plain read pass over buffers far larger than L3, best of a few passes,
+  before and after the decode runs). Floor ms/step = bytes / bandwidth; a decode step can be no shorter, whatever
+  the stream count, so N streams' floor is N / floor tok/s. The KV the attention reads (it grows with streams and
+  context) is reported beside it, not counted in the floor. On a shared VM the bandwidth moves within minutes, so
+  every timed round is also put against the read bandwidth measured right before and after it (the round floor).
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ DEFINITIONS = {
     "floor_ms_per_step": "floor_bytes / bandwidth_bytes_s: the weights one decode step must read (weight_bytes_bf16; "
     "with a block weight format, bytes_read_as_stored) at the best measured bandwidth",
     "measured_over_floor": "uninstrumented decode_step_ms / floor_ms_per_step (1 = at the memory limit)",
+    "measured_over_round_floor": "per round, its decode_step_ms / (floor_bytes / the read bandwidth measured right "
+    "before and after that round, best of the two); the median over the rounds (speed[n].over_round_floor_runs)",
     "matmul_read_bytes_s": "per matmul kind: its bf16 weight bytes / its ms per step in the split (what it would "
     "stream at if it only read its weights; compare with bandwidth_bytes_s)",
     "others_cpu_share": "share of the machine's CPUs other processes kept busy during a run (/proc/stat minus this "
@@ -426,10 +429,12 @@ def weight_bytes(model) -> dict[str, Any]:
 
 
 def measure_bandwidth(sizes_mib: list[int], repeats: int) -> dict[str, Any]:
-    """Bytes/s of a bf16 .sum() (reads the buffer) and a bf16 copy (reads and writes it: 2x its bytes) per size,
-    best of `repeats` passes after one untimed; bandwidth_bytes_s is the best of all of them."""
+    """Bytes/s of a bf16 .sum() (reads the buffer), a bf16 copy (reads and writes it: 2x its bytes) and, where the
+    native kernels are built, their plain read pass (stream_read: AVX-512 loads on every thread, what a weight
+    stream can get) per size, best of `repeats` passes after one untimed; bandwidth_bytes_s is the best of all."""
     import torch
 
+    stream_read = _stream_read()
     rows = []
     for mib in sizes_mib:
         nbytes = mib << 20
@@ -437,10 +442,38 @@ def measure_bandwidth(sizes_mib: list[int], repeats: int) -> dict[str, Any]:
         dst = torch.empty_like(src)
         read_s = _best_time(lambda src=src: src.sum(), repeats)
         copy_s = _best_time(lambda src=src, dst=dst: dst.copy_(src), repeats)
-        rows.append({"mib": mib, "sum_read_bytes_s": nbytes / read_s, "copy_bytes_s": 2 * nbytes / copy_s})
+        row = {"mib": mib, "sum_read_bytes_s": nbytes / read_s, "copy_bytes_s": 2 * nbytes / copy_s}
+        if stream_read is not None:
+            row["native_read_bytes_s"] = nbytes / _best_time(lambda src=src: stream_read(src), repeats)
+        rows.append(row)
         del src, dst
-    best = max(max(r["sum_read_bytes_s"], r["copy_bytes_s"]) for r in rows)
+    best = max(v for r in rows for k, v in r.items() if k.endswith("_bytes_s"))
     return {"num_threads": torch.get_num_threads(), "sizes": rows, "bandwidth_bytes_s": best}
+
+
+def _stream_read():
+    """The native read pass (prefixkv.model.native's stream_read), or None where the kernels are not built."""
+    from prefixkv.model import native
+
+    module = native.module()
+    return None if module is None else module.stream_read
+
+
+class RoundBandwidth:
+    """The read bandwidth right before and after one timed round, best of two passes each over one buffer (the
+    smallest --bandwidth-mib): this VM's bandwidth moves by 1.5x within minutes, so each round is put against the
+    bandwidth of its own time as well as against the best of the run."""
+
+    def __init__(self, mib: int) -> None:
+        import torch
+
+        self.buffer = torch.ones((mib << 20) // 2, dtype=torch.bfloat16)
+        native_read = _stream_read()
+        self.read = (lambda: native_read(self.buffer)) if native_read is not None else self.buffer.sum
+        self.nbytes = mib << 20
+
+    def measure(self) -> float:
+        return self.nbytes / _best_time(self.read, 2)
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -492,6 +525,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
             timed_streams(other, prompts[n], min(2, args.output_len))
 
     bandwidth_before = measure_bandwidth(sizes_mib, args.bandwidth_repeats)
+    probe = RoundBandwidth(min(sizes_mib))
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in streams}
     other_runs: dict[int, list[dict[str, Any]]] = {n: [] for n in streams}
     order = list(streams)
@@ -499,8 +533,12 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
         for n in order:
             pair = [(llm, runs), (other, other_runs)] if other is not None else [(llm, runs)]
             for engine, into in pair if round_index % 2 == 0 else pair[::-1]:  # each side goes first half the time
-                into[n].append(timed_streams(engine, prompts[n], args.output_len))
+                before = probe.measure()
+                timed = timed_streams(engine, prompts[n], args.output_len)
+                timed["round_bandwidth_bytes_s"] = max(before, probe.measure())
+                into[n].append(timed)
         order = order[1:] + order[:1]  # every count runs first, middle and last equally often
+    del probe
     speed = {str(n): summarize_streams(n, runs[n]) for n in streams}
     ab = None
     if other is not None:
@@ -555,6 +593,11 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
             if kind in weights["by_kind_bf16"]
         }
     vs_floor = {str(n): ratio(speed[str(n)]["decode_step_ms"], floor["floor_ms_per_step"]) for n in streams}
+    for n in streams:  # each round against the bandwidth of its own time
+        paired = [r["decode_step_ms"] / 1e3 / (floor_bytes / r["round_bandwidth_bytes_s"]) for r in runs[n]]
+        speed[str(n)]["round_bandwidth_bytes_s_runs"] = [r["round_bandwidth_bytes_s"] for r in runs[n]]
+        speed[str(n)]["over_round_floor_runs"] = paired
+    vs_round_floor = {str(n): median(speed[str(n)]["over_round_floor_runs"]) for n in streams}
     results: dict[str, Any] = {
         "config": common.run_config(
             args,
@@ -571,6 +614,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
         "split": split,
         "floor": floor,
         "measured_over_floor": vs_floor,
+        "measured_over_round_floor": vs_round_floor,
         "ab": ab,
         "load_average_1_5_15": {"before": load_before, "after": _load_average()},
     }
@@ -602,12 +646,23 @@ def _print(results: dict[str, Any]) -> None:
             s["ttft_s"] * 1e3,
             floor["floor_tok_s_by_streams"][n],
             results["measured_over_floor"][n],
+            results["measured_over_round_floor"][n],
             " ".join("-" if x is None else f"{x:.0%}" for x in s["others_cpu_share_runs"]),
         )
         for n, s in results["speed"].items()
     ]
     common.print_table(
-        ["streams", "decode tok/s", "per stream", "step ms", "TTFT ms", "floor tok/s", "x floor", "others' CPU"],
+        [
+            "streams",
+            "decode tok/s",
+            "per stream",
+            "step ms",
+            "TTFT ms",
+            "floor tok/s",
+            "x floor",
+            "x round floor",
+            "others' CPU",
+        ],
         rows,
         title=f"decode: {cfg['input_len']} in + {cfg['output_len']} out per stream, median of {cfg['repeats']}, "
         f"{cfg['dtype']}, {cfg['num_threads']} threads, {cfg['cpu']['model']}",

@@ -8,7 +8,10 @@ import argparse
 import json
 import math
 
+import pytest
+
 from prefixkv.bench import decode
+from prefixkv.model import native
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -57,6 +60,15 @@ def test_decode_json_shape_and_invariants(llm_factory, tmp_path):
     assert floor["by_kind_bf16"]["lm_head"] == cfg.vocab_size * cfg.hidden_size * 2
     assert set(floor["floor_tok_s_by_streams"]) == {"1", "3"}
     assert all(positive(v) for v in res["measured_over_floor"].values())
+    assert set(res["measured_over_round_floor"]) == {"1", "3"}
+    for n, s in res["speed"].items():  # each round against the bandwidth measured at its time
+        assert len(s["round_bandwidth_bytes_s_runs"]) == len(s["over_round_floor_runs"]) == 1
+        assert positive(s["round_bandwidth_bytes_s_runs"][0])
+        assert res["measured_over_round_floor"][n] == s["over_round_floor_runs"][0]
+    sizes = floor["bandwidth_before"]["sizes"]
+    assert all(positive(r["sum_read_bytes_s"]) and positive(r["copy_bytes_s"]) for r in sizes)
+    if native.module() is not None:
+        assert all(positive(r["native_read_bytes_s"]) for r in sizes)
     decode.plot(res, str(tmp_path / "decode.png"))
     assert (tmp_path / "decode.png").stat().st_size > 0
 
@@ -94,3 +106,20 @@ def test_ab_alternates_two_engines(llm_factory):
     assert ab["kernel_options"] == "cascade_decodes=1" and set(ab["speed"]) == {"2"}
     assert len(ab["decode_tok_s_ratio_runs"]["2"]) == 2 and positive(ab["decode_tok_s_ratio"]["2"])
     json.dumps(res)
+
+
+def test_stream_read_reads_every_byte():
+    """The bandwidth probe's read pass folds every 64-bit word of the buffer into its checksum (xor), on however
+    many threads: so it cannot skip any of the bytes it is timed on."""
+    import numpy as np
+    import torch
+
+    module = native.module()
+    if module is None:
+        pytest.skip("the native kernels are not built here")
+    words = torch.randint(-(2**62), 2**62, (3 * 32 * 1000,), dtype=torch.int64)  # whole 256-byte groups
+    expected = int(np.bitwise_xor.reduce(words.numpy()))
+    assert module.stream_read(words) == expected
+    assert module.stream_read(words.view(torch.bfloat16)) == expected
+    with pytest.raises(RuntimeError, match="contiguous"):
+        module.stream_read(words[::2])

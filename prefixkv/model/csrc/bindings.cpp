@@ -26,6 +26,7 @@ void bind_decode_layers(py::module_& m);
 at::Tensor qgemm_pack(at::Tensor blocks, int64_t k, std::string format);
 at::Tensor qgemm(at::Tensor x, at::Tensor packed, int64_t n, std::string format, c10::optional<at::Tensor> bias);
 bool has_qgemm();
+int64_t stream_read(const at::Tensor& buf);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
@@ -58,6 +59,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("format"), py::arg("bias") = py::none());
   m.def("has_qgemm", &has_qgemm, "whether qgemm is compiled in (AVX-512)");
   m.def("has_amx", &has_amx, "whether this CPU and OS offer AMX tiles (and the kernels are compiled in)");
+  m.def("stream_read", &stream_read, "read a contiguous tensor once on every intra-op thread (bandwidth probe)",
+        py::arg("buf"));
   bind_decode_layers(m);
   m.def("rotary", &rotary, "rotate_half rotary embedding of [T, heads, d] by [T, 1, d] cos/sin, one pass");
 }
