@@ -83,8 +83,9 @@ DEFINITIONS = {
     "floor_ms_per_step": "floor_bytes / bandwidth_bytes_s: the weights one decode step must read (weight_bytes_bf16; "
     "with a block weight format, bytes_read_as_stored) at the best measured bandwidth",
     "measured_over_floor": "uninstrumented decode_step_ms / floor_ms_per_step (1 = at the memory limit)",
-    "measured_over_round_floor": "per round, its decode_step_ms / (floor_bytes / the read bandwidth measured right "
-    "before and after that round, best of the two); the median over the rounds (speed[n].over_round_floor_runs)",
+    "measured_over_round_floor": "per round, its decode_step_ms / (floor_bytes / that round's read bandwidth: the "
+    "mean of read passes right before it, after every 32nd step of it and right after it); the median over the "
+    "rounds (speed[n].over_round_floor_runs). The probes' time inside a round is taken out of its decode window",
     "matmul_read_bytes_s": "per matmul kind: its bf16 weight bytes / its ms per step in the split (what it would "
     "stream at if it only read its weights; compare with bandwidth_bytes_s)",
     "others_cpu_share": "share of the machine's CPUs other processes kept busy during a run (/proc/stat minus this "
@@ -126,12 +127,23 @@ def _ints(text: str) -> list[int]:
 
 
 # -- speed ------------------------------------------------------------------------------------------------------
-def timed_streams(llm, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-    """One run of len(prompts) streams from an empty cache: decode tok/s over the decode window, and TTFT."""
+def timed_streams(
+    llm, prompts: list[list[int]], output_len: int, bandwidth: RoundBandwidth | None = None
+) -> dict[str, Any]:
+    """One run of len(prompts) streams from an empty cache: decode tok/s over the decode window, and TTFT; with a
+    RoundBandwidth, the read bandwidth around and during the run (its probes' time taken out of the window)."""
     llm.reset_prefix_cache()
+    components = llm.llm_engine.core.components
+    if bandwidth is not None:
+        bandwidth.start()
+        components.append(bandwidth)
     cpu_before = _cpu_snapshot()
     start = time.perf_counter()
-    outs = llm.generate([list(p) for p in prompts], common.greedy(output_len), use_tqdm=False)
+    try:
+        outs = llm.generate([list(p) for p in prompts], common.greedy(output_len), use_tqdm=False)
+    finally:
+        if bandwidth is not None:
+            components.remove(bandwidth)
     elapsed = time.perf_counter() - start
     others = _others_cpu_share(cpu_before, _cpu_snapshot())
     metrics = [o.metrics for o in outs]
@@ -142,8 +154,15 @@ def timed_streams(llm, prompts: list[list[int]], output_len: int) -> dict[str, A
     counts = [len(o.outputs[0].token_ids) for o in outs]
     decode_tokens = sum(c - 1 for c in counts)
     window = last - first
+    extra: dict[str, Any] = {}
+    if bandwidth is not None:
+        probes_s = bandwidth.probe_seconds_in(first, last)
+        window -= probes_s
+        bandwidth.probe()
+        extra = {"round_bandwidth_bytes_s": bandwidth.mean(), "probes": len(bandwidth.samples), "probes_s": probes_s}
     steps = max(counts) - 1
     return {
+        **extra,
         "elapsed_s": elapsed,
         "output_tokens": sum(counts),
         "decode_tokens": decode_tokens,
@@ -459,21 +478,48 @@ def _stream_read():
     return None if module is None else module.stream_read
 
 
-class RoundBandwidth:
-    """The read bandwidth right before and after one timed round, best of two passes each over one buffer (the
-    smallest --bandwidth-mib): this VM's bandwidth moves by 1.5x within minutes, so each round is put against the
-    bandwidth of its own time as well as against the best of the run."""
+class RoundBandwidth(StepComponent):
+    """The read bandwidth a timed round had: one read pass over a buffer (the smallest --bandwidth-mib, at most
+    64 MiB) right before the round, after every `every`-th engine step of it and right after it; the round's
+    bandwidth is their mean. Why during the round: this VM's bandwidth jumps between ~40 and ~70 GB/s for a second
+    or two at a time (every buffer at once, so it is the host, not where a buffer lies), so a probe before and
+    after a 2-second round can miss what the round had. The probes' own time inside the round's decode window
+    (probe_seconds_in) is taken out of it."""
 
-    def __init__(self, mib: int) -> None:
+    def __init__(self, mib: int, every: int = 32) -> None:
         import torch
 
-        self.buffer = torch.ones((mib << 20) // 2, dtype=torch.bfloat16)
+        nbytes = min(mib, 64) << 20
+        self.buffer = torch.ones(nbytes // 2, dtype=torch.bfloat16)
         native_read = _stream_read()
         self.read = (lambda: native_read(self.buffer)) if native_read is not None else self.buffer.sum
-        self.nbytes = mib << 20
+        self.nbytes, self.every = nbytes, every
+        self.samples: list[tuple[float, float, float]] = []  # (monotonic start, seconds, bytes/s)
+        self._steps = 0
+        self.read()  # first touch
 
-    def measure(self) -> float:
-        return self.nbytes / _best_time(self.read, 2)
+    def probe(self) -> None:
+        start = time.monotonic()
+        t0 = time.perf_counter()
+        self.read()
+        seconds = time.perf_counter() - t0
+        self.samples.append((start, seconds, self.nbytes / seconds))
+
+    def after_outputs(self) -> None:
+        self._steps += 1
+        if self._steps % self.every == 0:
+            self.probe()
+
+    def start(self) -> None:
+        self.samples.clear()
+        self._steps = 0
+        self.probe()
+
+    def probe_seconds_in(self, first: float, last: float) -> float:
+        return sum(seconds for start, seconds, _ in self.samples if first <= start <= last)
+
+    def mean(self) -> float:
+        return sum(bw for _, _, bw in self.samples) / len(self.samples)
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -525,7 +571,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
             timed_streams(other, prompts[n], min(2, args.output_len))
 
     bandwidth_before = measure_bandwidth(sizes_mib, args.bandwidth_repeats)
-    probe = RoundBandwidth(min(sizes_mib))
+    probe = RoundBandwidth(min(sizes_mib))  # on the first engine's rounds (an A/B's ratio needs no floor)
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in streams}
     other_runs: dict[int, list[dict[str, Any]]] = {n: [] for n in streams}
     order = list(streams)
@@ -533,10 +579,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
         for n in order:
             pair = [(llm, runs), (other, other_runs)] if other is not None else [(llm, runs)]
             for engine, into in pair if round_index % 2 == 0 else pair[::-1]:  # each side goes first half the time
-                before = probe.measure()
-                timed = timed_streams(engine, prompts[n], args.output_len)
-                timed["round_bandwidth_bytes_s"] = max(before, probe.measure())
-                into[n].append(timed)
+                into[n].append(timed_streams(engine, prompts[n], args.output_len, probe if engine is llm else None))
         order = order[1:] + order[:1]  # every count runs first, middle and last equally often
     del probe
     speed = {str(n): summarize_streams(n, runs[n]) for n in streams}
@@ -596,6 +639,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
     for n in streams:  # each round against the bandwidth of its own time
         paired = [r["decode_step_ms"] / 1e3 / (floor_bytes / r["round_bandwidth_bytes_s"]) for r in runs[n]]
         speed[str(n)]["round_bandwidth_bytes_s_runs"] = [r["round_bandwidth_bytes_s"] for r in runs[n]]
+        speed[str(n)]["probes_runs"] = [r["probes"] for r in runs[n]]
         speed[str(n)]["over_round_floor_runs"] = paired
     vs_round_floor = {str(n): median(speed[str(n)]["over_round_floor_runs"]) for n in streams}
     results: dict[str, Any] = {

@@ -63,6 +63,7 @@ def test_decode_json_shape_and_invariants(llm_factory, tmp_path):
     assert set(res["measured_over_round_floor"]) == {"1", "3"}
     for n, s in res["speed"].items():  # each round against the bandwidth measured at its time
         assert len(s["round_bandwidth_bytes_s_runs"]) == len(s["over_round_floor_runs"]) == 1
+        assert s["probes_runs"] == [2]  # before and after: 4 tokens are fewer than the 32 steps between probes
         assert positive(s["round_bandwidth_bytes_s_runs"][0])
         assert res["measured_over_round_floor"][n] == s["over_round_floor_runs"][0]
     sizes = floor["bandwidth_before"]["sizes"]

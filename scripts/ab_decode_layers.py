@@ -1,0 +1,122 @@
+"""A/B of two builds of the native decode loop (DecodeLayers) in one process: the same packed weights and the same
+captured inputs of one decode step (one stream, the 101st token of a greedy answer), calls alternating, the ratio
+per pair. Both builds' outputs must be the same bits.
+
+    python scripts/ab_decode_layers.py --old ~/.cache/prefixkv/native/<hash>/prefixkv_native_<hash>.so \
+        --out docs/benchmarks/decode/amd_epyc/lean_loop_ab/ab.json
+
+--old: a build of another checkout (its native directory); the new side is this checkout's build. Two builds load
+side by side because DecodeLayers is bound module-local.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import time
+
+import torch
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.model import cpu_features, native
+
+
+def load(path: str):
+    name = path.rsplit("/", 1)[-1].split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def captured_step(llm, token: int = 100) -> list:
+    """The arguments of the fused decode call that computes the given output token of one greedy stream."""
+    model = llm.llm_engine.runner.model
+    fused, calls = model.fused_decode, []
+
+    class Capture:
+        def run(self, *args):
+            small = [a.clone() if isinstance(a, torch.Tensor) and a.numel() < 10**6 else a for a in args]
+            calls.append(small)  # the pool (the large tensor) is passed as is
+            return fused.run(*args)
+
+    model.fused_decode = Capture()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=token + 2, ignore_eos=True)
+        llm.generate(["Tell me a story about a dragon."], params, use_tqdm=False)
+    finally:
+        model.fused_decode = fused
+    return calls[token - 1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--old", required=True, help="the other build's .so")
+    p.add_argument("--pairs", type=int, default=200)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    new = native.module()
+    if new is None:
+        raise SystemExit("this checkout's native kernels are not built")
+    old = load(args.old)
+    llm = LLM(dtype="bfloat16", kv_cache_tokens=4096)
+    model = llm.llm_engine.runner.model
+    step = captured_step(llm)
+    c, layers = model.config, list(model.layers)
+    weights = dict(
+        input_norm=[lay.input_layernorm.weight for lay in layers],
+        qkv=[lay.self_attn.qkv_proj.packed.data for lay in layers],
+        qkv_bias=[lay.self_attn.qkv_proj.bias for lay in layers],
+        o=[lay.self_attn.o_proj.packed.data for lay in layers],
+        post_norm=[lay.post_attention_layernorm.weight for lay in layers],
+        gate_up=[lay.mlp.gate_up_proj.packed.data for lay in layers],
+        down=[lay.mlp.down_proj.packed.data for lay in layers],
+        formats=[["", "", "", ""] for _ in layers],
+        heads=c.num_heads,
+        kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        hidden=c.hidden_size,
+        intermediate=c.intermediate_size,
+        eps=c.rms_norm_eps,
+        amx=False,
+    )
+    sides = {"old": old.DecodeLayers(**weights), "new": new.DecodeLayers(**weights)}
+    with torch.inference_mode():
+        outs = {k: v.run(step[0].clone(), *step[1:]) for k, v in sides.items()}
+        if not torch.equal(outs["old"], outs["new"]):
+            raise SystemExit("the two builds compute different bits")
+
+        def timed(side: str) -> float:
+            h = step[0].clone()
+            start = time.perf_counter()
+            sides[side].run(h, *step[1:])
+            return time.perf_counter() - start
+
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        for i in range(args.pairs):
+            for side in ("old", "new") if i % 2 else ("new", "old"):
+                times[side].append(timed(side))
+    ratios = [a / b for a, b in zip(times["old"], times["new"])]
+    result = {
+        "cpu": cpu_features.describe(),
+        "context_len": int(step[6][0]),
+        "pairs": args.pairs,
+        "old_ms_median": statistics.median(times["old"]) * 1e3,
+        "new_ms_median": statistics.median(times["new"]) * 1e3,
+        "old_minus_new_ms_median": statistics.median([(a - b) * 1e3 for a, b in zip(times["old"], times["new"])]),
+        "old_over_new_median": statistics.median(ratios),
+        "old_over_new_quartiles": statistics.quantiles(ratios, n=4),
+        "identical_output": True,
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
