@@ -761,10 +761,14 @@ def plot(results: dict[str, Any], png_path: str) -> None:
     xs = range(len(counts))
     measured = [results["speed"][n]["decode_tok_s"] for n in counts]
     floors = [floor["floor_tok_s_by_streams"][n] for n in counts]
+    # the rounds' own floor: the median round's tok/s times its measured / round-floor ratio
+    round_floors = [v * results["measured_over_round_floor"][n] for n, v in zip(counts, measured)]
     ax.bar(xs, measured, color="tab:blue", label="measured decode tok/s (median)")
-    ax.plot(xs, floors, color="tab:red", marker="o", label="floor: weights / bandwidth")
+    ax.plot(xs, floors, color="tab:red", marker="o", label="floor: weights / best bandwidth of the run")
+    ax.plot(xs, round_floors, color="tab:orange", marker="s", label="round floor: at the rounds' own bandwidth")
     for x, n, v in zip(xs, counts, measured):
-        ax.annotate(f"{v:.0f}\n{results['measured_over_floor'][n]:.2f}x floor", (x, v), ha="center", va="bottom")
+        label = f"{v:.0f}\n{results['measured_over_round_floor'][n]:.2f}x round floor"
+        ax.annotate(f"{label}\n{results['measured_over_floor'][n]:.2f}x floor", (x, v), ha="center", va="bottom")
     ax.set_xticks(list(xs), [f"{n} stream{'s' if n != '1' else ''}" for n in counts])
     ax.set_yscale("log")
     ax.set_ylabel("decode tokens / s (all streams)")
