@@ -1,6 +1,6 @@
 """A/B of two builds of the native decode loop (DecodeLayers) in one process: the same packed weights and the same
-captured inputs of one decode step (one stream, the 101st token of a greedy answer), calls alternating, the ratio
-per pair. Both builds' outputs must be the same bits.
+captured inputs of one decode step (--streams streams, the 101st token of their greedy answers), calls
+alternating, the ratio per pair. Both builds' outputs must be the same bits.
 
     python scripts/ab_decode_layers.py --old ~/.cache/prefixkv/native/<hash>/prefixkv_native_<hash>.so \
         --out docs/benchmarks/decode/amd_epyc/lean_loop_ab/ab.json
@@ -32,8 +32,9 @@ def load(path: str):
     return module
 
 
-def captured_step(llm, token: int = 100) -> list:
-    """The arguments of the fused decode call that computes the given output token of one greedy stream."""
+def captured_step(llm, streams: int, token: int = 100) -> list:
+    """The arguments of the fused decode call that computes the given output token of `streams` greedy streams
+    (50-token prompts of token ids, started together)."""
     model = llm.llm_engine.runner.model
     fused, calls = model.fused_decode, []
 
@@ -46,7 +47,8 @@ def captured_step(llm, token: int = 100) -> list:
     model.fused_decode = Capture()
     try:
         params = SamplingParams(temperature=0, max_tokens=token + 2, ignore_eos=True)
-        llm.generate(["Tell me a story about a dragon."], params, use_tqdm=False)
+        prompts = [[1000 + 37 * s + i for i in range(50)] for s in range(streams)]
+        llm.generate(prompts, params, use_tqdm=False)
     finally:
         model.fused_decode = fused
     return calls[token - 1]
@@ -55,6 +57,7 @@ def captured_step(llm, token: int = 100) -> list:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, help="the other build's .so")
+    p.add_argument("--streams", type=int, default=1, help="decodes in the captured step")
     p.add_argument("--pairs", type=int, default=200)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -63,9 +66,9 @@ def main() -> None:
     if new is None:
         raise SystemExit("this checkout's native kernels are not built")
     old = load(args.old)
-    llm = LLM(dtype="bfloat16", kv_cache_tokens=4096)
+    llm = LLM(dtype="bfloat16", kv_cache_tokens=16384)
     model = llm.llm_engine.runner.model
-    step = captured_step(llm)
+    step = captured_step(llm, args.streams)
     c, layers = model.config, list(model.layers)
     weights = dict(
         input_norm=[lay.input_layernorm.weight for lay in layers],
@@ -103,6 +106,7 @@ def main() -> None:
     ratios = [a / b for a, b in zip(times["old"], times["new"])]
     result = {
         "cpu": cpu_features.describe(),
+        "streams": args.streams,
         "context_len": int(step[6][0]),
         "pairs": args.pairs,
         "old_ms_median": statistics.median(times["old"]) * 1e3,

@@ -114,19 +114,29 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-inline int64_t slot_of(const int64_t* pages, int64_t page_size, int64_t pos) {
-  return pages[pos / page_size] * page_size + pos % page_size;
+// slots[i] = the pool slot of position c0 + i, for i < count, from a sequence's page ids: one division for the
+// chunk, not one per key (a runtime page size makes each a hardware divide: ~0.9 ms a 16-stream decode step)
+void chunk_slots(const int64_t* pages, int64_t page_size, int64_t c0, int64_t count, int64_t* slots) {
+  int64_t page = c0 / page_size, offset = c0 % page_size;
+  for (int64_t i = 0; i < count; ++i) {
+    slots[i] = pages[page] * page_size + offset;
+    if (++offset == page_size) {
+      offset = 0;
+      ++page;
+    }
+  }
 }
 
-// Keys [c0, c0 + 16 * nvec) of one sequence's pages -> the pack_keys layout of one chunk (keys >= len are zero)
-void pack_chunk_keys(const uint16_t* k_base, int64_t slot_stride, const int64_t* pages, int64_t page_size,
-                     int64_t c0, int64_t len, int64_t nvec, uint16_t* out) {
+// Keys [c0, c0 + 16 * nvec) of one sequence -> the pack_keys layout of one chunk (keys >= len are zero); slots:
+// those of keys [c0, len) from chunk_slots
+void pack_chunk_keys(const uint16_t* k_base, int64_t slot_stride, const int64_t* slots, int64_t c0, int64_t len,
+                     int64_t nvec, uint16_t* out) {
   for (int64_t j = 0; j < nvec; ++j) {
     __m512i lo[16], hi[16];  // pairs 0-15 and 16-31 of each of 16 keys
     for (int64_t i = 0; i < kKeysPerVec; ++i) {
-      const int64_t key = c0 + j * kKeysPerVec + i;
-      if (key < len) {
-        const uint16_t* src = k_base + slot_of(pages, page_size, key) * slot_stride;
+      const int64_t key = j * kKeysPerVec + i;  // within the chunk
+      if (c0 + key < len) {
+        const uint16_t* src = k_base + slots[key] * slot_stride;
         lo[i] = _mm512_loadu_si512(src);
         hi[i] = _mm512_loadu_si512(src + 32);
       } else {
@@ -142,24 +152,25 @@ void pack_chunk_keys(const uint16_t* k_base, int64_t slot_stride, const int64_t*
   }
 }
 
-// Key pairs [c0 / 2, c0 / 2 + pairs) of one sequence's pages -> the pack_values layout of one chunk
-void pack_chunk_values(const uint16_t* v_base, int64_t slot_stride, const int64_t* pages, int64_t page_size,
-                       int64_t c0, int64_t len, int64_t pairs, uint16_t* out) {
+// Key pairs [c0 / 2, c0 / 2 + pairs) of one sequence -> the pack_values layout of one chunk; slots as for
+// pack_chunk_keys
+void pack_chunk_values(const uint16_t* v_base, int64_t slot_stride, const int64_t* slots, int64_t c0, int64_t len,
+                       int64_t pairs, uint16_t* out) {
   alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
   for (int64_t kp = 0; kp < pairs; ++kp) {
-    const int64_t k0 = c0 + 2 * kp, k1 = k0 + 1;
+    const int64_t k0 = 2 * kp, k1 = k0 + 1;  // within the chunk
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;  // dims 0-31, 32-63 of keys k0, k1
-    if (k0 < len) {
-      const uint16_t* src = v_base + slot_of(pages, page_size, k0) * slot_stride;
+    if (c0 + k0 < len) {
+      const uint16_t* src = v_base + slots[k0] * slot_stride;
       a0 = _mm512_loadu_si512(src);
       a1 = _mm512_loadu_si512(src + 32);
     }
-    if (k1 < len) {
-      const uint16_t* src = v_base + slot_of(pages, page_size, k1) * slot_stride;
+    if (c0 + k1 < len) {
+      const uint16_t* src = v_base + slots[k1] * slot_stride;
       b0 = _mm512_loadu_si512(src);
       b1 = _mm512_loadu_si512(src + 32);
     }
@@ -592,12 +603,13 @@ void prefixkv::attention::paged_decode(const PagedDecode& a, int64_t isa) {
       st.see[r] = len - 1;
       init_row(st, r, a.state_in == nullptr ? nullptr : a.state_in + (b * a.heads + head) * kStateWidth);
     }
+    int64_t slots[kChunk];
     for (int64_t c0 = 0; c0 < len; c0 += kChunk) {
       // the vectors holding keys; AMX tiles read the whole chunk (zeros past the sequence)
       const int64_t nvec = isa == kAvx512 ? std::min<int64_t>(4, (len - 1 - c0) / kKeysPerVec + 1) : 4;
-      pack_chunk_keys(a.kv + h * a.head_stride, a.slot_stride, pages, a.page_size, c0, len, nvec, kc);
-      pack_chunk_values(a.kv + a.kv_stride + h * a.head_stride, a.slot_stride, pages, a.page_size, c0, len, nvec * 8,
-                        vc);
+      chunk_slots(pages, a.page_size, c0, std::min(kChunk, len - c0), slots);
+      pack_chunk_keys(a.kv + h * a.head_stride, a.slot_stride, slots, c0, len, nvec, kc);
+      pack_chunk_values(a.kv + a.kv_stride + h * a.head_stride, a.slot_stride, slots, c0, len, nvec * 8, vc);
       for (int64_t t0 = 0; t0 < padded_rows; t0 += path.tile) path.attend(kc, vc, c0, t0, st, a.scale);
     }
     for (int64_t r = 0; r < group; ++r) {
