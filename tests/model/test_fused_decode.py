@@ -122,4 +122,6 @@ def test_fused_decode_refuses_what_it_cannot_compute(llm):
         layers.run(h, cos, sin, pool, torch.tensor([0]), table, torch.tensor([17]), 16, 0.125, 0)
     with pytest.raises(RuntimeError, match="h must be"):
         layers.run(h.float(), cos, sin, pool, torch.tensor([0]), table, lens, 16, 0.125, 0)
+    with pytest.raises(RuntimeError, match="isa must be"):
+        layers.run(h, cos, sin, pool, torch.tensor([0]), table, lens, 16, 0.125, 7)
     assert torch.equal(pool, before)

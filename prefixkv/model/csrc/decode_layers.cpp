@@ -142,7 +142,7 @@ class DecodeLayers {
                  double scale, int64_t isa) const {
     const int64_t rows = h.size(0), d = head_dim_, q_size = heads_ * d, kv_size = kv_heads_ * d;
     const int64_t qkv_size = q_size + 2 * kv_size, qk_size = q_size + kv_size;
-    check(h, cos, sin, kv_cache, slot_mapping, table, lens, page_size);
+    check(h, cos, sin, kv_cache, slot_mapping, table, lens, page_size, isa);
     // the step's buffers: normed, q/k/v, rotated q/k, attended, projected, gate/up, act; lse, q4_1's block sums
     const Pieces<bf16> b({rows * hidden_, rows * qkv_size, rows * qk_size, rows * q_size, rows * hidden_,
                           rows * 2 * intermediate_, rows * intermediate_},
@@ -218,9 +218,11 @@ class DecodeLayers {
 
  private:
   void check(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
-             const at::Tensor& slot_mapping, const at::Tensor& table, const at::Tensor& lens,
-             int64_t page_size) const {
+             const at::Tensor& slot_mapping, const at::Tensor& table, const at::Tensor& lens, int64_t page_size,
+             int64_t isa) const {
     const int64_t rows = h.size(0);
+    TORCH_CHECK(isa == 0 || isa == 2 || (isa == 1 && has_amx()),
+                "DecodeLayers: isa must be 0 (AVX-512), 1 (AMX, where the CPU offers it) or 2 (emulated AMX)");
     TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.size(1) == hidden_ &&
                     h.is_contiguous(),
                 "DecodeLayers: h must be contiguous bf16 [B, ", hidden_, "]");
