@@ -90,6 +90,19 @@ def test_fused_decode_matches_the_python_layers(llm):
         assert joining(llm.llm_engine, params) == fused_joining
 
 
+def test_fused_decode_shares_out_rows_beyond_16(llm):
+    """More than 16 decodes in a step: the loop's per-row kernels run on both threads, as the tensor kernels do,
+    and every row still gets the Python layers' bits."""
+    prompts = [[1000 + 97 * s + i for i in range(8 + s)] for s in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=1, ignore_eos=True)
+    counter = llm.llm_engine.runner.model.fused_decode
+    before = counter.calls
+    fused = answers(llm, prompts, params)
+    assert counter.calls > before
+    with python_layers(llm):
+        assert answers(llm, prompts, params) == fused
+
+
 def test_fused_decode_is_on_with_cache_invariance_only():
     import torch
 

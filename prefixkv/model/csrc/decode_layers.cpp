@@ -286,7 +286,8 @@ class DecodeLayers {
 
 void bind_decode_layers(py::module_& m) {
   // module_local: two builds (two checkouts' kernels, an A/B) can be loaded in one process
-  py::class_<DecodeLayers>(m, "DecodeLayers", "the decoder layers of a decode-only step in one call", py::module_local())
+  py::class_<DecodeLayers>(m, "DecodeLayers", "the decoder layers of a decode-only step in one call",
+                           py::module_local())
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                     const std::vector<c10::optional<at::Tensor>>&, const std::vector<at::Tensor>&,
                     const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
