@@ -24,8 +24,9 @@ Three measurements, in one run:
   a bf16 copy and the native kernels' plain read pass over buffers far larger than L3, best of a few passes,
   before and after the decode runs). Floor ms/step = bytes / bandwidth; a decode step can be no shorter, whatever
   the stream count, so N streams' floor is N / floor tok/s. The KV the attention reads (it grows with streams and
-  context) is reported beside it, not counted in the floor. On a shared VM the bandwidth moves within minutes, so
-  every timed round is also put against the read bandwidth measured right before and after it (the round floor).
+  context) is reported beside it, not counted in the floor. On a shared VM the bandwidth moves within seconds, so
+  every timed round is also put against the read bandwidth measured before, during and after it (the round
+  floor, RoundBandwidth).
 """
 
 from __future__ import annotations
@@ -761,7 +762,7 @@ def plot(results: dict[str, Any], png_path: str) -> None:
     xs = range(len(counts))
     measured = [results["speed"][n]["decode_tok_s"] for n in counts]
     floors = [floor["floor_tok_s_by_streams"][n] for n in counts]
-    # the rounds' own floor: the median round's tok/s times its measured / round-floor ratio
+    # the rounds' own floor, drawn as the measured tok/s times the median round's step / round-floor ratio
     round_floors = [v * results["measured_over_round_floor"][n] for n, v in zip(counts, measured)]
     ax.bar(xs, measured, color="tab:blue", label="measured decode tok/s (median)")
     ax.plot(xs, floors, color="tab:red", marker="o", label="floor: weights / best bandwidth of the run")
