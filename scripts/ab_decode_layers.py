@@ -69,24 +69,7 @@ def main() -> None:
     llm = LLM(dtype="bfloat16", kv_cache_tokens=16384)
     model = llm.llm_engine.runner.model
     step = captured_step(llm, args.streams)
-    c, layers = model.config, list(model.layers)
-    weights = dict(
-        input_norm=[lay.input_layernorm.weight for lay in layers],
-        qkv=[lay.self_attn.qkv_proj.packed.data for lay in layers],
-        qkv_bias=[lay.self_attn.qkv_proj.bias for lay in layers],
-        o=[lay.self_attn.o_proj.packed.data for lay in layers],
-        post_norm=[lay.post_attention_layernorm.weight for lay in layers],
-        gate_up=[lay.mlp.gate_up_proj.packed.data for lay in layers],
-        down=[lay.mlp.down_proj.packed.data for lay in layers],
-        formats=[["", "", "", ""] for _ in layers],
-        heads=c.num_heads,
-        kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        hidden=c.hidden_size,
-        intermediate=c.intermediate_size,
-        eps=c.rms_norm_eps,
-        amx=False,
-    )
+    weights = model.decode_layers_arguments(llm.llm_engine.runner.options)  # as the engine built its own
     sides = {"old": old.DecodeLayers(**weights), "new": new.DecodeLayers(**weights)}
     with torch.inference_mode():
         outs = {k: v.run(step[0].clone(), *step[1:]) for k, v in sides.items()}

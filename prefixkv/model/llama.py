@@ -178,6 +178,11 @@ class LlamaModel(nn.Module):
 
     def _decode_layers(self, options: KernelOptions) -> Any:
         """The native one-call decoder loop over this model's packed weights (options.fused_decode)."""
+        return native.module().DecodeLayers(**self.decode_layers_arguments(options))
+
+    def decode_layers_arguments(self, options: KernelOptions) -> dict[str, Any]:
+        """What the native DecodeLayers is built from: the layers' packed weights, their formats and the shapes
+        (also for scripts/ab_decode_layers.py, which builds it from two builds of the kernels)."""
         c = self.config
 
         def packed(linear: Linear) -> torch.Tensor:
@@ -194,7 +199,7 @@ class LlamaModel(nn.Module):
             [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
             for layer in layers
         ]
-        return native.module().DecodeLayers(
+        return dict(
             input_norm=[layer.input_layernorm.weight for layer in layers],
             qkv=[packed(layer.self_attn.qkv_proj) for layer in layers],
             qkv_bias=[layer.self_attn.qkv_proj.bias for layer in layers],
