@@ -240,14 +240,7 @@ class DecodeLayers {
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     for (int64_t r = 0; r < rows; ++r)
       TORCH_CHECK(slots[r] >= 0 && slots[r] < kv_cache.size(3), "DecodeLayers: slot ", slots[r], " is not in the pool");
-    TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && table.is_contiguous() &&
-                    lens.is_contiguous() && table.dim() == 2 && table.size(0) == rows && lens.numel() == rows,
-                "DecodeLayers: table / lens must be contiguous int64, one row and length per decode");
-    TORCH_CHECK(page_size >= 1, "DecodeLayers: page_size must be >= 1");
-    const int64_t* len = lens.data_ptr<int64_t>();
-    for (int64_t r = 0; r < rows; ++r)
-      TORCH_CHECK(len[r] >= 1 && len[r] <= table.size(1) * page_size,
-                  "DecodeLayers: each length must be in [1, pages * page_size]");
+    prefixkv::attention::check_pages(table, lens, rows, page_size, "DecodeLayers");
   }
 
   // y [rows, w.n] = x [rows, w.k] . w^T (+ bias); xsum: q4_1's scratch

@@ -41,6 +41,20 @@
 
 #include "flash_attention.h"
 
+void prefixkv::attention::check_pages(const at::Tensor& table, const at::Tensor& lens, int64_t rows,
+                                      int64_t page_size, const char* who) {
+  TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && table.is_contiguous() &&
+                  lens.is_contiguous(),
+              who, ": table / lens must be contiguous int64");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == rows && lens.numel() == rows, who,
+              ": one table row and length per sequence");
+  TORCH_CHECK(page_size >= 1, who, ": page_size must be >= 1");
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(len[r] >= 1 && len[r] <= table.size(1) * page_size, who,
+                ": each length must be in [1, pages * page_size]");
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -628,13 +642,10 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
                                            int64_t page_size, double scale, c10::optional<at::Tensor> state_in,
                                            bool return_state, int64_t isa) {
   check_inputs(q, kv);
-  TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "table / lens must be int64");
-  TORCH_CHECK(table.dim() == 2 && table.size(0) == q.size(0) && lens.size(0) == q.size(0),
-              "one table row and length per sequence");
-  TORCH_CHECK(page_size >= 1, "page_size must be >= 1");
   q = q.contiguous();
   table = table.contiguous();
   lens = lens.contiguous();
+  prefixkv::attention::check_pages(table, lens, q.size(0), page_size, "paged_flash_decode");
   const int64_t batch = q.size(0), heads = q.size(1);
   const at::Tensor state0 = checked_state(state_in, batch, heads);
   auto out = at::empty_like(q);
@@ -659,9 +670,6 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
   args.out = out.data_ptr<c10::BFloat16>();
   args.lse = lse.data_ptr<float>();
   args.state = return_state ? state.data_ptr<float>() : nullptr;
-  for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK(args.lens[b] >= 1 && args.lens[b] <= args.max_pages * page_size,
-                "each length must be in [1, pages * page_size]");
   prefixkv::attention::paged_decode(args, isa);
   if (return_state) return {out, lse, state};
   return {out, lse};

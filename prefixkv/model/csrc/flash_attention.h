@@ -2,6 +2,7 @@
 // same arithmetic, no checks, no allocation but each thread's scratch.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
@@ -27,5 +28,10 @@ struct PagedDecode {
 
 // isa: 0 AVX512_BF16, 1 AMX tiles, 2 AMX kernels on emulated tiles
 void paged_decode(const PagedDecode& args, int64_t isa);
+
+// The page tables a paged decode reads: table [rows, max_pages] and lens [rows] contiguous int64, page_size >= 1,
+// every length in [1, max_pages * page_size] (paged_flash_decode's checks, also the decode loop's); who: the
+// caller's name, at the start of the error
+void check_pages(const at::Tensor& table, const at::Tensor& lens, int64_t rows, int64_t page_size, const char* who);
 
 }  // namespace prefixkv::attention
