@@ -22,6 +22,7 @@ from prefixkv.kvcache.radix_cache import RadixPrefixCache
 from prefixkv.request import MultiModalHash, Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.sim.simulator import SimRequest, make_policy, simulate
+from tests import kernels
 
 POLICIES = ["fcfs", "priority", "lpm", "dfs-weight", "bounded-lpm"]
 S = list(range(1000, 1256))  # a 256-token shared prefix: 16 pages of 16
@@ -492,8 +493,11 @@ def test_outputs_with_deferral_equal_each_prompt_run_alone(new_llm, options):
     assert llm.llm_engine.get_stats().num_pages_used == 0
 
 
+# Without the kernels bf16 runs torch's paths, which the fp32 tests above cover; on an AVX2-only CPU (AMD EPYC
+# Zen 3) torch's bf16 products run at a fifth of its fp32 rate, and this test took 12 s for nothing new.
+@kernels.AVX512_BF16
 def test_bf16_same_step_reads_match_deferred_reads(new_llm):
-    """bf16, whose native kernels (shared-prefix prefill, where the CPU has them) the fp32 test does not reach: the
+    """bf16, whose native kernels (shared-prefix prefill) the fp32 test does not reach: the
     followers that read, in the same forward pass, the shared pages the first request writes there produce the
     same greedy tokens as when they wait a step and read those pages computed (keys_in_flight_pages off), or
     part only at a near-tie (top-2 logprob gap within two bf16 steps at the first differing token)."""
