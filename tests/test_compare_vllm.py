@@ -185,6 +185,7 @@ def test_one_folder_per_cpu_family():
     assert cpu_family(cpu("intel", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")) == "intel_xeon_amx"
     assert cpu_family(cpu("intel", "avx512f", "avx512_bf16")) == "intel_xeon"
     assert cpu_family(cpu("amd", "avx512f", "avx512_bf16")) == "amd_epyc"
+    assert cpu_family(cpu("amd")) == "amd_epyc_avx2"  # Zen 3: AVX2 only
     assert cpu_family(cpu("other")) == "other"
     kept = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks")
     assert os.path.exists(os.path.join(kept, "vllm_side_by_side", "amd_epyc", "compare_vllm.json"))

@@ -108,11 +108,13 @@ def served_rows(sizes: Sizes) -> list[ServedRow]:
 
 
 def cpu_family(cpu: dict) -> str:
-    """The results folder of a CPU (cpu_features.describe()): one comparison kept per family."""
+    """The results folder of a CPU (cpu_features.describe()): one comparison kept per family. An EPYC without
+    AVX512_BF16 (Zen 3 and older: AVX2 only) runs none of prefixkv's kernels, so it is a family of its own."""
+    flags = cpu.get("flags", ())
     if cpu.get("vendor") == "intel":
-        return "intel_xeon_amx" if "amx_bf16" in cpu.get("flags", ()) else "intel_xeon"
+        return "intel_xeon_amx" if "amx_bf16" in flags else "intel_xeon"
     if cpu.get("vendor") == "amd":
-        return "amd_epyc"
+        return "amd_epyc" if "avx512_bf16" in flags else "amd_epyc_avx2"
     return "other"
 
 
@@ -193,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--output-dir",
         default=None,
         help="default: docs/benchmarks/vllm_side_by_side/<CPU family>/, the family being intel_xeon_amx, "
-        "intel_xeon, amd_epyc or other (with --quick: bench_results/vllm_side_by_side_quick/)",
+        "intel_xeon, amd_epyc, amd_epyc_avx2 or other (with --quick: bench_results/vllm_side_by_side_quick/)",
     )
     p.add_argument(
         "--skip-vllm-install",

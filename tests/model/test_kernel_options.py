@@ -92,3 +92,17 @@ def test_without_the_native_kernels_torch_paths_run_and_invariance_is_reported_o
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     library = "onednn" if "onednn" in matmul.available(CPU, torch.bfloat16) else "torch"
     assert out.stdout.split() == ["torch", library, "False"]
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch):
+    """An AVX2-only CPU (AMD EPYC Zen 3) emulates bf16: the start log says float32 is faster there."""
+    from prefixkv.llm import dtype_hint
+    from prefixkv.model import cpu_features
+
+    monkeypatch.setattr(cpu_features, "has", lambda flag: False)
+    monkeypatch.setattr(cpu_features, "has_amx", lambda: False)
+    hint = dtype_hint("cpu", "bfloat16")
+    assert hint is not None and "AVX512_BF16" in hint and "--dtype float32" in hint
+    assert dtype_hint("cpu", "float32") is None and dtype_hint("cuda", "bfloat16") is None
+    monkeypatch.setattr(cpu_features, "has", lambda flag: flag == cpu_features.AVX512_BF16)
+    assert dtype_hint("cpu", "bfloat16") is None
