@@ -497,10 +497,10 @@ def test_outputs_with_deferral_equal_each_prompt_run_alone(new_llm, options):
 # Zen 3) torch's bf16 products run at a fifth of its fp32 rate, and this test took 12 s for nothing new.
 @kernels.AVX512_BF16
 def test_bf16_same_step_reads_match_deferred_reads(new_llm):
-    """bf16, whose native kernels (shared-prefix prefill) the fp32 test does not reach: the
-    followers that read, in the same forward pass, the shared pages the first request writes there produce the
-    same greedy tokens as when they wait a step and read those pages computed (keys_in_flight_pages off), or
-    part only at a near-tie (top-2 logprob gap within two bf16 steps at the first differing token)."""
+    """bf16, whose native kernels (shared-prefix prefill) the fp32 test does not reach: the followers that read, in
+    the same forward pass, the shared pages the first request writes there produce the same greedy tokens as when
+    they wait a step and read those pages computed (keys_in_flight_pages off), or part only at a near-tie (top-2
+    logprob gap within two bf16 steps at the first differing token)."""
     import random
 
     rng = random.Random(15)
