@@ -80,7 +80,7 @@ def build_engine(
         ", ".join(on) or "plain torch",
     )
     logger.info("%s", kernel_line(kernels, config.dtype))
-    hint = dtype_hint(config.device, config.dtype)
+    hint = dtype_hint(kernels, config.dtype)
     if hint:
         logger.warning("%s", hint)
     kv, components, tier = _kv_and_components(config, runner, loaded, kernels, clock)
@@ -170,15 +170,18 @@ def kernel_line(kernels: dict[str, str], dtype: str) -> str:
     )
 
 
-def dtype_hint(device: str, dtype: str) -> str | None:
-    """What to say when bf16 is asked for on a CPU with no bf16 instructions (AVX512_BF16 or AMX), such as an
-    AVX2-only AMD EPYC Zen 3: torch emulates bf16 products there (measured at a fifth of its fp32 rate on Zen 3,
-    576 x 1536 weights, 160 rows), so float32 serves faster. None where bf16 has hardware or was not asked for."""
-    if device != "cpu" or dtype != "bfloat16" or cpu_features.has(cpu_features.AVX512_BF16) or cpu_features.has_amx():
+def dtype_hint(kernels: dict[str, str], dtype: str) -> str | None:
+    """What to say when bf16 runs torch's matrix products on a CPU with no bf16 instructions (AVX512_BF16 or AMX),
+    such as an AVX2-only AMD EPYC Zen 3 without prefixkv's native build: torch emulates bf16 products there
+    (measured at a fifth of its fp32 rate on Zen 3, 576 x 1536 weights, 160 rows), so float32 serves faster. None
+    elsewhere: where bf16 has hardware, was not asked for, or the native AVX2 matmul runs it."""
+    if kernels["device"] != "cpu" or dtype != "bfloat16" or kernels["matmul"] != "torch":
+        return None
+    if cpu_features.has(cpu_features.AVX512_BF16) or cpu_features.has_amx():
         return None
     return (
-        f"this CPU ({cpu_features.model_name()}) has neither AVX512_BF16 nor AMX: bfloat16 runs torch's emulated "
-        "products and none of prefixkv's kernels, several times slower than --dtype float32 here"
+        f"this CPU ({cpu_features.model_name()}) has neither AVX512_BF16 nor AMX and bfloat16 runs torch's emulated "
+        "products (prefixkv's native matmul is not built): several times slower than --dtype float32 here"
     )
 
 

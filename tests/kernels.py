@@ -32,6 +32,9 @@ def requires(flag: str, kernel: Callable[[], object], what: str, elsewhere: str 
 # the kernels of cache-invariant bf16 and the rest of the native fast paths
 AVX512_BF16 = requires(cpu_features.AVX512_BF16, native.flash_attention, "the AVX-512 BF16 attention kernels")
 GEMM = requires(cpu_features.AVX512_BF16, native.gemm, "the AVX-512 BF16 matrix product")
+# csrc/gemm.cpp is compiled for AVX512_BF16 where the CPU has it, else for AVX2 + FMA (every CPU with AVX-512 has
+# AVX2 too): its contract tests run on both
+NATIVE_GEMM = requires("avx2", native.gemm, "the native bf16 matrix product (AVX512_BF16 or AVX2 + FMA)")
 FUSED_OPS = requires("avx512f", native.fused_ops, "the AVX-512 fused elementwise kernels")
 DECODE_LAYERS = requires(cpu_features.AVX512_BF16, native.decode_layers, "the one-call decoder loop")
 AMX = requires(

@@ -8,7 +8,10 @@ Paths (KernelOptions.matmul):
 - "avx512_bf16": prefixkv's own kernel (csrc/gemm.cpp): every output element is one chain of vdpbf16ps over K in
   order, so a row's bits never depend on how many rows the call has (needed by cache-invariant bf16);
 - "amx": the same contract on Intel's AMX tiles (csrc/gemm_amx.cpp), where the CPU has them and the kernel passed
-  its self-test on this machine.
+  its self-test on this machine;
+- "avx2": the same kernel's contract on a CPU without AVX-512 (AVX2 + FMA, such as AMD EPYC Zen 3): each K pair
+  is two fp32 FMAs. There torch emulates bf16 products (a seventh of this kernel's rate on SmolLM2's shapes) and
+  oneDNN has no bf16, so it is the bf16 path there, also with cache invariance off.
 Weights in a block format (KernelOptions.weight_format, prefixkv.model.quantized) are read by the native qgemm
 kernel (csrc/gemm_q.cpp) whatever `matmul` says: their PackedWeight's path is the block format ("q8_0", "q4_0",
 "q4_1"), with the same row-invariance contract.
@@ -23,9 +26,10 @@ import torch.nn.functional as F
 
 from prefixkv.model import native, packed_linear, quantized
 
-PATHS = ("torch", "onednn", "avx512_bf16", "amx")
+PATHS = ("torch", "onednn", "avx512_bf16", "amx", "avx2")
 # paths whose row results do not depend on the batch, by construction
-ROW_INVARIANT_PATHS = ("avx512_bf16", "amx")
+ROW_INVARIANT_PATHS = ("avx512_bf16", "amx", "avx2")
+NATIVE_GEMM_PATHS = ("avx512_bf16", "avx2")  # csrc/gemm.cpp, compiled for one of them (native.gemm_isa)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,16 +48,16 @@ def available(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]
     if packed_linear.can_pack(device, dtype):
         paths.append("onednn")
     if device.type == "cpu" and dtype == torch.bfloat16 and native.gemm() is not None:
-        paths.append("avx512_bf16")
+        paths.append(native.gemm_isa())
         if native.amx_gemm() is not None:
             paths.append("amx")
     return tuple(paths)
 
 
 def best_row_invariant(device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """The fastest row-invariant path here (AMX where it runs, else AVX512_BF16), or None."""
+    """The fastest row-invariant path here (AMX where it runs, else AVX512_BF16, else AVX2), or None."""
     paths = available(device, dtype)
-    return next((p for p in ("amx", "avx512_bf16") if p in paths), None)
+    return next((p for p in ("amx", "avx512_bf16", "avx2") if p in paths), None)
 
 
 def pack(weight: torch.Tensor, path: str) -> PackedWeight | None:
@@ -85,6 +89,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, b
     if packed.path in quantized.FORMATS:
         out = native.module().qgemm(rows, packed.data, packed.out_features, packed.path, bias)
         return out.view(*x.shape[:-1], packed.out_features)
-    kernel = native.gemm().gemm if packed.path == "avx512_bf16" else native.amx_gemm().amx_gemm
+    kernel = native.gemm().gemm if packed.path in NATIVE_GEMM_PATHS else native.amx_gemm().amx_gemm
     out = kernel(rows, packed.data, packed.out_features, bias)
     return out.view(*x.shape[:-1], packed.out_features)

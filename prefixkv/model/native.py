@@ -81,9 +81,16 @@ def flash_attention():
 
 
 def gemm():
-    """The module when its row-invariant bf16 matrix product is compiled in (AVX-512 BF16), else None."""
+    """The module when its row-invariant bf16 matrix product is compiled in (AVX-512 BF16, or AVX2 + FMA), else
+    None."""
     m = module()
     return m if m is not None and m.has_gemm() else None
+
+
+def gemm_isa() -> str:
+    """The instruction set gemm() is compiled for: "avx512_bf16", "avx2", or "" (not compiled in)."""
+    m = gemm()
+    return m.gemm_isa() if m is not None else ""
 
 
 def qgemm():

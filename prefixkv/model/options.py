@@ -196,23 +196,28 @@ class KernelOptions:
             raise ValueError(
                 f"matmul {self.matmul!r} cannot run here ({dtype} on {device.type}); available: "
                 f"{', '.join(matmul.available(device, dtype))} (oneDNN needs bf16 support, avx512_bf16 the native "
-                "build on an AVX-512 BF16 CPU, amx a CPU with AMX tiles)"
+                "build on an AVX-512 BF16 CPU, avx2 that build on a CPU without AVX-512, amx a CPU with AMX tiles)"
             )
 
     @property
     def isa_path(self) -> str:
-        """Which instruction set prefixkv's own kernels run on: "amx", "avx512_bf16", or "torch" (none of ours:
-        torch's and oneDNN's kernels only)."""
+        """Which instruction set prefixkv's own kernels run on: "amx", "avx512_bf16", "avx2" (the matmul only), or
+        "torch" (none of ours: torch's and oneDNN's kernels only)."""
         if self.matmul == "amx" or self.amx_attention:
             return "amx"
         if self.native_attention or self.matmul == "avx512_bf16":
             return "avx512_bf16"
+        if self.matmul == "avx2":
+            return "avx2"
         return "torch"
 
 
 def _library_matmul(device: torch.device, dtype: torch.dtype) -> str:
-    """oneDNN with packed weights where it runs (bf16 CPU), else F.linear."""
-    return "onednn" if "onednn" in matmul.available(device, dtype) else "torch"
+    """The matmul when invariance is not asked: oneDNN with packed weights where it runs (a CPU with bf16
+    instructions), else prefixkv's AVX2 kernel where that is what is compiled (torch only emulates bf16 there),
+    else F.linear."""
+    paths = matmul.available(device, dtype)
+    return "onednn" if "onednn" in paths else "avx2" if "avx2" in paths else "torch"
 
 
 def native_attention_fits(config: ModelConfig | None) -> bool:

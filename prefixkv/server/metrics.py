@@ -220,7 +220,7 @@ class ServerMetrics:
             names = sorted(kernels)
             Gauge(
                 "prefixkv:kernel_info",
-                "The device, CPU model, ISA path (amx, avx512_bf16 or torch), matmul and attention kernels and "
+                "The device, CPU model, ISA path (amx, avx512_bf16, avx2 or torch), matmul and attention kernels and "
                 "whether bf16 cache invariance is on; always 1.",
                 ["model_name", *names],
                 registry=self.registry,

@@ -1,4 +1,5 @@
-"""prefixkv's own bf16 matrix product (csrc/gemm.cpp; matmul path "avx512_bf16"): accurate, and row-invariant.
+"""prefixkv's own bf16 matrix product (csrc/gemm.cpp; matmul path "avx512_bf16", or "avx2" on a CPU without
+AVX-512): accurate, and row-invariant.
 
 Row invariance is the point of the kernel (cache-invariant bf16): a row's bits must not depend on how many rows
 the call has, where the row sits, how the rows split into tiles and row blocks, or how many threads run. It is
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from prefixkv.model import matmul, native
 from tests import kernels
 
-pytestmark = kernels.GEMM
+pytestmark = kernels.NATIVE_GEMM
 
 SMOLLM2 = {
     "qkv": (960, 576),
@@ -38,8 +39,8 @@ def _rows(m: int, k: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", [*SMOLLM2, *ODD])
 def test_rows_do_not_depend_on_the_batch(name):
-    """Every sub-batch (row counts around the 6-row tiles, the row blocks and the thread split, at any offset) and
-    a thread count of 1 give the rows of the 300-row product bit for bit."""
+    """Every sub-batch (row counts around the 6-row tiles (AVX2: 2-row), the row blocks and the thread split, at
+    any offset) and a thread count of 1 give the rows of the 300-row product bit for bit."""
     n, k = {**SMOLLM2, **ODD}[name]
     weight = _weight(n, k, n + k)
     packed = native.gemm().gemm_pack(weight)
@@ -78,7 +79,7 @@ def test_strided_rows_and_the_matmul_wrapper():
     weight = _weight(n, k, 4)
     wide = _rows(20, 3 * k, 5)
     x = wide[:, k : 2 * k]
-    packed = matmul.pack(weight, "avx512_bf16")
+    packed = matmul.pack(weight, native.gemm_isa())
     assert torch.equal(matmul.linear(x, weight, packed, None), native.gemm().gemm(x.contiguous(), packed.data, n))
     x3 = x.reshape(4, 5, k)
     assert torch.equal(matmul.linear(x3, weight, packed, None), matmul.linear(x, weight, packed, None).view(4, 5, n))

@@ -27,8 +27,10 @@ def test_defaults_follow_dtype_and_build(smol):
     assert bf16.cascade_decodes and bf16.split_prefill
     assert bf16.fused_ops == (native.fused_ops() is not None)
     # the fastest row-invariant matmul where the kernels run (cache invariance on), else oneDNN's packed weights
-    # where oneDNN has bf16 (AVX512_BF16), else F.linear (an AVX2-only CPU such as AMD EPYC Zen 3)
-    library = "onednn" if "onednn" in matmul.available(CPU, torch.bfloat16) else "torch"
+    # where oneDNN has bf16 (AVX512_BF16), else prefixkv's AVX2 kernel (an AVX2-only CPU such as AMD EPYC Zen 3,
+    # where torch emulates bf16), else F.linear
+    paths = matmul.available(CPU, torch.bfloat16)
+    library = "onednn" if "onednn" in paths else "avx2" if "avx2" in paths else "torch"
     assert bf16.matmul == (matmul.best_row_invariant(CPU, torch.bfloat16) or library)
     assert bf16.cache_invariant == (bf16.matmul in matmul.ROW_INVARIANT_PATHS and bf16.native_attention)
     variant = KernelOptions.choose(CPU, torch.bfloat16, smol.config, cache_invariant=False)
@@ -95,14 +97,18 @@ def test_without_the_native_kernels_torch_paths_run_and_invariance_is_reported_o
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch):
-    """An AVX2-only CPU (AMD EPYC Zen 3) emulates bf16: the start log says float32 is faster there."""
+    """An AVX2-only CPU (AMD EPYC Zen 3) emulates bf16 in torch: the start log says float32 is faster there, unless
+    prefixkv's AVX2 matmul runs the products."""
     from prefixkv.llm import dtype_hint
     from prefixkv.model import cpu_features
 
     monkeypatch.setattr(cpu_features, "has", lambda flag: False)
     monkeypatch.setattr(cpu_features, "has_amx", lambda: False)
-    hint = dtype_hint("cpu", "bfloat16")
+    torch_paths = {"device": "cpu", "matmul": "torch"}
+    hint = dtype_hint(torch_paths, "bfloat16")
     assert hint is not None and "AVX512_BF16" in hint and "--dtype float32" in hint
-    assert dtype_hint("cpu", "float32") is None and dtype_hint("cuda", "bfloat16") is None
+    assert dtype_hint(torch_paths, "float32") is None
+    assert dtype_hint({**torch_paths, "device": "cuda"}, "bfloat16") is None
+    assert dtype_hint({**torch_paths, "matmul": "avx2"}, "bfloat16") is None
     monkeypatch.setattr(cpu_features, "has", lambda flag: flag == cpu_features.AVX512_BF16)
-    assert dtype_hint("cpu", "bfloat16") is None
+    assert dtype_hint(torch_paths, "bfloat16") is None

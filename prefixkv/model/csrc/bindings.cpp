@@ -19,6 +19,7 @@ bool has_flash_attention();
 at::Tensor gemm_pack(at::Tensor weight);
 at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
 bool has_gemm();
+std::string gemm_isa();
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor amx_gemm_emulated(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
 bool has_amx();
@@ -47,7 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_pack", &gemm_pack, "bf16 weight [N, K] -> the panel layout gemm reads", py::arg("weight"));
   m.def("gemm", &gemm, "x [M, K] bf16 @ packed weight^T (+ bias) -> [M, N] bf16; a row's bits never depend on M",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
-  m.def("has_gemm", &has_gemm, "whether gemm is compiled in (AVX-512 BF16)");
+  m.def("has_gemm", &has_gemm, "whether gemm is compiled in (AVX-512 BF16, or AVX2 + FMA)");
+  m.def("gemm_isa", &gemm_isa, "the instruction set gemm is compiled for: avx512_bf16, avx2, or empty (none)");
   m.def("amx_gemm", &amx_gemm, "gemm on AMX tiles (same packed weights, same row invariance)", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("amx_gemm_emulated", &amx_gemm_emulated, "amx_gemm's kernels on emulated tiles (tests)", py::arg("x"),
