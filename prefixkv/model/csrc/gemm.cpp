@@ -160,7 +160,6 @@ static constexpr const char* kGemmIsa = "avx512_bf16";
 // 4R accumulators, the pair's two converted vectors and the rows' broadcasts fit the 16 ymm registers.
 #include <immintrin.h>
 
-
 namespace {
 
 constexpr int64_t kHalf = kPanel / 2;  // 32 columns: 4 vectors of 8
@@ -186,6 +185,7 @@ inline void store8(const Problem& pb, int64_t row, int64_t col, int64_t count, _
   }
 }
 
+// the float whose bits are `bits` (a bf16 value in the high half), in every lane
 inline __m256 lane_float(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, 4);
