@@ -75,9 +75,16 @@ def fused_ops():
 
 
 def flash_attention():
-    """The module when its bf16 prefill attention kernel is compiled in (AVX-512 BF16), else None."""
+    """The module when its bf16 attention kernels (prefill and paged decode) are compiled in (AVX-512 BF16, or
+    AVX2 + FMA), else None."""
     m = module()
     return m if m is not None and m.has_flash_attention() else None
+
+
+def attention_isa() -> str:
+    """The instruction set of flash_attention()'s vector path: "avx512_bf16", "avx2", or "" (not compiled in)."""
+    m = flash_attention()
+    return m.attention_isa() if m is not None else ""
 
 
 def gemm():

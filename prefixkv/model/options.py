@@ -166,7 +166,9 @@ class KernelOptions:
         if self.flash_lse and not (cpu and FLASH_WITH_LSE is not None):
             raise ValueError("flash_lse needs torch's CPU flash-attention kernel")
         if self.native_attention and not (cpu and dtype == torch.bfloat16 and native_attention_fits(config)):
-            raise ValueError("native_attention needs bfloat16, head_dim 64 and a CPU with AVX-512 BF16 (native build)")
+            raise ValueError(
+                "native_attention needs bfloat16, head_dim 64 and a CPU with AVX-512 BF16 or AVX2 + FMA (native build)"
+            )
         if self.shared_prefill and not self.native_attention:
             raise ValueError("shared_prefill needs native_attention")
         if self.amx_attention and not (self.native_attention and native.amx_gemm() is not None):
@@ -201,14 +203,14 @@ class KernelOptions:
 
     @property
     def isa_path(self) -> str:
-        """Which instruction set prefixkv's own kernels run on: "amx", "avx512_bf16", "avx2" (the matmul only), or
-        "torch" (none of ours: torch's and oneDNN's kernels only)."""
+        """Which instruction set prefixkv's own kernels run on: "amx", "avx512_bf16", "avx2" (a CPU without
+        AVX-512), or "torch" (none of ours: torch's and oneDNN's kernels only)."""
         if self.matmul == "amx" or self.amx_attention:
             return "amx"
-        if self.native_attention or self.matmul == "avx512_bf16":
-            return "avx512_bf16"
-        if self.matmul == "avx2":
-            return "avx2"
+        if self.native_attention:
+            return native.attention_isa()
+        if self.matmul in ("avx512_bf16", "avx2"):
+            return self.matmul
         return "torch"
 
 
@@ -221,7 +223,8 @@ def _library_matmul(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def native_attention_fits(config: ModelConfig | None) -> bool:
-    """The native attention kernel is built for this CPU (AVX-512 BF16) and the model's head_dim (64)."""
+    """The native attention kernels are built for this CPU (AVX-512 BF16 or AVX2 + FMA) and the model's head_dim
+    (64)."""
     return native.flash_attention() is not None and (config is None or config.head_dim == 64)
 
 

@@ -19,7 +19,7 @@ from prefixkv.llm import kernel_line
 from prefixkv.model import cpu_features, native
 from tests import kernels
 
-pytestmark = kernels.AVX512_BF16
+pytestmark = kernels.NATIVE_ATTENTION
 
 MAX_TOKENS = 4
 CONFIGS = {  # name: (cache, page size, prefill token budget)
@@ -37,7 +37,7 @@ def cold(new_llm):
     assert llm.llm_engine.runner.options.cache_invariant
     # what the start log line, /metrics and bench JSON report: this CPU, our kernels, invariance on
     kernels = llm.llm_engine.kernels
-    want_path = "amx" if native.amx_gemm() is not None else "avx512_bf16"
+    want_path = "amx" if native.amx_gemm() is not None else native.gemm_isa()  # avx512_bf16, or avx2 without AVX-512
     assert (kernels["isa_path"], kernels["matmul"], kernels["cache_invariant"]) == (want_path, want_path, "on")
     line = kernel_line(kernels, "bfloat16")
     assert cpu_features.model_name() in line and f"kernels {want_path}" in line and "cache invariance on" in line

@@ -6,9 +6,9 @@ A token's attention output must not depend on how its context reached the pool o
 - attention over keys [0, P) handing its state to [P, L) == one pass over [0, L), for P a multiple of 64
   (how shared prefixes are attended once), for both kernels;
 (the matrix products' row invariance is tests/model/test_gemm.py's).
-Each holds for both ways the kernels compute their products (`isa`): AVX512_BF16 dot products and AMX tiles, the
-latter on emulated tiles everywhere (csrc/amx.h) and on the hardware where the CPU has AMX (only there are those
-cases generated).
+Each holds for every way the kernels compute their products (`isa`): the vector path (AVX512_BF16 dot products,
+or float32 FMAs on a CPU without AVX-512 BF16) and AMX tiles, the latter in AVX-512 builds on emulated tiles
+(csrc/amx.h) and on the hardware where the CPU has AMX (only there are those cases generated).
 """
 
 from __future__ import annotations
@@ -24,17 +24,23 @@ from prefixkv.model.options import KernelOptions
 from tests import kernels
 from tests.model.helpers import PagePool, shared_prefix_step
 
-pytestmark = kernels.AVX512_BF16
+pytestmark = kernels.NATIVE_ATTENTION
 
 KVH, GROUP, D = 3, 3, 64
 SCALE = D**-0.5
-# the kernels' isa argument: AMX on emulated tiles everywhere, the hardware tiles only on a CPU that has them (no
-# case to skip elsewhere: the emulated one runs the same kernel code; where the CPU has AMX and the build lacks
-# the kernels, kernels.AMX fails the case)
-AMX_ISAS = [pytest.param(2, id="amx_emulated")]
-if cpu_features.has(cpu_features.AMX_BF16):
-    AMX_ISAS.insert(0, pytest.param(1, id="amx", marks=kernels.AMX))
-ISAS = [pytest.param(0, id="avx512_bf16"), *AMX_ISAS]  # and AVX512_BF16 dot products
+# the kernels' isa argument. 0: the build's vector products, AVX512_BF16 dot products where the CPU has them, else
+# float32 FMAs (AVX2). The AMX kernels are in the AVX-512 build only: on emulated tiles on every CPU with
+# AVX512_BF16, on the hardware tiles only on a CPU that has them (where the CPU has AMX and the build lacks the
+# kernels, kernels.AMX fails the case)
+AVX512_BUILD = cpu_features.has(cpu_features.AVX512_BF16)
+if AVX512_BUILD:
+    AMX_ISAS = [pytest.param(2, id="amx_emulated")]
+    if cpu_features.has(cpu_features.AMX_BF16):
+        AMX_ISAS.insert(0, pytest.param(1, id="amx", marks=kernels.AMX))
+else:
+    reason = f"the AMX kernels are built with AVX512_BF16, which this CPU ({cpu_features.model_name()}) lacks"
+    AMX_ISAS = [pytest.param(2, id="amx_emulated", marks=pytest.mark.skip(reason=reason))]
+ISAS = [pytest.param(0, id="avx512_bf16" if AVX512_BUILD else "avx2"), *AMX_ISAS]
 
 
 def _pool(seed: int, num_slots: int = 2048) -> tuple[torch.Generator, torch.Tensor]:

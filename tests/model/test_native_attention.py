@@ -26,7 +26,7 @@ from prefixkv.model.options import KernelOptions
 from tests import kernels
 from tests.model.helpers import shared_prefix_step
 
-pytestmark = kernels.AVX512_BF16
+pytestmark = kernels.NATIVE_ATTENTION
 
 KVH, GROUP, D = 3, 3, 64
 

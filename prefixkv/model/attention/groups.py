@@ -21,7 +21,7 @@ them from the frozen KernelOptions).
 - SharedPrefixChunks: chunks behind the same cached pages attend to them once, stacked, then to their own parts
   (merged by log-sum-exp, or, cache-invariant, continuing each row's softmax state).
 Gathered K/V go into one workspace reused by every layer: fresh large allocations are slow on CPU.
-The native groups carry `isa`, which products the kernels run (AVX512_BF16 dot products or AMX tiles): one value
+The native groups carry `isa`, which products the kernels run (the build's vector products or AMX tiles): one value
 for every group of an engine, so each row is computed alike in a decode and in a prefill.
 """
 
@@ -38,8 +38,9 @@ from prefixkv.model.attention.merge import merge_by_lse, merge_unnormalised
 from prefixkv.model.options import FLASH_WITH_LSE
 
 Rows = slice | torch.Tensor  # the step rows a group answers for (a tensor: row indices, in the group's order)
-# the native attention kernels' isa argument (csrc/flash_attention.cpp)
-NATIVE_AVX512, NATIVE_AMX = 0, 1
+# the native attention kernels' isa argument (csrc/flash_attention.cpp): the build's vector products (AVX512_BF16
+# dot products, or float32 FMAs on an AVX2 build) or AMX tiles
+NATIVE_VECTOR, NATIVE_AMX = 0, 1
 
 
 def take_rows(t: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -84,7 +85,7 @@ class InPlaceDecodes:
     context_lens: torch.Tensor  # [B] int64: positions [0, start_pos + 1) are attended
     page_size: int
     invariant: bool  # bf16: the prefill kernel's arithmetic (paged_flash_decode), else the plain decode kernel
-    isa: int = NATIVE_AVX512  # which products paged_flash_decode runs (KernelOptions.amx_attention)
+    isa: int = NATIVE_VECTOR  # which products paged_flash_decode runs (KernelOptions.amx_attention)
 
     workspace_slots = 0
 
@@ -215,7 +216,7 @@ class NativeCascadeDecodes:
     suffix_lens: torch.Tensor  # [B] start_pos + 1 - prefix_len
     page_size: int
     invariant: bool
-    isa: int = NATIVE_AVX512
+    isa: int = NATIVE_VECTOR
 
     workspace_slots = 0
 
@@ -320,7 +321,7 @@ class NativeChunk:
     rows: slice
     slots: torch.Tensor  # [start_pos + n] slot of each position
     q_pos: torch.Tensor  # [n] the rows' positions
-    isa: int = NATIVE_AVX512
+    isa: int = NATIVE_VECTOR
 
     workspace_slots = 0
 
@@ -346,7 +347,7 @@ class SharedPrefixChunks:
     prefix_q_pos: torch.Tensor  # [rows] prefix_len - 1: every row sees the whole prefix
     members: list[tuple[slice, torch.Tensor, torch.Tensor]]  # (rows within the group, own slots, positions - prefix)
     invariant: bool
-    isa: int = NATIVE_AVX512
+    isa: int = NATIVE_VECTOR
 
     workspace_slots = 0
 

@@ -24,7 +24,7 @@ import torch
 
 from prefixkv.model.attention.groups import (
     NATIVE_AMX,
-    NATIVE_AVX512,
+    NATIVE_VECTOR,
     CascadeDecodes,
     InPlaceDecodes,
     NativeCascadeDecodes,
@@ -259,7 +259,7 @@ class StepPlanner:
 
     @property
     def _native_isa(self) -> int:
-        return NATIVE_AMX if self.options.amx_attention else NATIVE_AVX512
+        return NATIVE_AMX if self.options.amx_attention else NATIVE_VECTOR
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)

@@ -16,6 +16,7 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
                                            int64_t page_size, double scale, c10::optional<at::Tensor> state_in,
                                            bool return_state, int64_t isa);
 bool has_flash_attention();
+std::string attention_isa();
 at::Tensor gemm_pack(at::Tensor weight);
 at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
 bool has_gemm();
@@ -44,7 +45,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over each sequence's pages, bit for bit flash_attention's arithmetic; (out, lse[, state])",
         py::arg("q"), py::arg("kv"), py::arg("table"), py::arg("lens"), py::arg("page_size"), py::arg("scale"),
         py::arg("state_in") = py::none(), py::arg("return_state") = false, py::arg("isa") = 0);
-  m.def("has_flash_attention", &has_flash_attention, "whether flash_attention is compiled in (AVX-512 BF16)");
+  m.def("has_flash_attention", &has_flash_attention,
+        "whether flash_attention and paged_flash_decode are compiled in (AVX-512 BF16, or AVX2 + FMA)");
+  m.def("attention_isa", &attention_isa,
+        "the instruction set of the attention kernels' vector path (isa 0): avx512_bf16, avx2, or empty (none)");
   m.def("gemm_pack", &gemm_pack, "bf16 weight [N, K] -> the panel layout gemm reads", py::arg("weight"));
   m.def("gemm", &gemm, "x [M, K] bf16 @ packed weight^T (+ bias) -> [M, N] bf16; a row's bits never depend on M",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "flash_attention.h"
@@ -55,24 +56,94 @@ void prefixkv::attention::check_pages(const at::Tensor& table, const at::Tensor&
                 ": each length must be in [1, pages * page_size]");
 }
 
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PREFIXKV_ATTENTION_ISA "avx512_bf16"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PREFIXKV_ATTENTION_ISA "avx2"
+#endif
+
+#ifdef PREFIXKV_ATTENTION_ISA
 #include <immintrin.h>
 
-#include "amx.h"
 #include "parallel.h"
 #include "simd.h"
 
 namespace {
 
-// which instructions do the two products: AVX512_BF16 dot products, AMX tiles, or AMX on emulated tiles (tests)
-enum Isa : int64_t { kAvx512 = 0, kAmx = 1, kAmxEmulated = 2 };
+// which instructions do the two products: the build's vector ones (AVX512_BF16 dot products, or float32 FMAs on
+// an AVX2 build), AMX tiles, or AMX on emulated tiles (tests); the last two in AVX-512 builds only
+enum Isa : int64_t { kVector = 0, kAmx = 1, kAmxEmulated = 2 };
 constexpr int64_t kAmxTile = 16;  // query rows per AMX tile
 
-constexpr int64_t kDim = 64;        // head_dim this kernel covers
+constexpr int64_t kDim = 64;          // head_dim this kernel covers
 constexpr int64_t kPairs = kDim / 2;  // bf16 pairs per row
-constexpr int64_t kKeysPerVec = 16;
-constexpr int64_t kChunk = 64;      // keys per softmax step (4 vectors of scores per row)
-constexpr int64_t kTile = 4;        // query rows computed together
+constexpr int64_t kKeysPerVec = 16;   // keys per packing group (one AVX-512 vector of scores, two AVX2 ones)
+constexpr int64_t kChunk = 64;        // keys per softmax step
+
+// slots[i] = the pool slot of position c0 + i, for i < count, from a sequence's page ids: one division for the
+// chunk, not one per key (a runtime page size makes each a hardware divide: ~0.9 ms a 16-stream decode step)
+void chunk_slots(const int64_t* pages, int64_t page_size, int64_t c0, int64_t count, int64_t* slots) {
+  int64_t page = c0 / page_size, offset = c0 % page_size;
+  for (int64_t i = 0; i < count; ++i) {
+    slots[i] = pages[page] * page_size + offset;
+    if (++offset == page_size) {
+      offset = 0;
+      ++page;
+    }
+  }
+}
+
+
+constexpr int64_t kStateWidth = kDim + 2;  // a row's state: unnormalised output (64 floats), running max, sum
+
+// Per-row online-softmax state of one work item (rows padded to whole tiles)
+struct Rows {
+  const uint32_t** q;  // the row's query (32 bf16 pairs)
+  int64_t* see;        // the last key the row sees
+  float* m;            // running max of scaled scores
+  float* l;            // running sum of exp(score - m), of the bf16-rounded probabilities
+  float* o;            // unnormalised output, 64 floats per row, 64-byte aligned
+  // AMX only: the queries copied row after row (A tiles need one stride), a tile's scores and probabilities
+  uint16_t* q_rows;    // [rows][64] bf16
+  float* scores;       // [16][64]
+  uint32_t* probs;     // [16][32] bf16 pairs
+  // AVX2 builds only: the queries widened to float32, row after row
+  float* qf;           // [rows][64]
+};
+
+void init_row(const Rows& rows, int64_t r, const float* state) {
+  if (state == nullptr) {
+    rows.m[r] = -std::numeric_limits<float>::infinity();
+    rows.l[r] = 0.f;
+    std::memset(rows.o + r * kDim, 0, sizeof(float) * kDim);
+  } else {
+    std::memcpy(rows.o + r * kDim, state, sizeof(float) * kDim);
+    rows.m[r] = state[kDim];
+    rows.l[r] = state[kDim + 1];
+  }
+}
+
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+}  // namespace
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include "amx.h"
+
+namespace {
+
+using Packed = uint16_t;  // packed K / V: bf16 pairs
+constexpr at::ScalarType kPackedType = at::kShort;
+constexpr bool kFloatQueries = false;  // the dot products read the queries' bf16 pairs where they lie
+constexpr int64_t kTile = 4;           // query rows computed together
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
@@ -128,18 +199,6 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// slots[i] = the pool slot of position c0 + i, for i < count, from a sequence's page ids: one division for the
-// chunk, not one per key (a runtime page size makes each a hardware divide: ~0.9 ms a 16-stream decode step)
-void chunk_slots(const int64_t* pages, int64_t page_size, int64_t c0, int64_t count, int64_t* slots) {
-  int64_t page = c0 / page_size, offset = c0 % page_size;
-  for (int64_t i = 0; i < count; ++i) {
-    slots[i] = pages[page] * page_size + offset;
-    if (++offset == page_size) {
-      offset = 0;
-      ++page;
-    }
-  }
-}
 
 // Keys [c0, c0 + 16 * nvec) of one sequence -> the pack_keys layout of one chunk (keys >= len are zero); slots:
 // those of keys [c0, len) from chunk_slots
@@ -193,33 +252,6 @@ void pack_chunk_values(const uint16_t* v_base, int64_t slot_stride, const int64_
     _mm512_store_si512(dst + 32, _mm512_permutex2var_epi16(a0, high, b0));
     _mm512_store_si512(dst + 64, _mm512_permutex2var_epi16(a1, low, b1));
     _mm512_store_si512(dst + 96, _mm512_permutex2var_epi16(a1, high, b1));
-  }
-}
-
-constexpr int64_t kStateWidth = kDim + 2;  // a row's state: unnormalised output (64 floats), running max, sum
-
-// Per-row online-softmax state of one work item (rows padded to whole tiles)
-struct Rows {
-  const uint32_t** q;  // the row's query (32 bf16 pairs)
-  int64_t* see;        // the last key the row sees
-  float* m;            // running max of scaled scores
-  float* l;            // running sum of exp(score - m), of the bf16-rounded probabilities
-  float* o;            // unnormalised output, 64 floats per row, 64-byte aligned
-  // AMX only: the queries copied row after row (A tiles need one stride), a tile's scores and probabilities
-  uint16_t* q_rows;    // [rows][64] bf16
-  float* scores;       // [16][64]
-  uint32_t* probs;     // [16][32] bf16 pairs
-};
-
-void init_row(const Rows& rows, int64_t r, const float* state) {
-  if (state == nullptr) {
-    rows.m[r] = -std::numeric_limits<float>::infinity();
-    rows.l[r] = 0.f;
-    std::memset(rows.o + r * kDim, 0, sizeof(float) * kDim);
-  } else {
-    std::memcpy(rows.o + r * kDim, state, sizeof(float) * kDim);
-    rows.m[r] = state[kDim];
-    rows.l[r] = state[kDim + 1];
   }
 }
 
@@ -404,7 +436,7 @@ __attribute__((noinline)) void attend_chunk_amx(const uint16_t* kc, const uint16
   values.template operator()<3>();
 }
 
-using ChunkFn = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, const Rows&, float);
+using ChunkFn = void (*)(const Packed*, const Packed*, int64_t, int64_t, const Rows&, float);
 
 // The chunk routine, its rows per tile, and the tile set-up of one thread's work, for an isa
 struct Path {
@@ -423,15 +455,264 @@ struct Path {
         return {&attend_chunk_amx<prefixkv::EmuTiles>, kAmxTile,
                 [] { prefixkv::EmuTiles::configure(prefixkv::full_tiles()); }, [] {}};
       default:
-        TORCH_CHECK(isa == kAvx512, "native attention: isa must be 0 (AVX-512), 1 (AMX) or 2 (emulated AMX)");
+        TORCH_CHECK(isa == kVector, "native attention: isa must be 0 (AVX-512), 1 (AMX) or 2 (emulated AMX)");
         return {&attend_chunk, kTile, [] {}, [] {}};
     }
   }
 };
 
+}  // namespace
+
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA (CPUs without AVX-512, such as AMD EPYC Zen 3): no bf16 dot product, so K, V and the queries are
+// widened to float32 (exactly) when they are packed, and each product is one FMA. K is packed [8-key group][64
+// dims][8 keys] (a vector holds one dim of 8 keys), V [key][64 dims] (a key's values, 8 vectors). A score is one
+// chain of FMAs over the dims in order 0, 1, ..., 63 from zero; an output dim is one chain over the keys in order,
+// from the row's state. Probabilities stay float32 (nothing here reads bf16 pairs), and a row's sum adds the
+// chunk's vectors in order, then the lanes in a fixed tree. A tile is 2 rows: their 8 score or output chains, 4 K
+// or V vectors and 2 broadcasts fit the 16 ymm registers. The bits differ from the AVX512_BF16 path's; within
+// one build every row is computed alike, whatever its tile, chunking or caller, as above.
+namespace {
+
+using Packed = float;  // packed K / V: widened to float32
+constexpr at::ScalarType kPackedType = at::kFloat;
+constexpr bool kFloatQueries = true;  // Rows::qf
+constexpr int64_t kTile = 2;          // query rows computed together
+constexpr int64_t kLanes = 8;         // floats per vector
+constexpr int64_t kVecsPerChunk = kChunk / kLanes;
+
+using prefixkv::load8;
+
+// K [L, 64] of one kv head -> the two 8-key groups of 16-key group `group` ([64 dims][8 keys] each)
+void pack_keys(const uint16_t* k_base, int64_t slot_stride, const int64_t* slots, int64_t length, int64_t group,
+               float* out) {
+  for (int64_t i = 0; i < kKeysPerVec; ++i) {
+    const int64_t key = group * kKeysPerVec + i;
+    float* column = out + key / kLanes * kDim * kLanes + key % kLanes;
+    const uint16_t* src = key < length ? k_base + slots[key] * slot_stride : nullptr;
+    for (int64_t d = 0; d < kDim; ++d) column[d * kLanes] = src != nullptr ? bf16_to_float(src[d]) : 0.f;
+  }
+}
+
+// V [L, 64] of one kv head -> keys 2 pair and 2 pair + 1 as rows of 64 floats (zeros past the length)
+void pack_values(const uint16_t* v_base, int64_t slot_stride, const int64_t* slots, int64_t length, int64_t pair,
+                 float* out) {
+  for (int64_t key = 2 * pair; key < 2 * pair + 2; ++key) {
+    const uint16_t* src = key < length ? v_base + slots[key] * slot_stride : nullptr;
+    for (int64_t d = 0; d < kDim; d += kLanes)
+      _mm256_storeu_ps(out + key * kDim + d, src != nullptr ? load8(src + d) : _mm256_setzero_ps());
+  }
+}
+
+// 8 x 8 floats: r[j] lane i = r[i] lane j before
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 2; ++k) {  // u[4k + c], 128-bit half h: lane 4h + c of rows 4k .. 4k + 3
+    u[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+    u[4 * k + 1] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
+    u[4 * k + 2] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+    u[4 * k + 3] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+// Keys [c0, c0 + 16 * nvec) of one sequence -> the pack_keys layout of one chunk (keys >= len are zero); slots:
+// those of keys [c0, len) from chunk_slots
+void pack_chunk_keys(const uint16_t* k_base, int64_t slot_stride, const int64_t* slots, int64_t c0, int64_t len,
+                     int64_t nvec, float* out) {
+  for (int64_t g = 0; g < nvec * kKeysPerVec / kLanes; ++g) {
+    const uint16_t* src[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const int64_t key = g * kLanes + i;  // within the chunk
+      src[i] = c0 + key < len ? k_base + slots[key] * slot_stride : nullptr;
+    }
+    for (int64_t d0 = 0; d0 < kDim; d0 += kLanes) {
+      __m256 r[kLanes];
+      for (int64_t i = 0; i < kLanes; ++i) r[i] = src[i] != nullptr ? load8(src[i] + d0) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int64_t d = 0; d < kLanes; ++d) _mm256_store_ps(out + (g * kDim + d0 + d) * kLanes, r[d]);
+    }
+  }
+}
+
+// Key pairs [c0 / 2, c0 / 2 + pairs) of one sequence -> the pack_values layout of one chunk; slots as for
+// pack_chunk_keys
+void pack_chunk_values(const uint16_t* v_base, int64_t slot_stride, const int64_t* slots, int64_t c0, int64_t len,
+                       int64_t pairs, float* out) {
+  for (int64_t key = 0; key < 2 * pairs; ++key) {  // within the chunk
+    const uint16_t* src = c0 + key < len ? v_base + slots[key] * slot_stride : nullptr;
+    for (int64_t d = 0; d < kDim; d += kLanes)
+      _mm256_store_ps(out + key * kDim + d, src != nullptr ? load8(src + d) : _mm256_setzero_ps());
+  }
+}
+
+// the lanes' max and sum, each in one fixed order
+inline float max8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline float sum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// Row r's output (normalised, bf16), log-sum-exp and, when state is set, its raw state
+__attribute__((noinline)) void finish_row(const Rows& rows, int64_t r, c10::BFloat16* out, float* lse, float* state) {
+  const __m256 inv = _mm256_set1_ps(1.f / rows.l[r]);
+  for (int64_t d = 0; d < kDim; d += kLanes)
+    prefixkv::store8(out + d, _mm256_mul_ps(inv, _mm256_load_ps(rows.o + r * kDim + d)));
+  *lse = rows.m[r] + std::log(rows.l[r]);
+  if (state != nullptr) {
+    std::memcpy(state, rows.o + r * kDim, sizeof(float) * kDim);
+    state[kDim] = rows.m[r];
+    state[kDim + 1] = rows.l[r];
+  }
+}
+
+// Row r's scores s[0..nvec) of the chunk from key c0 (8 keys each, not yet scaled): scale, mask, online softmax;
+// probabilities in key order -> probs (8 * nvec of them); the row's max, sum and output rescaled
+inline void softmax_row(const Rows& rows, int64_t r, int64_t c0, int64_t nvec, __m256* s, float* probs,
+                        float scale) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m256 vscale = _mm256_set1_ps(scale), vneg = _mm256_set1_ps(neg_inf);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const bool all_visible = c0 + kLanes * nvec - 1 <= rows.see[r];  // most of a prefill
+  const __m256i past_seen = _mm256_set1_epi32(static_cast<int>(rows.see[r] + 1));
+  __m256 visible[kVecsPerChunk];
+  __m256 vmax = vneg;
+  for (int64_t j = 0; j < nvec; ++j) {
+    s[j] = _mm256_mul_ps(s[j], vscale);
+    if (!all_visible) {
+      const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(c0 + kLanes * j)));
+      visible[j] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(past_seen, key));  // key <= see
+      s[j] = _mm256_blendv_ps(vneg, s[j], visible[j]);
+    }
+    vmax = _mm256_max_ps(vmax, s[j]);
+  }
+  const float chunk_max = max8(vmax);
+  if (chunk_max == neg_inf) {  // nothing visible in this chunk for this row
+    std::memset(probs, 0, sizeof(float) * kLanes * nvec);
+    return;
+  }
+  const float m_new = std::max(rows.m[r], chunk_max);
+  const float alpha = rows.m[r] == neg_inf ? 0.f : rows.m[r] == m_new ? 1.f : std::exp(rows.m[r] - m_new);
+  const __m256 vm = _mm256_set1_ps(m_new);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nvec; ++j) {
+    __m256 e = prefixkv::exp8(_mm256_sub_ps(s[j], vm));
+    if (!all_visible) e = _mm256_and_ps(e, visible[j]);  // exp8 clamps its argument: masked lanes zeroed here
+    _mm256_store_ps(probs + kLanes * j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  rows.l[r] = rows.l[r] * alpha + sum8(vsum);
+  rows.m[r] = m_new;
+  if (alpha != 1.f) {
+    const __m256 va = _mm256_set1_ps(alpha);
+    float* orow = rows.o + r * kDim;
+    for (int64_t d = 0; d < kDim; d += kLanes) _mm256_store_ps(orow + d, _mm256_mul_ps(va, _mm256_load_ps(orow + d)));
+  }
+}
+
+// The scores of two query rows (float32, 64 dims each) against N 8-key groups of K from kc: 2N chains
+template <int N>
+inline void score_groups(const float* kc, const float* q0, const float* q1, __m256* s0, __m256* s1) {
+  __m256 a[N], b[N];
+  for (int j = 0; j < N; ++j) a[j] = b[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < kDim; ++d) {
+    const __m256 x0 = _mm256_broadcast_ss(q0 + d), x1 = _mm256_broadcast_ss(q1 + d);
+    for (int j = 0; j < N; ++j) {
+      const __m256 k = _mm256_load_ps(kc + (j * kDim + d) * kLanes);
+      a[j] = _mm256_fmadd_ps(x0, k, a[j]);
+      b[j] = _mm256_fmadd_ps(x1, k, b[j]);
+    }
+  }
+  for (int j = 0; j < N; ++j) {
+    s0[j] = a[j];
+    s1[j] = b[j];
+  }
+}
+
+// Rows [t0, t0 + 2) against the kChunk keys from key c0, packed at kc (pack_keys layout, this chunk's groups)
+// and vc (pack_values layout, this chunk's keys). Not inlined: both entry points run this one compiled copy, so
+// a row's arithmetic cannot depend on its caller (the compiler may not contract or reorder it differently).
+__attribute__((noinline)) void attend_chunk(const float* kc, const float* vc, int64_t c0, int64_t t0,
+                                            const Rows& rows, float scale) {
+  const int64_t tile_see = std::max(rows.see[t0], rows.see[t0 + 1]);
+  if (tile_see < c0) return;
+  const int64_t nvec = std::min<int64_t>(kVecsPerChunk, (tile_see - c0) / kLanes + 1);
+  __m256 s[kTile][kVecsPerChunk];
+  const float* q0 = rows.qf + t0 * kDim;
+  const float* q1 = q0 + kDim;
+  for (int64_t j0 = 0; j0 < nvec; j0 += 4) {  // 4 groups (32 keys) at a time
+    const float* kj = kc + j0 * kDim * kLanes;
+    switch (std::min<int64_t>(4, nvec - j0)) {
+      case 4: score_groups<4>(kj, q0, q1, s[0] + j0, s[1] + j0); break;
+      case 3: score_groups<3>(kj, q0, q1, s[0] + j0, s[1] + j0); break;
+      case 2: score_groups<2>(kj, q0, q1, s[0] + j0, s[1] + j0); break;
+      default: score_groups<1>(kj, q0, q1, s[0] + j0, s[1] + j0); break;
+    }
+  }
+  alignas(32) float probs[kTile][kChunk];
+  for (int64_t i = 0; i < kTile; ++i) softmax_row(rows, t0 + i, c0, nvec, s[i], probs[i], scale);
+  // values: o += p @ V over this chunk's keys, 32 output dims (4 vectors per row) at a time
+  const int64_t keys = nvec * kLanes;
+  for (int64_t h = 0; h < kDim; h += 4 * kLanes) {
+    float* o0 = rows.o + t0 * kDim + h;
+    float* o1 = o0 + kDim;
+    __m256 a[4], b[4];
+    for (int v = 0; v < 4; ++v) {
+      a[v] = _mm256_load_ps(o0 + v * kLanes);
+      b[v] = _mm256_load_ps(o1 + v * kLanes);
+    }
+    for (int64_t k = 0; k < keys; ++k) {
+      const __m256 p0 = _mm256_broadcast_ss(probs[0] + k), p1 = _mm256_broadcast_ss(probs[1] + k);
+      const float* vk = vc + k * kDim + h;
+      for (int v = 0; v < 4; ++v) {
+        const __m256 x = _mm256_load_ps(vk + v * kLanes);
+        a[v] = _mm256_fmadd_ps(p0, x, a[v]);
+        b[v] = _mm256_fmadd_ps(p1, x, b[v]);
+      }
+    }
+    for (int v = 0; v < 4; ++v) {
+      _mm256_store_ps(o0 + v * kLanes, a[v]);
+      _mm256_store_ps(o1 + v * kLanes, b[v]);
+    }
+  }
+}
+
+using ChunkFn = void (*)(const Packed*, const Packed*, int64_t, int64_t, const Rows&, float);
+
+// The chunk routine, its rows per tile, and the tile set-up of one thread's work (none here), for an isa
+struct Path {
+  ChunkFn attend;
+  int64_t tile;
+  void (*begin)();
+  void (*end)();
+
+  static Path of(int64_t isa) {
+    TORCH_CHECK(isa == kVector, "native attention: this build (AVX2, no AVX-512) runs isa 0 only; AMX needs AVX-512");
+    return {&attend_chunk, kTile, [] {}, [] {}};
+  }
+};
+
+}  // namespace
+#endif
+
+#ifdef PREFIXKV_ATTENTION_ISA
+namespace {
+
 // Per-thread storage of a work item's row state
 struct RowStorage {
-  std::vector<float> o_state, m, l, scores;
+  std::vector<float> o_state, m, l, scores, q_float;
   std::vector<int64_t> see;
   std::vector<const uint32_t*> q;
   std::vector<uint16_t> q_rows;
@@ -443,24 +724,35 @@ struct RowStorage {
     return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
   }
 
-  // amx: also the AMX buffers (queries copied, a tile's scores and probabilities)
+  // amx: also the AMX buffers (queries copied, a tile's scores and probabilities); an AVX2 build also widens
+  // the queries
   RowStorage(int64_t max_rows, bool amx)
       : o_state(max_rows * kDim + 16),
         m(max_rows),
         l(max_rows),
         scores(amx ? kAmxTile * kChunk + 16 : 0),
+        q_float(kFloatQueries ? max_rows * kDim + 16 : 0),
         see(max_rows),
         q(max_rows),
         q_rows(amx ? max_rows * kDim + 32 : 0),
         probs(amx ? kAmxTile * kChunk / 2 + 16 : 0) {
-    rows = Rows{q.data(), see.data(), m.data(), l.data(), aligned(o_state),
-                amx ? aligned(q_rows) : nullptr, amx ? aligned(scores) : nullptr, amx ? aligned(probs) : nullptr};
+    rows = Rows{q.data(),
+                see.data(),
+                m.data(),
+                l.data(),
+                aligned(o_state),
+                amx ? aligned(q_rows) : nullptr,
+                amx ? aligned(scores) : nullptr,
+                amx ? aligned(probs) : nullptr,
+                kFloatQueries ? aligned(q_float) : nullptr};
   }
 
-  // row r's query: pointed to, and for AMX copied into the row-after-row block
+  // row r's query: pointed to, for AMX copied into the row-after-row block, for an AVX2 build widened
   void set_query(int64_t r, const uint16_t* query) {
     rows.q[r] = reinterpret_cast<const uint32_t*>(query);
     if (rows.q_rows != nullptr) std::memcpy(rows.q_rows + r * kDim, query, kDim * sizeof(uint16_t));
+    if (rows.qf != nullptr)
+      for (int64_t d = 0; d < kDim; ++d) rows.qf[r * kDim + d] = bf16_to_float(query[d]);
   }
 };
 
@@ -469,14 +761,14 @@ struct RowStorage {
 struct Scratch {
   RowStorage storage;
   const Path& path;
-  std::vector<uint16_t> chunk;
+  std::vector<Packed> chunk;
 
   Scratch(int64_t max_rows, const Path& p, bool amx, bool decode = false)
-      : storage(max_rows, amx), path(p), chunk(decode ? 4 * kPairs * 32 + kChunk / 2 * 2 * kDim + 32 : 0) {
+      : storage(max_rows, amx), path(p), chunk(decode ? 2 * kChunk * kDim + 64 : 0) {
     path.begin();
   }
-  uint16_t* keys() { return RowStorage::aligned(chunk); }
-  uint16_t* values() { return keys() + 4 * kPairs * 32; }
+  Packed* keys() { return RowStorage::aligned(chunk); }
+  Packed* values() { return keys() + kChunk * kDim; }
   ~Scratch() { path.end(); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
@@ -522,21 +814,21 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
   const int64_t length = slots.size(0);
   TORCH_CHECK(length >= 1, "flash_attention needs at least one key");
   // keys rounded up to whole vectors (and to even pairs); to whole 64-key chunks for AMX, whose tiles read them
-  const int64_t key_unit = isa == kAvx512 ? kKeysPerVec : kChunk;
+  const int64_t key_unit = isa == kVector ? kKeysPerVec : kChunk;
   const int64_t padded = (length + key_unit - 1) / key_unit * key_unit;
   const int64_t groups16 = padded / kKeysPerVec;
   auto out = at::empty_like(q);
   auto lse = at::empty({rows, heads}, q.options().dtype(at::kFloat));
   auto state = return_state ? at::empty({rows, heads, kStateWidth}, q.options().dtype(at::kFloat)) : at::Tensor();
-  auto kp = at::empty({kv_heads, groups16 * kPairs * 32}, q.options().dtype(at::kShort));
-  auto vp = at::empty({kv_heads, padded / 2 * 2 * kDim}, q.options().dtype(at::kShort));
+  auto kp = at::empty({kv_heads, padded * kDim}, q.options().dtype(kPackedType));
+  auto vp = at::empty({kv_heads, padded * kDim}, q.options().dtype(kPackedType));
   const uint16_t* kv_ptr = reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>());
   const int64_t kv_stride = kv.stride(0), head_stride = kv.stride(1), slot_stride = kv.stride(2);
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
   const int64_t* pos_ptr = q_pos.data_ptr<int64_t>();
-  uint16_t* kp_ptr = reinterpret_cast<uint16_t*>(kp.data_ptr<int16_t>());
-  uint16_t* vp_ptr = reinterpret_cast<uint16_t*>(vp.data_ptr<int16_t>());
-  const int64_t kp_head = groups16 * kPairs * 32, vp_head = padded / 2 * 2 * kDim;
+  Packed* kp_ptr = static_cast<Packed*>(kp.data_ptr());
+  Packed* vp_ptr = static_cast<Packed*>(vp.data_ptr());
+  const int64_t kp_head = padded * kDim, vp_head = padded * kDim;  // either layout: 64 elements per key
 
   prefixkv::parallel_items(kv_heads * groups16, [&](int64_t item) {
     const int64_t h = item / groups16, g16 = item % groups16;
@@ -558,7 +850,7 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
   // items are taken from the end: each head's last blocks, which see the most keys, first, so that no thread is
   // left with a long one at the end
   const int64_t items = kv_heads * blocks;
-  auto scratch = [&] { return Scratch(kBlockPositions * group + path.tile, path, isa != kAvx512); };
+  auto scratch = [&] { return Scratch(kBlockPositions * group + path.tile, path, isa != kVector); };
   prefixkv::parallel_items(items, scratch, [&](Scratch& thread, int64_t i) {
     RowStorage& storage = thread.storage;
     const Rows& st = storage.rows;
@@ -567,8 +859,8 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
     const int64_t first = block * kBlockPositions, last = std::min(rows, first + kBlockPositions);
     const int64_t item_rows = (last - first) * group;  // rows (position, query head of this kv head)
     const int64_t padded_rows = (item_rows + path.tile - 1) / path.tile * path.tile;
-    const uint16_t* khead = kp_ptr + h * kp_head;
-    const uint16_t* vhead = vp_ptr + h * vp_head;
+    const Packed* khead = kp_ptr + h * kp_head;
+    const Packed* vhead = vp_ptr + h * vp_head;
     int64_t see_max = 0;
     for (int64_t r = 0; r < padded_rows; ++r) {
       const int64_t rr = std::min(r, item_rows - 1);  // padding rows repeat the last real one
@@ -579,8 +871,8 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
       init_row(st, r, state_in_ptr == nullptr ? nullptr : state_in_ptr + (pos * heads + head) * kStateWidth);
     }
     for (int64_t c0 = 0; c0 <= see_max; c0 += kChunk) {
-      const uint16_t* kc = khead + (c0 / kKeysPerVec) * kPairs * 32;
-      const uint16_t* vc = vhead + (c0 / 2) * 2 * kDim;
+      const Packed* kc = khead + c0 * kDim;
+      const Packed* vc = vhead + c0 * kDim;
       for (int64_t t0 = 0; t0 < padded_rows; t0 += path.tile) path.attend(kc, vc, c0, t0, st, fscale);
     }
     for (int64_t r = 0; r < item_rows; ++r) {
@@ -603,11 +895,11 @@ void prefixkv::attention::paged_decode(const PagedDecode& a, int64_t isa) {
   // sequences come shortest first (the planner sorts decodes by length): taken from the end, longest first
   const int64_t items = a.batch * a.kv_heads;
   const int64_t padded_rows = (group + path.tile - 1) / path.tile * path.tile;
-  auto scratch = [&] { return Scratch(padded_rows, path, isa != kAvx512, /*decode=*/true); };
+  auto scratch = [&] { return Scratch(padded_rows, path, isa != kVector, /*decode=*/true); };
   prefixkv::parallel_items(items, scratch, [&](Scratch& thread, int64_t i) {
     RowStorage& storage = thread.storage;
     const Rows& st = storage.rows;
-    uint16_t *kc = thread.keys(), *vc = thread.values();
+    Packed *kc = thread.keys(), *vc = thread.values();
     const int64_t item = items - 1 - i;
     const int64_t b = item / a.kv_heads, h = item % a.kv_heads, len = a.lens[b];
     const int64_t* pages = a.table + b * a.max_pages;
@@ -620,7 +912,7 @@ void prefixkv::attention::paged_decode(const PagedDecode& a, int64_t isa) {
     int64_t slots[kChunk];
     for (int64_t c0 = 0; c0 < len; c0 += kChunk) {
       // the vectors holding keys; AMX tiles read the whole chunk (zeros past the sequence)
-      const int64_t nvec = isa == kAvx512 ? std::min<int64_t>(4, (len - 1 - c0) / kKeysPerVec + 1) : 4;
+      const int64_t nvec = isa == kVector ? std::min<int64_t>(4, (len - 1 - c0) / kKeysPerVec + 1) : 4;
       chunk_slots(pages, a.page_size, c0, std::min(kChunk, len - c0), slots);
       pack_chunk_keys(a.kv + h * a.head_stride, a.slot_stride, slots, c0, len, nvec, kc);
       pack_chunk_values(a.kv + a.kv_stride + h * a.head_stride, a.slot_stride, slots, c0, len, nvec * 8, vc);
@@ -675,24 +967,27 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
   return {out, lse};
 }
 
-bool has_flash_attention() { return true; }
-
 #else
 
 std::vector<at::Tensor> flash_attention(at::Tensor, at::Tensor, at::Tensor, at::Tensor, double,
                                         c10::optional<at::Tensor>, bool, int64_t) {
-  TORCH_CHECK(false, "flash_attention needs AVX-512 BF16 (not compiled in)");
+  TORCH_CHECK(false, "flash_attention needs AVX-512 BF16 or AVX2 + FMA (not compiled in)");
 }
 
 std::vector<at::Tensor> paged_flash_decode(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
                                            c10::optional<at::Tensor>, bool, int64_t) {
-  TORCH_CHECK(false, "paged_flash_decode needs AVX-512 BF16 (not compiled in)");
+  TORCH_CHECK(false, "paged_flash_decode needs AVX-512 BF16 or AVX2 + FMA (not compiled in)");
 }
 
 void prefixkv::attention::paged_decode(const PagedDecode&, int64_t) {
-  TORCH_CHECK(false, "paged_flash_decode needs AVX-512 BF16 (not compiled in)");
+  TORCH_CHECK(false, "paged_flash_decode needs AVX-512 BF16 or AVX2 + FMA (not compiled in)");
 }
 
-bool has_flash_attention() { return false; }
+#define PREFIXKV_ATTENTION_ISA ""
 
 #endif
+
+bool has_flash_attention() { return PREFIXKV_ATTENTION_ISA[0] != '\0'; }
+
+// the instruction set of the vector path (isa 0): "avx512_bf16", "avx2", or "" (not compiled in)
+std::string attention_isa() { return PREFIXKV_ATTENTION_ISA; }

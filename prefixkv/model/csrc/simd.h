@@ -1,4 +1,5 @@
-// AVX-512 helpers shared by prefixkv's native kernels: bf16/fp16 <-> float32 and a vector exp.
+// Vector helpers shared by prefixkv's native kernels: bf16/fp16 <-> float32 and a vector exp, for AVX-512 and for
+// AVX2 + FMA.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -71,6 +72,48 @@ inline __m512 exp16_bf16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace prefixkv
+#endif
+
+// also in AVX-512 builds: a CPU with AVX-512 but not AVX512_BF16 runs the AVX2 attention
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace prefixkv {
+
+// 8 bf16 -> 8 floats (exact)
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// 8 floats -> 8 bf16, rounded to nearest even (as torch rounds; inputs here are never NaN)
+inline void store8(c10::BFloat16* p, __m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), halves);
+}
+
+// exp(x) as exp16 computes it (the same range reduction and degree-6 polynomial), 8 lanes; 2^n built in the
+// exponent bits (n is in [-126, 127] after the clamp, so it is a normal float)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945f));
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
 }  // namespace prefixkv
