@@ -1,10 +1,12 @@
 """Time the native bf16 attention kernels on SmolLM2's shapes (9 query heads over 3 kv heads of 64) and print
 GFLOPS: a causal 2048-token prefill, 1600 query rows over a shared 1024-token prefix (the shared-prefix row's
-stacked chunks), and 32 decodes over 1100-token contexts; on AVX512_BF16 dot products, and on AMX tiles where the
-CPU has them (isa 1). For A/B runs of kernel changes: run it before and after, side by side, on an idle machine,
-with --out, so the raw samples are kept (JSON: every round's time, the CPU, the thread count).
+stacked chunks), and 32 decodes over 1100-token contexts; on the build's vector path (AVX512_BF16 dot products, or
+float32 FMAs on a CPU without AVX-512), on AMX tiles where the CPU has them (isa 1), and, with --torch, torch's
+bf16 SDPA on the same K/V gathered (what runs without the native kernels). For A/B runs of kernel changes: run it
+before and after, side by side, on an idle machine, with --out, so the raw samples are kept (JSON: every round's
+time, the CPU, the thread count).
 
-    .venv/bin/python scripts/bench_attention_kernel.py [--threads 2] [--rounds 5] [--out FILE]
+    .venv/bin/python scripts/bench_attention_kernel.py [--threads 2] [--rounds 5] [--torch] [--out FILE]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from prefixkv.model import cpu_features, native
 
@@ -34,13 +37,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5, help="samples per case (the table shows their median)")
+    parser.add_argument("--torch", action="store_true", help="also time torch's SDPA on the same gathered K/V")
     parser.add_argument("--out", default=None, help="write the raw samples as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = native.flash_attention()
     if kernels is None:
-        raise SystemExit("the native attention kernel is not built here (needs AVX-512 BF16)")
-    isas = {"avx512_bf16": 0, **({"amx": 1} if native.amx_gemm() is not None else {})}
+        raise SystemExit("the native attention kernels are not built here (need AVX-512 BF16 or AVX2 + FMA)")
+    isas: dict = {native.attention_isa(): 0, **({"amx": 1} if native.amx_gemm() is not None else {})}
+    if args.torch:
+        isas["torch"] = "torch"
     heads, slots = KV_HEADS * GROUP, 65536
     pool = torch.randn(2, KV_HEADS, slots, HEAD_DIM).to(torch.bfloat16)
     scale = HEAD_DIM**-0.5
@@ -58,19 +64,33 @@ def main() -> int:
     table = torch.randperm(slots // page_size)[: batch * pages].view(batch, pages)
     lens = torch.full((batch,), length)
     flops_per_key = 4 * HEAD_DIM * heads  # scores and values, multiply and add
+    slots3 = (table[:, :, None] * page_size + torch.arange(page_size)).flatten(1)[:, :length]
+
+    def sdpa(q: torch.Tensor, slots: torch.Tensor, causal: bool) -> torch.Tensor:
+        """torch's path: K/V gathered from the pool, query heads grouped over kv heads ([..., H, rows, d])."""
+        k, v = pool[0][:, slots], pool[1][:, slots]  # [KVH, ..., L, d]
+        if slots.dim() == 2:  # decodes: [B, KVH, L, d]
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+
+    q1t, q2t, q3t = q1.transpose(0, 1), q2.transpose(0, 1), q3[:, :, None]
     cases = {  # name: (call for an isa, iterations, keys attended)
         "causal prefill, 2048 tokens": (
-            lambda i: kernels.flash_attention(q1, pool, s1, p1, scale, isa=i),
+            lambda i: sdpa(q1t, s1, True) if i == "torch" else kernels.flash_attention(q1, pool, s1, p1, scale, isa=i),
             10,
             n * n / 2,
         ),
         "1600 rows over a 1024-token shared prefix": (
-            lambda i: kernels.flash_attention(q2, pool, s2, p2, scale, isa=i),
+            lambda i: sdpa(q2t, s2, False) if i == "torch" else kernels.flash_attention(q2, pool, s2, p2, scale, isa=i),
             10,
             rows * prefix,
         ),
         "32 decodes over 1100 tokens": (
-            lambda i: kernels.paged_flash_decode(q3, pool, table, lens, page_size, scale, isa=i),
+            lambda i: (
+                sdpa(q3t, slots3, False)
+                if i == "torch"
+                else kernels.paged_flash_decode(q3, pool, table, lens, page_size, scale, isa=i)
+            ),
             20,
             batch * length,
         ),

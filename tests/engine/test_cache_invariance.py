@@ -1,7 +1,9 @@
 """bf16 greedy answers do not change on a cache hit, nor in a batch (KernelOptions.cache_invariant).
 
-The prompt set is `prefixkv bench cache-invariance`'s: short questions, questions behind four shared system
-prompts and the turns of multi-turn chats, 200 in all. Every prompt is answered cold once (caching off, the whole
+The prompts are made like `prefixkv bench cache-invariance`'s: short questions, questions behind four shared
+system prompts and the turns of multi-turn chats, 120 in all (the bench's 200, with 16 tokens each, are the
+evidence kept per CPU family in docs/benchmarks/cache_invariance/; 120 keep this module near a minute where bf16
+runs on AVX2, AMD EPYC Zen 3). Every prompt is answered cold once (caching off, the whole
 set in one batch), then warm by one of four engines (hash cache with 16-token pages, radix cache with 1-token
 pages, each also with prefill chunked by a 64-token budget), each taking a quarter of the set: after its shared
 parts were prewarmed (partial hits) and once more (full hits: only the last token or page is computed). Warm
@@ -41,7 +43,7 @@ def cold(new_llm):
     assert (kernels["isa_path"], kernels["matmul"], kernels["cache_invariant"]) == (want_path, want_path, "on")
     line = kernel_line(kernels, "bfloat16")
     assert cpu_features.model_name() in line and f"kernels {want_path}" in line and "cache invariance on" in line
-    prompts = invariance_prompts(llm.get_tokenizer(), num_short=56, num_system=80, num_turns=64, turns_per_chat=4)
+    prompts = invariance_prompts(llm.get_tokenizer(), num_short=32, num_system=48, num_turns=40, turns_per_chat=4)
     return llm, prompts, answer(llm, prompts, MAX_TOKENS, sequential=False)
 
 
@@ -71,11 +73,11 @@ def test_warm_answers_equal_cold_ones(cold, new_llm, name):
 
 
 def test_a_prompt_answers_the_same_alone_and_in_a_batch_of_16(cold):
-    """Batch invariance: 16 prompts of mixed lengths (36 to 148 tokens), each alone == in the cold batch."""
+    """Batch invariance: 16 prompts of mixed lengths, each alone == in the cold batch."""
     llm, prompts, cold_outputs = cold
     picked = spread_by_length(prompts, 16)
     alone = answer(llm, [prompts[i] for i in picked], MAX_TOKENS, sequential=True)
     batch = answer(llm, [prompts[i] for i in picked], MAX_TOKENS, sequential=False)
     want = [cold_outputs[i] for i in picked]
-    assert not flips(want, alone), "a prompt answered alone differs from the same prompt in the 200-prompt batch"
-    assert not flips(want, batch), "a prompt in a batch of 16 differs from the same prompt in the 200-prompt batch"
+    assert not flips(want, alone), "a prompt answered alone differs from the same prompt in the whole-set batch"
+    assert not flips(want, batch), "a prompt in a batch of 16 differs from the same prompt in the whole-set batch"

@@ -1,4 +1,5 @@
-// Attention for CPU in bfloat16 with AVX-512 BF16 dot products (head_dim 64), reading K/V from the paged pool.
+// Attention for CPU in bfloat16 with AVX-512 BF16 dot products (head_dim 64), reading K/V from the paged pool; on
+// a CPU without AVX512_BF16 the same kernels are built on AVX2 + FMA in float32 (the AVX2 section below).
 // Two entry points share one arithmetic:
 // - flash_attention: many query rows against one key range (a prefill chunk, fresh or after cached tokens; the
 //   stacked queries of several chunks or decodes against a shared prefix);
@@ -20,7 +21,8 @@
 // flash_attention, chunk by chunk (in registers, then L1) for decodes. Work items are (kv head, block of query
 // positions) or (sequence, kv head); the query heads of a kv head share its packed K/V (GQA without expanding).
 // Online softmax in float32; probabilities are rounded to bfloat16 for the value product, and the row sums use
-// the rounded values so the weights stay normalised.
+// the rounded values so the weights stay normalised. The drivers, row state and handover below are shared by both
+// builds; the packing, the chunk routine and the row finish are each build's own.
 //
 // On AMX (isa kAmx; kAmxEmulated runs the same code on amx.h's emulated tiles, for tests anywhere) a tile of 16
 // rows does the two products on tiles: scores as Q [16 x 64] . K^T per 16-key group (two tdpbf16ps over the head
