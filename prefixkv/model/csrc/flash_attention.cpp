@@ -58,7 +58,6 @@ void prefixkv::attention::check_pages(const at::Tensor& table, const at::Tensor&
                 ": each length must be in [1, pages * page_size]");
 }
 
-
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define PREFIXKV_ATTENTION_ISA "avx512_bf16"
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -96,7 +95,6 @@ void chunk_slots(const int64_t* pages, int64_t page_size, int64_t c0, int64_t co
   }
 }
 
-
 constexpr int64_t kStateWidth = kDim + 2;  // a row's state: unnormalised output (64 floats), running max, sum
 
 // Per-row online-softmax state of one work item (rows padded to whole tiles)
@@ -104,7 +102,7 @@ struct Rows {
   const uint32_t** q;  // the row's query (32 bf16 pairs)
   int64_t* see;        // the last key the row sees
   float* m;            // running max of scaled scores
-  float* l;            // running sum of exp(score - m), of the bf16-rounded probabilities
+  float* l;            // running sum of exp(score - m), of the probabilities the value product reads
   float* o;            // unnormalised output, 64 floats per row, 64-byte aligned
   // AMX only: the queries copied row after row (A tiles need one stride), a tile's scores and probabilities
   uint16_t* q_rows;    // [rows][64] bf16
@@ -125,7 +123,6 @@ void init_row(const Rows& rows, int64_t r, const float* state) {
     rows.l[r] = state[kDim + 1];
   }
 }
-
 
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -200,7 +197,6 @@ inline void transpose16(__m512i r[16]) {
     r[12 + c] = _mm512_shuffle_i32x4(y1, y3, 0xDD);
   }
 }
-
 
 // Keys [c0, c0 + 16 * nvec) of one sequence -> the pack_keys layout of one chunk (keys >= len are zero); slots:
 // those of keys [c0, len) from chunk_slots
