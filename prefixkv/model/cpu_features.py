@@ -15,7 +15,18 @@ import platform
 AVX512_BF16 = "avx512_bf16"
 AMX_BF16 = "amx_bf16"
 AMX_TILE = "amx_tile"
-KERNEL_FLAGS = ("avx512f", "avx512bw", "avx512vl", AVX512_BF16, "avx512_fp16", "avx512_vnni", AMX_TILE, AMX_BF16)
+KERNEL_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    AVX512_BF16,
+    "avx512_fp16",
+    "avx512_vnni",
+    AMX_TILE,
+    AMX_BF16,
+)
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from prefixkv.batch import BatchItem, Sample
-from prefixkv.model import cpu_features
+from prefixkv.model import cpu_features, native
 from prefixkv.model.attention import StepPlanner
 from prefixkv.model.config import ModelConfig
 from prefixkv.model.loader import LoadedModel, parse_dtype
@@ -76,7 +76,7 @@ class ModelRunner:
             "isa_path": self.options.isa_path if cpu else "torch",
             "matmul": self.options.matmul,
             "weights": self.options.weight_format,
-            "attention": ("amx" if self.options.amx_attention else "avx512_bf16")
+            "attention": ("amx" if self.options.amx_attention else native.attention_isa())
             if self.options.native_attention
             else "torch",
             "cache_invariant": "on" if self.options.cache_invariant else "off",

@@ -109,7 +109,8 @@ def served_rows(sizes: Sizes) -> list[ServedRow]:
 
 def cpu_family(cpu: dict) -> str:
     """The results folder of a CPU (cpu_features.describe()): one comparison kept per family. An EPYC without
-    AVX512_BF16 (Zen 3 and older: AVX2 only) runs none of prefixkv's kernels, so it is a family of its own."""
+    AVX512_BF16 (Zen 3 and older: AVX2 only) runs prefixkv's AVX2 builds of its kernels and neither engine has bf16
+    instructions there, so it is a family of its own."""
     flags = cpu.get("flags", ())
     if cpu.get("vendor") == "intel":
         return "intel_xeon_amx" if "amx_bf16" in flags else "intel_xeon"

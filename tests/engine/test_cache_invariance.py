@@ -41,6 +41,7 @@ def cold(new_llm):
     kernels = llm.llm_engine.kernels
     want_path = "amx" if native.amx_gemm() is not None else native.gemm_isa()  # avx512_bf16, or avx2 without AVX-512
     assert (kernels["isa_path"], kernels["matmul"], kernels["cache_invariant"]) == (want_path, want_path, "on")
+    assert kernels["attention"] == ("amx" if native.amx_gemm() is not None else native.attention_isa()) == want_path
     line = kernel_line(kernels, "bfloat16")
     assert cpu_features.model_name() in line and f"kernels {want_path}" in line and "cache invariance on" in line
     prompts = invariance_prompts(llm.get_tokenizer(), num_short=32, num_system=48, num_turns=40, turns_per_chat=4)
