@@ -131,6 +131,26 @@ inline float bf16_to_float(uint16_t bits) {
   return f;
 }
 
+// packed K / V elements: bf16 pairs for the AVX512_BF16 dot products, float32 (widened) for AVX2's FMAs
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+using Packed = uint16_t;
+#else
+using Packed = float;
+#endif
+
+using ChunkFn = void (*)(const Packed*, const Packed*, int64_t, int64_t, const Rows&, float);
+
+// The chunk routine, its rows per tile, and the tile set-up of one thread's work, for an isa (Path::of: each
+// build's own, below)
+struct Path {
+  ChunkFn attend;
+  int64_t tile;
+  void (*begin)();
+  void (*end)();
+
+  static Path of(int64_t isa);
+};
+
 }  // namespace
 #endif
 
@@ -139,8 +159,7 @@ inline float bf16_to_float(uint16_t bits) {
 
 namespace {
 
-using Packed = uint16_t;  // packed K / V: bf16 pairs
-constexpr at::ScalarType kPackedType = at::kShort;
+constexpr at::ScalarType kPackedType = at::kShort;  // Packed's storage
 constexpr bool kFloatQueries = false;  // the dot products read the queries' bf16 pairs where they lie
 constexpr int64_t kTile = 4;           // query rows computed together
 
@@ -434,32 +453,22 @@ __attribute__((noinline)) void attend_chunk_amx(const uint16_t* kc, const uint16
   values.template operator()<3>();
 }
 
-using ChunkFn = void (*)(const Packed*, const Packed*, int64_t, int64_t, const Rows&, float);
-
-// The chunk routine, its rows per tile, and the tile set-up of one thread's work, for an isa
-struct Path {
-  ChunkFn attend;
-  int64_t tile;
-  void (*begin)();
-  void (*end)();
-
-  static Path of(int64_t isa) {
-    switch (isa) {
-      case kAmx:
-        TORCH_CHECK(prefixkv::amx_supported(), "native attention: this CPU or OS does not offer AMX tiles");
-        return {&attend_chunk_amx<prefixkv::HwTiles>, kAmxTile,
-                [] { prefixkv::HwTiles::configure(prefixkv::full_tiles()); }, [] { prefixkv::HwTiles::release(); }};
-      case kAmxEmulated:
-        return {&attend_chunk_amx<prefixkv::EmuTiles>, kAmxTile,
-                [] { prefixkv::EmuTiles::configure(prefixkv::full_tiles()); }, [] {}};
-      default:
-        TORCH_CHECK(isa == kVector, "native attention: isa must be 0 (AVX-512), 1 (AMX) or 2 (emulated AMX)");
-        return {&attend_chunk, kTile, [] {}, [] {}};
-    }
-  }
-};
-
 }  // namespace
+
+Path Path::of(int64_t isa) {
+  switch (isa) {
+    case kAmx:
+      TORCH_CHECK(prefixkv::amx_supported(), "native attention: this CPU or OS does not offer AMX tiles");
+      return {&attend_chunk_amx<prefixkv::HwTiles>, kAmxTile,
+              [] { prefixkv::HwTiles::configure(prefixkv::full_tiles()); }, [] { prefixkv::HwTiles::release(); }};
+    case kAmxEmulated:
+      return {&attend_chunk_amx<prefixkv::EmuTiles>, kAmxTile,
+              [] { prefixkv::EmuTiles::configure(prefixkv::full_tiles()); }, [] {}};
+    default:
+      TORCH_CHECK(isa == kVector, "native attention: isa must be 0 (AVX-512), 1 (AMX) or 2 (emulated AMX)");
+      return {&attend_chunk, kTile, [] {}, [] {}};
+  }
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA (CPUs without AVX-512, such as AMD EPYC Zen 3): no bf16 dot product, so K, V and the queries are
@@ -472,8 +481,7 @@ struct Path {
 // one build every row is computed alike, whatever its tile, chunking or caller, as above.
 namespace {
 
-using Packed = float;  // packed K / V: widened to float32
-constexpr at::ScalarType kPackedType = at::kFloat;
+constexpr at::ScalarType kPackedType = at::kFloat;  // Packed's storage
 constexpr bool kFloatQueries = true;  // Rows::qf
 constexpr int64_t kTile = 2;          // query rows computed together
 constexpr int64_t kLanes = 8;         // floats per vector
@@ -687,22 +695,14 @@ __attribute__((noinline)) void attend_chunk(const float* kc, const float* vc, in
   }
 }
 
-using ChunkFn = void (*)(const Packed*, const Packed*, int64_t, int64_t, const Rows&, float);
-
-// The chunk routine, its rows per tile, and the tile set-up of one thread's work (none here), for an isa
-struct Path {
-  ChunkFn attend;
-  int64_t tile;
-  void (*begin)();
-  void (*end)();
-
-  static Path of(int64_t isa) {
-    TORCH_CHECK(isa == kVector, "native attention: this build (AVX2, no AVX-512) runs isa 0 only; AMX needs AVX-512");
-    return {&attend_chunk, kTile, [] {}, [] {}};
-  }
-};
-
 }  // namespace
+
+// no tiles to set up here
+Path Path::of(int64_t isa) {
+  TORCH_CHECK(isa == kVector, "native attention: this build (AVX2, no AVX-512) runs isa 0 only; AMX needs AVX-512");
+  return {&attend_chunk, kTile, [] {}, [] {}};
+}
+
 #endif
 
 #ifdef PREFIXKV_ATTENTION_ISA
