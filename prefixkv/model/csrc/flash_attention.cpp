@@ -124,12 +124,7 @@ void init_row(const Rows& rows, int64_t r, const float* state) {
   }
 }
 
-inline float bf16_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
+using prefixkv::bf16_to_float;
 
 // packed K / V elements: bf16 pairs for the AVX512_BF16 dot products, float32 (widened) for AVX2's FMAs
 #if defined(__AVX512BF16__) && defined(__AVX512F__)

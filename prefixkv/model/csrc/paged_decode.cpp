@@ -20,12 +20,7 @@ constexpr int64_t kMaxHeadDim = 256;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+inline float to_float(c10::BFloat16 x) { return prefixkv::bf16_to_float(x.x); }
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {

@@ -7,6 +7,18 @@
 #include <cstdint>
 #include <cstring>
 
+namespace prefixkv {
+
+// one bf16 (its bits) -> float (exact), on any CPU
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+}  // namespace prefixkv
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
