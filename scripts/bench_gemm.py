@@ -1,12 +1,15 @@
-"""The bf16 matrix products side by side: oneDNN (packed weights) against prefixkv's row-invariant kernels
-(avx512_bf16, and amx where the CPU has it) on SmolLM2's weight shapes, for the row counts the engine issues
-(1: one decode; 16, 64: decode batches and warm prefills; 256, 2048: prefill chunks).
+"""The matrix products side by side on SmolLM2's weight shapes, for the row counts the engine issues (1: one
+decode; 16, 64: decode batches and warm prefills; 256, 2048: prefill chunks). bf16: oneDNN (packed weights; torch's
+F.linear where oneDNN has no bf16) against prefixkv's row-invariant kernels (avx512_bf16, amx where the CPU has
+it, avx2 on a CPU without AVX-512). float32 (--dtype float32): torch's F.linear (MKL) against the AVX2 build's
+gemm_f32.
 
 Paths alternate within every round (so a busy machine slows each alike) and every sample is kept; the table shows
-medians over rounds, GFLOPS and each path's time relative to oneDNN's. The JSON (--out) holds the raw samples, the
-CPU and the thread count, so an A/B claim can be checked later.
+medians over rounds, GFLOPS and each path's time relative to the first (the library's). The JSON (--out) holds the
+raw samples, the CPU and the thread count, so an A/B claim can be checked later.
 
-    .venv/bin/python scripts/bench_gemm.py [--threads 2] [--rounds 5] [--rows 1,16,64,256,2048] [--out FILE]
+    .venv/bin/python scripts/bench_gemm.py [--dtype bfloat16] [--threads 2] [--rounds 5] [--rows 1,16,64,256,2048]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -45,19 +48,26 @@ def time_call(fn, budget_s: float = 0.15) -> float:
             return elapsed / calls
 
 
-def run(threads: int, rounds: int, rows: list[int], shapes: list[str]) -> dict:
+def compared_paths(dtype: torch.dtype) -> list[str]:
+    """The library's path first (oneDNN, else torch), then prefixkv's kernels that run here for `dtype`."""
+    available = matmul.available("cpu", dtype)
+    library = "onednn" if "onednn" in available else "torch"
+    return [library, *(p for p in ("avx512_bf16", "amx", "avx2") if p in available)]
+
+
+def run(threads: int, rounds: int, rows: list[int], shapes: list[str], dtype: torch.dtype = torch.bfloat16) -> dict:
     torch.set_num_threads(threads)
-    paths = [p for p in ("onednn", "avx512_bf16", "amx") if p in matmul.available("cpu", torch.bfloat16)]
+    paths = compared_paths(dtype)
     gen = torch.Generator().manual_seed(0)
     samples: dict = {}
     for name in shapes:
         n, k = SHAPES[name]
-        weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
+        weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
         packed = {p: matmul.pack(weight, p) for p in paths}
         for m in rows:
             if name == "lm_head" and m > 256:
                 continue  # the engine applies the lm_head to sampled rows only
-            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            x = torch.randn(m, k, generator=gen).to(dtype)
             key = f"{name} M={m}"
             samples[key] = {"n": n, "k": k, "m": m, **{p: [] for p in paths}}
             for r in range(rounds):
@@ -97,32 +107,41 @@ def summarize(result: dict) -> list[dict]:
     def columns(s: dict, p: str, t: float) -> dict:
         return {"ms": t * 1e3, "gflops": 2 * s["m"] * s["n"] * s["k"] / t / 1e9}
 
-    return median_rows(result["samples"], result["paths"], "onednn", columns)
+    return median_rows(result["samples"], result["paths"], result["paths"][0], columns)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser, rows="1,16,64,256,2048")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     shapes = [s for s in args.shapes.split(",") if s]
-    if "avx512_bf16" not in matmul.available("cpu", torch.bfloat16):
-        raise SystemExit("prefixkv's matrix product is not built here (needs AVX-512 BF16)")
+    dtype = getattr(torch, args.dtype)
+    if len(compared_paths(dtype)) < 2:
+        raise SystemExit(f"prefixkv has no {args.dtype} matrix product built here")
     cpu = cpu_features.describe()
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    result = run(args.threads, args.rounds, rows, shapes)
+    result = run(args.threads, args.rounds, rows, shapes, dtype)
     summary = summarize(result)
-    print(f"{cpu['model']} ({', '.join(cpu['flags'])}), {args.threads} threads, median of {args.rounds} rounds")
+    base, *ours = result["paths"]
+    print(f"{cpu['model']} ({', '.join(cpu['flags'])}), {args.dtype}, {args.threads} threads, median of {args.rounds}")
     header = f"{'shape':18s}" + "".join(f"{p + ' ms':>17s}{'GFLOPS':>8s}" for p in result["paths"])
-    print(header + "".join(f"{p + '/onednn':>18s}" for p in result["paths"] if p != "onednn"))
+    print(header + "".join(f"{p + '/' + base:>18s}" for p in ours))
     for row in summary:
         line = f"{row['shape']:18s}" + "".join(
             f"{row[p + '_ms']:17.3f}{row[p + '_gflops']:8.0f}" for p in result["paths"]
         )
-        print(line + "".join(f"{row[p + '_time_vs_onednn']:18.2f}" for p in result["paths"] if p != "onednn"))
+        print(line + "".join(f"{row[f'{p}_time_vs_{base}']:18.2f}" for p in ours))
     if args.out:
         with open(args.out, "w") as f:
-            config = {"date_utc": started, "cpu": cpu, "threads": args.threads, "rounds": args.rounds}
+            config = {
+                "date_utc": started,
+                "cpu": cpu,
+                "dtype": args.dtype,
+                "threads": args.threads,
+                "rounds": args.rounds,
+            }
             json.dump({"config": config, "summary": summary, **result}, f, indent=1)
         print(f"wrote {args.out}")
     return 0

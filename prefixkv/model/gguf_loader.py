@@ -11,7 +11,7 @@ from gguf.quants import dequantize
 
 from prefixkv.model.config import ModelConfig
 from prefixkv.model.gguf_file import GGUFFile
-from prefixkv.model.quantized import BLOCK_BYTES, QuantizedBlocks
+from prefixkv.model.quantized import BLOCK_BYTES, QuantizedBlocks, dequantize_raw
 
 SUPPORTED_QTYPES = {
     GGMLQuantizationType.F32,
@@ -70,6 +70,8 @@ def _dequantize(tensor) -> np.ndarray:
         flat = tensor.raw.view(np.float32).copy()  # the memmap is read-only
     elif tensor.qtype == GGMLQuantizationType.F16:
         flat = tensor.raw.view(np.float16).astype(np.float32)
+    elif tensor.qtype.name.lower() in BLOCK_BYTES:
+        flat = dequantize_raw(tensor.raw, tensor.qtype.name.lower()).numpy()
     else:
         flat = dequantize(tensor.raw, tensor.qtype)
     return flat.reshape(tensor.shape)

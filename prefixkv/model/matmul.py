@@ -11,7 +11,10 @@ Paths (KernelOptions.matmul):
   its self-test on this machine;
 - "avx2": the same kernel's contract on a CPU without AVX-512 (AVX2 + FMA, such as AMD EPYC Zen 3): each K pair
   is two fp32 FMAs. There torch emulates bf16 products (a seventh of this kernel's rate on SmolLM2's shapes) and
-  oneDNN has no bf16, so it is the bf16 path there, also with cache invariance off.
+  oneDNN has no bf16, so it is the bf16 path there, also with cache invariance off. The same build has a float32
+  product with the same contract (one FMA chain over K per output element), the float32 path there too: torch's
+  (MKL) streams the weights at a third of the memory bandwidth for 1 to 16 rows on that CPU, and its rows change
+  with M (csrc/gemm.cpp, gemm_f32).
 Weights in a block format (KernelOptions.weight_format, prefixkv.model.quantized) are read by the native qgemm
 kernel (csrc/gemm_q.cpp) whatever `matmul` says: their PackedWeight's path is the block format ("q8_0", "q4_0",
 "q4_1"), with the same row-invariance contract.
@@ -51,6 +54,8 @@ def available(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]
         paths.append(native.gemm_isa())
         if native.amx_gemm() is not None:
             paths.append("amx")
+    if device.type == "cpu" and dtype == torch.float32 and native.gemm_f32() is not None:
+        paths.append("avx2")
     return tuple(paths)
 
 
@@ -61,17 +66,33 @@ def best_row_invariant(device: torch.device | str, dtype: torch.dtype) -> str | 
 
 
 def pack(weight: torch.Tensor, path: str) -> PackedWeight | None:
-    """The copy of `weight` that `path` reads; None for "torch", which reads the plain weight."""
+    """The copy of `weight` that `path` reads; None for "torch", which reads the plain weight.
+
+    Made once per weight and path, and kept on the weight: the runners of one loaded model (engines built on a
+    shared LoadedModel, as the tests' and a server's beside a reference one) share it instead of each holding a
+    copy as large as the weights (float32: 540 MB for SmolLM2). The key holds the weight's storage and version, so
+    a weight cast or written in place is packed again."""
     if path == "torch":
         return None
     w = weight.detach()
+    key = (path, w.data_ptr(), w.dtype, tuple(w.shape), w._version)
+    kept = getattr(weight, _KEPT, None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
     if path == "onednn":
         data = packed_linear.pack(w)
-    elif path in ROW_INVARIANT_PATHS:  # one panel layout for both (csrc/gemm.cpp)
+    elif path in ROW_INVARIANT_PATHS and w.dtype == torch.float32:  # "avx2" only (see available)
+        data = native.module().gemm_pack_f32(w.contiguous())
+    elif path in ROW_INVARIANT_PATHS:  # one bf16 panel layout for all three (csrc/gemm.cpp)
         data = native.gemm().gemm_pack(w.contiguous())
     else:
         raise ValueError(f"unknown matmul path {path!r}; one of {PATHS}")
-    return PackedWeight(path, data, w.shape[0])
+    packed = PackedWeight(path, data, w.shape[0])
+    setattr(weight, _KEPT, (key, packed))
+    return packed
+
+
+_KEPT = "_prefixkv_packed"  # the attribute pack() keeps a weight's last packed copy in: (key, PackedWeight)
 
 
 def pack_quantized(q: quantized.QuantizedBlocks) -> PackedWeight:
@@ -89,6 +110,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, b
     if packed.path in quantized.FORMATS:
         out = native.module().qgemm(rows, packed.data, packed.out_features, packed.path, bias)
         return out.view(*x.shape[:-1], packed.out_features)
-    kernel = native.gemm().gemm if packed.path in NATIVE_GEMM_PATHS else native.amx_gemm().amx_gemm
+    if packed.data.dtype == torch.float32:
+        kernel = native.module().gemm_f32
+    else:
+        kernel = native.gemm().gemm if packed.path in NATIVE_GEMM_PATHS else native.amx_gemm().amx_gemm
     out = kernel(rows, packed.data, packed.out_features, bias)
     return out.view(*x.shape[:-1], packed.out_features)

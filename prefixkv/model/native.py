@@ -100,6 +100,13 @@ def gemm_isa() -> str:
     return m.gemm_isa() if m is not None else ""
 
 
+def gemm_f32():
+    """The module when its row-invariant float32 matrix product is compiled in (the AVX2 build, on a CPU without
+    AVX-512), else None."""
+    m = module()
+    return m if m is not None and hasattr(m, "has_gemm_f32") and m.has_gemm_f32() else None
+
+
 def qgemm():
     """The module when its weight-only quantized matrix product is compiled in (AVX-512), else None."""
     m = module()

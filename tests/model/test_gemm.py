@@ -1,5 +1,5 @@
 """prefixkv's own bf16 matrix product (csrc/gemm.cpp; matmul path "avx512_bf16", or "avx2" on a CPU without
-AVX-512): accurate, and row-invariant.
+AVX-512), and the float32 one of the AVX2 build (gemm_f32, the float32 path there): accurate, and row-invariant.
 
 Row invariance is the point of the kernel (cache-invariant bf16): a row's bits must not depend on how many rows
 the call has, where the row sits, how the rows split into tiles and row blocks, or how many threads run. It is
@@ -95,3 +95,42 @@ def test_bad_inputs_are_refused():
         native.gemm().gemm(_rows(2, 32, 0), packed, 200)
     with pytest.raises(RuntimeError, match="bf16"):
         native.gemm().gemm(_rows(2, 32, 0).float(), packed, 64)
+
+
+@kernels.GEMM_F32
+@pytest.mark.parametrize("name", [*SMOLLM2, *ODD])
+def test_float32_rows_do_not_depend_on_the_batch_and_are_accurate(name):
+    """gemm_f32: every sub-batch (around its 6-row tiles, the single-row tile, any offset) and one thread give the
+    rows of the 200-row product bit for bit; each element within the bound of one float32 chain over K (k units
+    in the last place of the sum of |x| |w| and |bias|) of the float64 product; 3-d input through matmul.linear."""
+    n, k = {**SMOLLM2, **ODD}[name]
+    gen = torch.Generator().manual_seed(n + k)
+    weight, x = torch.randn(n, k, generator=gen), torch.randn(200, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    packed = matmul.pack(weight, "avx2")
+    assert packed is not None and packed.data.dtype == torch.float32
+    full = matmul.linear(x, weight, packed, bias)
+    for first, m in ((0, 1), (199, 1), (3, 2), (10, 3), (1, 5), (5, 6), (7, 13), (40, 64)):
+        part = native.module().gemm_f32(x[first : first + m].clone(), packed.data, n, bias)
+        assert torch.equal(part, full[first : first + m]), f"rows [{first}, {first + m})"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(matmul.linear(x[:37], weight, packed, bias), full[:37])
+    finally:
+        torch.set_num_threads(threads)
+    want = F.linear(x.double(), weight.double(), bias.double())
+    bound = (k + 1) * 2**-24 * F.linear(x.double().abs(), weight.double().abs(), bias.double().abs())
+    assert bool(((full.double() - want).abs() <= bound).all()), (full.double() - want).abs().max()
+    assert torch.equal(matmul.linear(x[:20].reshape(4, 5, k), weight, packed, bias), full[:20].view(4, 5, n))
+
+
+@kernels.GEMM_F32
+def test_float32_bad_inputs_are_refused():
+    packed = native.module().gemm_pack_f32(torch.randn(64, 32))
+    with pytest.raises(RuntimeError, match="x has 48 columns"):
+        native.module().gemm_f32(torch.randn(2, 48), packed, 64)
+    with pytest.raises(RuntimeError, match="packed must come from gemm_pack_f32"):
+        native.module().gemm_f32(torch.randn(2, 32), packed, 200)
+    with pytest.raises(RuntimeError, match="fp32"):
+        native.module().gemm_f32(torch.randn(2, 32).bfloat16(), packed, 64)

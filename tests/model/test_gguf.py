@@ -118,3 +118,29 @@ def test_gguf_round_trip(tiny_checkpoint, tmp_path, arch):
     assert quantized_names and all(blocks[n].format in ("q4_0", "q4_1", "q8_0") for n in quantized_names)
     for name in quantized_names:
         assert torch.equal(dequantize_blocks(blocks[name]), got[name]), name
+
+
+def _same_bits(got: torch.Tensor, want: np.ndarray) -> bool:
+    """Bit for bit, any NaN matching any NaN (random bytes make NaN and inf scales too)."""
+    got_bits, want_bits = got.numpy().view(np.uint32), want.reshape(-1).view(np.uint32)
+    return bool(np.all((got_bits == want_bits) | (np.isnan(got.numpy()) & np.isnan(want.reshape(-1)))))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # gguf's own NaN * 0
+def test_block_dequantizer_gives_ggufs_bits():
+    """dequantize_raw (the loader's whole-array dequantizer) against gguf's own, the format's definition: the
+    default model's q8_0 embedding and first layer's q4_1 blocks, and random bytes in every format (every fp16
+    scale and minimum a block can carry, NaN, inf and subnormal ones included)."""
+    from prefixkv.model.gguf_file import GGUFFile
+    from prefixkv.model.loader import default_model_path
+    from prefixkv.model.quantized import BLOCK_BYTES, dequantize_raw
+
+    tensors = GGUFFile(default_model_path()).tensors.values()
+    real = [t for t in tensors if t.qtype == Q.Q8_0 or (t.name.startswith("blk.0.") and t.qtype == Q.Q4_1)]
+    assert {t.qtype for t in real} == {Q.Q8_0, Q.Q4_1}
+    for tensor in real:
+        assert _same_bits(dequantize_raw(tensor.raw, tensor.qtype.name.lower()), dequantize(tensor.raw, tensor.qtype))
+    rng = np.random.default_rng(0)
+    for fmt, size in BLOCK_BYTES.items():
+        raw = rng.integers(0, 256, size=(4096, size), dtype=np.uint8)
+        assert _same_bits(dequantize_raw(raw, fmt), dequantize(raw, Q[fmt.upper()])), fmt

@@ -13,3 +13,19 @@ def test_engine_kernel_options(new_llm):
         new_llm(kv_cache_tokens=512, kernel_options="no_such_switch=1")
     with pytest.raises(ValueError, match="native_attention"):
         new_llm(kv_cache_tokens=512, kernel_options="native_attention=1")  # bf16 only
+
+
+def test_engines_on_one_loaded_model_share_its_packed_weights(new_llm):
+    """matmul.pack keeps a weight's packed copy on the weight: a second engine on the same loaded model reads the
+    first one's (not a copy as large as the weights); one on F.linear reads the plain weights."""
+    first = new_llm(kv_cache_tokens=512).llm_engine.runner
+    if first.options.matmul == "torch":
+        pytest.skip("float32 reads the plain weights here (no packed copy)")
+    second = new_llm(kv_cache_tokens=512).llm_engine.runner
+
+    def gate_up(runner):
+        return runner.model.layers[0].mlp.gate_up_proj.packed
+
+    assert gate_up(first) is gate_up(second) and first.model.lm_head_packed is second.model.lm_head_packed
+    plain = new_llm(kv_cache_tokens=512, kernel_options="matmul=torch").llm_engine.runner
+    assert gate_up(plain) is None

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from prefixkv.model import native
 from prefixkv.sampling_params import SamplingParams
 from tests.server.live_server import cache_summary, metric_samples, running_server, wait_no_pages_held
 
@@ -188,8 +189,9 @@ def test_metrics_names_and_values(server, client, engine):
     # the machine and kernels the numbers come from: one info series (as vLLM's cache_config_info)
     (info,) = [key for key in after if key.startswith("prefixkv:kernel_info{")]
     assert after[info] == 1.0
-    kernels = engine.kernels  # fp32 here: torch's matmul and attention, no cache invariance
-    assert (kernels["matmul"], kernels["cache_invariant"]) == ("torch", "off")
+    kernels = engine.kernels  # fp32 here: torch's attention (matmul too, but on the AVX2 build), no cache invariance
+    fp32_matmul = "avx2" if native.gemm_f32() is not None else "torch"
+    assert (kernels["matmul"], kernels["cache_invariant"]) == (fp32_matmul, "off")
     for label, value in kernels.items():
         assert f'{label}="{value}"' in info, label
 

@@ -20,6 +20,9 @@ std::string attention_isa();
 at::Tensor gemm_pack(at::Tensor weight);
 at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
 bool has_gemm();
+at::Tensor gemm_pack_f32(at::Tensor weight);
+at::Tensor gemm_f32(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
+bool has_gemm_f32();
 std::string gemm_isa();
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
 at::Tensor amx_gemm_emulated(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias);
@@ -54,6 +57,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("has_gemm", &has_gemm, "whether gemm is compiled in (AVX-512 BF16, or AVX2 + FMA)");
   m.def("gemm_isa", &gemm_isa, "the instruction set gemm is compiled for: avx512_bf16, avx2, or empty (none)");
+  m.def("gemm_pack_f32", &gemm_pack_f32, "fp32 weight [N, K] -> the panel layout gemm_f32 reads", py::arg("weight"));
+  m.def("gemm_f32", &gemm_f32, "x [M, K] fp32 @ packed weight^T (+ bias) -> [M, N] fp32; a row's bits never depend on M",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("has_gemm_f32", &has_gemm_f32, "whether gemm_f32 is compiled in (the AVX2 build: a CPU without AVX-512)");
   m.def("amx_gemm", &amx_gemm, "gemm on AMX tiles (same packed weights, same row invariance)", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("amx_gemm_emulated", &amx_gemm_emulated, "amx_gemm's kernels on emulated tiles (tests)", py::arg("x"),

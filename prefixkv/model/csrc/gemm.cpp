@@ -81,6 +81,24 @@ at::Tensor gemm_pack(at::Tensor weight) {
   return packed;
 }
 
+// weight [N, K] fp32 -> packed [panels, K, 64] fp32 (gemm_f32's layout: one K step of a panel is 256 contiguous
+// bytes; the last panel zero-padded)
+at::Tensor gemm_pack_f32(at::Tensor weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+              "gemm_pack_f32: expected a float32 CPU weight [out, in]");
+  weight = weight.contiguous();
+  const int64_t n = weight.size(0), k = weight.size(1), panels = panels_of(n);
+  auto packed = at::zeros({panels, k, kPanel}, weight.options());
+  const float* w = weight.data_ptr<float>();
+  float* p = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel)
+      for (int64_t c = 0; c < kPanel && panel * kPanel + c < n; ++c)
+        for (int64_t kk = 0; kk < k; ++kk) p[(panel * k + kk) * kPanel + c] = w[(panel * kPanel + c) * k + kk];
+  });
+  return packed;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -150,6 +168,8 @@ void run(const Problem& pb) {
 
 }  // namespace prefixkv::gemm
 
+static void run_f32(const ProblemF32&) { TORCH_CHECK(false, "gemm_f32 is built with the AVX2 kernel only"); }
+static constexpr bool kGemmF32 = false;
 static constexpr const char* kGemmIsa = "avx512_bf16";
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -250,6 +270,71 @@ void run(const Problem& pb) {
 
 }  // namespace prefixkv::gemm
 
+// The float32 product on this build: each output element is one chain of fp32 FMAs over K in order 0, 1, 2, ...
+// from zero, then + bias, whatever M (as the bf16 chains above). Why: torch's fp32 matmul (MKL) streams a weight
+// at a third of the memory bandwidth for one to sixteen rows on this CPU (AMD EPYC Zen 3: SmolLM2's 30 layers at
+// one row 34.7 ms, two rows 60.7 ms, against 14.7 ms to stream their 424 MB), and a row's bits depend on M there.
+// Tiles are 6 rows x 16 columns (12 chains, as many as the 16 ymm registers hold beside 2 weight vectors and a
+// broadcast), the row tail in smaller ones; a single row takes the whole panel (8 chains, each K step's 256 bytes
+// read once).
+namespace {
+
+template <int R, int V>
+__attribute__((noinline)) void tile_f32(const ProblemF32& pb, int64_t m0, int64_t p, int64_t first_vec) {
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  const float* a[R];
+  for (int r = 0; r < R; ++r) a[r] = pb.x + (m0 + r) * pb.lda;
+  const float* b = pb.panel(p) + first_vec * 8;
+  for (int64_t kk = 0; kk < pb.k; ++kk) {
+    const float* row = b + kk * kPanel;
+    __m256 w[V];
+    for (int v = 0; v < V; ++v) w[v] = _mm256_loadu_ps(row + v * 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xa = _mm256_set1_ps(a[r][kk]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(xa, w[v], acc[r][v]);
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    const int64_t col = p * kPanel + (first_vec + v) * 8;
+    if (col >= pb.n) break;
+    const int64_t count = std::min<int64_t>(8, pb.n - col);
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, acc[r][v]);
+      float* y = pb.y + (m0 + r) * pb.ldy + col;
+      for (int64_t i = 0; i < count; ++i) y[i] = pb.bias != nullptr ? sums[i] + pb.bias[col + i] : sums[i];
+    }
+  }
+}
+
+// Rows [m0, m0 + R) x panel p, in tiles of V vectors across the panel
+template <int R, int V>
+void panel_f32(const ProblemF32& pb, int64_t m0, int64_t p) {
+  for (int64_t first = 0; first < kPanel / 8 && p * kPanel + first * 8 < pb.n; first += V) tile_f32<R, V>(pb, m0, p, first);
+}
+
+void run_f32(const ProblemF32& pb) {
+  for_each_block(pb, 6, [&](int64_t ma, int64_t mz, int64_t pa, int64_t pz) {
+    for (int64_t p = pa; p < pz; ++p) {
+      int64_t m = ma;
+      for (; m + 6 <= mz; m += 6) panel_f32<6, 2>(pb, m, p);
+      switch (mz - m) {
+        case 5: panel_f32<5, 2>(pb, m, p); break;
+        case 4: panel_f32<4, 2>(pb, m, p); break;
+        case 3: panel_f32<3, 2>(pb, m, p); break;
+        case 2: panel_f32<2, 4>(pb, m, p); break;
+        case 1: panel_f32<1, 8>(pb, m, p); break;
+        default: break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+static constexpr bool kGemmF32 = true;
 static constexpr const char* kGemmIsa = "avx2";
 
 #else
@@ -258,6 +343,8 @@ namespace prefixkv::gemm {
 void run(const Problem&) { TORCH_CHECK(false, "gemm needs AVX-512 BF16 or AVX2 + FMA (not compiled in)"); }
 }  // namespace prefixkv::gemm
 
+static void run_f32(const ProblemF32&) { TORCH_CHECK(false, "gemm_f32 is built with the AVX2 kernel only"); }
+static constexpr bool kGemmF32 = false;
 static constexpr const char* kGemmIsa = "";
 
 #endif
@@ -271,6 +358,29 @@ at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Te
 }
 
 bool has_gemm() { return kGemmIsa[0] != '\0'; }
+
+// x [M, K] fp32, packed from gemm_pack_f32 of a [N, K] weight, bias [N] fp32 or none -> [M, N] fp32
+at::Tensor gemm_f32(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(kGemmF32, "gemm_f32 is built with the AVX2 kernel only (a CPU without AVX-512)");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, "gemm_f32: x must be fp32 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(0) == panels_of(n) &&
+                  packed.size(2) == kPanel && packed.is_contiguous(),
+              "gemm_f32: packed must come from gemm_pack_f32 of an [n, K] weight");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(packed.size(1) == k, "gemm_f32: x has ", k, " columns, the weight ", packed.size(1));
+  if (x.stride(1) != 1) x = x.contiguous();
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == n, "gemm_f32: bias must be fp32 [N]");
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  run_f32(ProblemF32{x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), k, m, n,
+                     b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), n});
+  return y;
+}
+
+bool has_gemm_f32() { return kGemmF32; }
 
 // the instruction set the product is compiled for (the matmul path's name), or "" without one
 std::string gemm_isa() { return kGemmIsa; }

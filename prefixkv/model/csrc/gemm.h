@@ -34,6 +34,23 @@ struct Problem {
   int64_t ldy;
 
   const uint16_t* panel(int64_t p) const { return w + p * pairs * kPairRow; }
+  int64_t row_bytes() const { return 4 * pairs; }  // of one x row
+};
+
+// The float32 product (gemm_f32, built with the AVX2 kernel): weights packed [panels][K][64 columns] fp32, x and y
+// fp32
+struct ProblemF32 {
+  const float* x;  // [M, K] rows at stride lda (elements)
+  int64_t lda;
+  const float* w;  // packed [panels][k][kPanel]
+  int64_t k;
+  int64_t m, n;
+  const float* bias;  // [N] or nullptr
+  float* y;           // [M, N], rows at stride ldy
+  int64_t ldy;
+
+  const float* panel(int64_t p) const { return w + p * k * kPanel; }
+  int64_t row_bytes() const { return 4 * k; }
 };
 
 // A checked call: the tensors it keeps alive and the Problem over them (defined in gemm.cpp)
@@ -57,11 +74,11 @@ void run_amx(const Problem& pb);
 // thread takes one contiguous run of panels and reads it front to back (SmolLM2's layer matrices at one row, AMD
 // EPYC, 2 threads, cold weights: 0.88-0.96x the time of one panel at a time). Only speed depends on this split:
 // every output element is computed by the same chain whatever block or group it falls in.
-template <class Fn>
-void for_each_block(const Problem& pb, int64_t row_tile, const Fn& fn) {
+template <class P, class Fn>
+void for_each_block(const P& pb, int64_t row_tile, const Fn& fn) {
   if (pb.m == 0) return;
   const int64_t total_panels = panels_of(pb.n);
-  const int64_t fit = (192 * 1024) / (4 * pb.pairs) / row_tile * row_tile;
+  const int64_t fit = (192 * 1024) / pb.row_bytes() / row_tile * row_tile;
   const int64_t max_rows = std::max<int64_t>(row_tile, fit);
   const int64_t row_blocks = (pb.m + max_rows - 1) / max_rows;
   const int64_t row_block = ((pb.m + row_blocks - 1) / row_blocks + row_tile - 1) / row_tile * row_tile;
