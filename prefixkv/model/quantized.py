@@ -81,9 +81,9 @@ def dequantize_raw(raw: np.ndarray, fmt: str) -> torch.Tensor:
 
     The format's definition is gguf's own dequantizer (gguf/quants.py): q8_0 d * q, q4_0 d * (q - 8), q4_1
     d * q + m, from fp16 d and m. Each product is exact in fp32 (an 11-bit significand times at most 8 bits), so
-    this whole-array version gives its bits exactly (tests/model/test_gguf.py checks every block of the default
-    model) in a few passes over memory: ~0.3 s for SmolLM2-135M where gguf's row groups took 2-3 s, paid by every
-    process that loads the model."""
+    this whole-array version gives its bits exactly (tests/model/test_gguf.py compares the default model's q8_0 and
+    q4_1 blocks and random blocks of each format) in a few passes over memory: ~0.3 s for SmolLM2-135M where gguf's
+    row groups took 2-3 s (AMD EPYC Zen 3), paid by every process that loads the model."""
     blocks = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1, BLOCK_BYTES[fmt]))  # a copy: raw is a memmap
     scale = blocks[:, 0:2].contiguous().view(torch.float16).float()
     values = torch.empty(blocks.shape[0], BLOCK)

@@ -60,7 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_pack_f32", &gemm_pack_f32, "fp32 weight [N, K] -> the panel layout gemm_f32 reads", py::arg("weight"));
   m.def("gemm_f32", &gemm_f32, "x [M, K] fp32 @ packed weight^T (+ bias) -> [M, N] fp32; a row's bits never depend on M",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
-  m.def("has_gemm_f32", &has_gemm_f32, "whether gemm_f32 is compiled in (the AVX2 build: a CPU without AVX-512)");
+  m.def("has_gemm_f32", &has_gemm_f32, "whether gemm_f32 is compiled in (the AVX2 build: a CPU without AVX-512 BF16)");
   m.def("amx_gemm", &amx_gemm, "gemm on AMX tiles (same packed weights, same row invariance)", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("amx_gemm_emulated", &amx_gemm_emulated, "amx_gemm's kernels on emulated tiles (tests)", py::arg("x"),

@@ -271,9 +271,10 @@ void run(const Problem& pb) {
 }  // namespace prefixkv::gemm
 
 // The float32 product on this build: each output element is one chain of fp32 FMAs over K in order 0, 1, 2, ...
-// from zero, then + bias, whatever M (as the bf16 chains above). Why: torch's fp32 matmul (MKL) streams a weight
-// at a third of the memory bandwidth for one to sixteen rows on this CPU (AMD EPYC Zen 3: SmolLM2's 30 layers at
-// one row 34.7 ms, two rows 60.7 ms, against 14.7 ms to stream their 424 MB), and a row's bits depend on M there.
+// from zero, then + bias, whatever M (as the bf16 chains above). Why: torch's fp32 matmul (MKL) reads a weight at
+// about a third of the memory bandwidth for one to sixteen rows on this CPU (AMD EPYC Zen 3, 2 threads: SmolLM2's
+// 113 MB lm_head at one row in 9.6 ms, 12 GB/s, where the machine streams 28.9 GB/s; this kernel 4.4 ms, see
+// docs/benchmarks/kernel_ab/gemm_float32_amd_epyc_avx2.json), and a row's bits depend on M there.
 // Tiles are 6 rows x 16 columns (12 chains, as many as the 16 ymm registers hold beside 2 weight vectors and a
 // broadcast), the row tail in smaller ones; a single row takes the whole panel (8 chains, each K step's 256 bytes
 // read once).
