@@ -43,6 +43,9 @@ class PackedWeight:
     data: torch.Tensor
     out_features: int
 
+    def __deepcopy__(self, memo: dict) -> PackedWeight:
+        return self  # read only: a copy of a model (the tests' model views) shares its packed weights
+
 
 def available(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
     """The paths that can run here for this device and dtype ("torch" always)."""

@@ -4,6 +4,8 @@ model share its packed weights."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from prefixkv.model import native
@@ -32,5 +34,6 @@ def test_engines_on_one_loaded_model_share_its_packed_weights(new_llm):
         return runner.model.layers[0].mlp.gate_up_proj.packed
 
     assert gate_up(first) is gate_up(second) and first.model.lm_head_packed is second.model.lm_head_packed
+    assert copy.deepcopy(gate_up(first)) is gate_up(first)  # a model view of a packed model shares it too
     plain = new_llm(**options, kernel_options="matmul=torch").llm_engine.runner
     assert gate_up(plain) is None
