@@ -25,7 +25,7 @@ from prefixkv.kvcache.offload.factory import create_kv_tier
 from prefixkv.kvcache.offload.tier import KVTier, TierManifest
 from prefixkv.kvcache.offload.tiered_cache import TieredKVCache
 from prefixkv.kvcache.summary import CacheSummary
-from prefixkv.model import cpu_features, loader
+from prefixkv.model import cpu_features, loader, native
 from prefixkv.model.loader import LoadedModel
 from prefixkv.model.options import KernelOptions
 from prefixkv.model.runner import ModelRunner
@@ -80,6 +80,8 @@ def build_engine(
         ", ".join(on) or "plain torch",
     )
     logger.info("%s", kernel_line(kernels, config.dtype))
+    if kernels["device"] == "cpu":  # each AMX family's own self-test verdict, or why it is not run here
+        logger.info("%s", native.amx_line())
     hint = dtype_hint(kernels, config.dtype)
     if hint:
         logger.warning("%s", hint)

@@ -44,7 +44,8 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")))
 _FLAGS = {"extra_cflags": ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], "extra_ldflags": ["-fopenmp"]}
 _BUILT = "BUILT"  # written once the library is complete
-_AMX_VERDICT = "AMX_SELFTEST"  # "ok", or why the AMX kernels failed their self-test on this machine
+AMX_FAMILIES = ("gemm", "attention")  # the AMX kernels with a self-test and a gate each
+_AMX_VERDICT = "AMX_SELFTEST_{family}"  # "ok", or why that family of AMX kernels failed its self-test here
 _OUR_LOCK = "prefixkv-build.lock"  # fcntl-locked while a prefixkv process builds here
 _TORCH_LOCK = "lock"  # torch's FileBaton: exists while torch builds here, or forever after a killed build
 _BUILD_SCRIPT = "import json, sys\nfrom torch.utils import cpp_extension\ncpp_extension.load(**json.loads(sys.argv[1]))"
@@ -122,30 +123,62 @@ def decode_layers():
 
 @functools.lru_cache(maxsize=1)
 def amx_gemm():
-    """The module when its AMX matrix product runs here, else None: compiled in, the CPU has AMX tiles
-    (PREFIXKV_NO_AMX=1 says no), and the kernel passed its self-test on this machine (prefixkv.model.amx_selftest,
-    run once per build in a subprocess, so that a kernel that faults cannot take the engine down; the verdict is
-    kept in the build directory)."""
+    """The module when its AMX matrix product (matmul "amx") runs here, else None: see amx_status."""
+    m = gemm()
+    return m if m is not None and amx_status("gemm") == "ok" else None
+
+
+@functools.lru_cache(maxsize=1)
+def amx_attention():
+    """The module when its AMX attention (isa 1: prefill, paged decode, the fused decode loop) runs here, else
+    None: see amx_status. Gated on its own self-test, not the matrix product's."""
+    m = flash_attention()
+    return m if m is not None and amx_status("attention") == "ok" else None
+
+
+@functools.cache
+def amx_status(family: str) -> str:
+    """ "ok" when the AMX kernels of `family` ("gemm" or "attention") may run here, else why not: the kernels are
+    compiled in, the CPU and the OS offer AMX tiles (PREFIXKV_NO_AMX=1 says no), and the family passed its own
+    self-test on this machine (prefixkv.model.amx_selftest, run once per build in a subprocess, so that a kernel
+    that faults cannot take the engine down; the verdict is kept in the build directory). A failed self-test is
+    warned about once."""
     from prefixkv.model import cpu_features
 
-    m = gemm()
-    if m is None or not cpu_features.has_amx() or os.environ.get("PREFIXKV_NO_AMX") == "1":
-        return None
-    verdict = amx_verdict(build_directory())
+    m = module()
+    if m is None:
+        return "the native kernels are not built"
+    if not cpu_features.has_amx():
+        return f"this CPU ({cpu_features.model_name()}) has no AMX tiles"
+    if os.environ.get("PREFIXKV_NO_AMX") == "1":
+        return "PREFIXKV_NO_AMX=1"
+    if not m.has_amx():
+        return "the OS does not grant the AMX tile state, or the build lacks the AMX kernels"
+    verdict = amx_verdict(build_directory(), family)
     if verdict != "ok":
-        warnings.warn(f"prefixkv: AMX kernels not used, their self-test failed: {verdict}", stacklevel=2)
-        return None
-    return m if m.has_amx() else None
+        warnings.warn(f"prefixkv: AMX {family} kernels not used, their self-test failed: {verdict}", stacklevel=2)
+        return f"self-test failed: {verdict}"
+    return "ok"
 
 
-def amx_verdict(directory: str) -> str:
-    """ "ok" or why the AMX self-test failed, run once for the build in `directory` and kept in its AMX_SELFTEST."""
-    path = os.path.join(directory, _AMX_VERDICT)
+def amx_line() -> str:
+    """The start log's line on the AMX kernels: each family's verdict (why it is not used, where it is not)."""
+    return "AMX kernels: " + "; ".join(f"{family} {amx_status(family)}" for family in AMX_FAMILIES)
+
+
+def selftest_command(family: str) -> list[str]:
+    """The self-test's command line for `family` (the tests point it at another kernel)."""
+    return [sys.executable, "-m", "prefixkv.model.amx_selftest", family]
+
+
+def amx_verdict(directory: str, family: str) -> str:
+    """ "ok" or why the AMX self-test of `family` failed, run once for the build in `directory` and kept there."""
+    path = os.path.join(directory, _AMX_VERDICT.format(family=family))
     with contextlib.suppress(OSError), open(path, encoding="utf-8") as f:
         return f.read().strip()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "prefixkv.model.amx_selftest"],
+            selftest_command(family),
             capture_output=True,
             text=True,
             timeout=300,
@@ -333,7 +366,4 @@ if __name__ == "__main__":  # scripts/setup.sh: build now rather than at the fir
     state = "ready" if module() is not None else "unavailable, the torch paths will be used"
     print(f"prefixkv native kernels: {state} ({build_directory()})")
     if module() is not None:
-        from prefixkv.model import cpu_features
-
-        amx = "used" if amx_gemm() is not None else "not used"
-        print(f"{cpu_features.model_name()}: AMX tiles {'present' if cpu_features.has_amx() else 'absent'}, {amx}")
+        print(amx_line())

@@ -61,7 +61,8 @@ class KernelOptions:
     # pool by slot, no gather, no GQA expansion), and cascade decodes attend to their shared prefix with it
     native_attention: bool = False
     # the native attention kernels compute their two products on AMX tiles instead of AVX512_BF16 dot products
-    # (needs native_attention and a CPU whose AMX kernels passed their self-test, see native.amx_gemm)
+    # (needs native_attention and a CPU whose AMX attention passed its own self-test, see native.amx_attention;
+    # matmul "amx" has a self-test of its own, native.amx_gemm)
     amx_attention: bool = False
     # prefill chunks behind the same cached leading pages attend to that prefix once, stacked (needs
     # native_attention; reorders the softmax sum like cascade decodes)
@@ -118,7 +119,7 @@ class KernelOptions:
             flash_lse=cpu and FLASH_WITH_LSE is not None,
             native_attention=native_attention,
             cascade_min_members=12 if native_attention else 2,
-            amx_attention=native_attention and native.amx_gemm() is not None,
+            amx_attention=native_attention and native.amx_attention() is not None,
             shared_prefill=native_attention,
             fused_ops=cpu
             and dtype == torch.bfloat16
@@ -171,8 +172,10 @@ class KernelOptions:
             )
         if self.shared_prefill and not self.native_attention:
             raise ValueError("shared_prefill needs native_attention")
-        if self.amx_attention and not (self.native_attention and native.amx_gemm() is not None):
-            raise ValueError("amx_attention needs native_attention and a CPU with AMX tiles (their self-test passed)")
+        if self.amx_attention and not (self.native_attention and native.amx_attention() is not None):
+            raise ValueError(
+                f"amx_attention needs native_attention and the AMX attention kernels ({native.amx_status('attention')})"
+            )
         if self.cache_invariant and not (
             self.native_attention and self.in_place_decodes and self.matmul in matmul.ROW_INVARIANT_PATHS
         ):

@@ -60,9 +60,9 @@ def test_emulated_tiles_are_accurate_and_k_tails_take_the_avx512_chains():
 def test_the_self_test_passes_the_emulated_kernel():
     """The checks the hardware kernel must pass before the "amx" path is offered (amx_selftest), run here on the
     emulated kernel: the self-test's own logic is exercised on every machine."""
-    assert amx_selftest.check(native.module(), native.module().amx_gemm_emulated, attention_isa=2) is None
+    assert amx_selftest.check(native.module(), native.module().amx_gemm_emulated) is None
     broken = lambda x, packed, n: native.module().amx_gemm_emulated(x, packed, n) * 1.01
-    assert "differs from emulated tiles" in amx_selftest.check(native.module(), broken, attention_isa=2)
+    assert "differs from emulated tiles" in amx_selftest.check(native.module(), broken)
 
 
 @kernels.GEMM
@@ -78,5 +78,5 @@ def test_without_amx_the_hardware_kernel_refuses_and_the_path_is_not_offered():
 @kernels.AMX
 def test_the_hardware_kernel_passes_its_self_test_and_is_offered():
     assert amx_selftest.check(native.module()) is None
-    assert native.amx_verdict(native.build_directory()) == "ok"
+    assert native.amx_verdict(native.build_directory(), "gemm") == "ok"
     assert native.amx_gemm() is not None
