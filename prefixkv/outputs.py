@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from prefixkv.batch import Sample
 from prefixkv.cache_miss import CacheMiss
+from prefixkv.request import CacheWrites
 
 
 class RequestOutputKind(enum.Enum):
@@ -67,6 +68,14 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # the prompt tokens it wrote into the cache itself, and to a second tier (request.py, CacheWrites)
+    cache_writes: CacheWrites = CacheWrites()
     metrics: RequestMetrics | None = None
     cache_miss: CacheMiss | None = None  # why the rest of the prompt was computed (cache_miss.py); None: not yet
     extra: dict = field(default_factory=dict)
+
+    @property
+    def num_written_tokens(self) -> int:
+        """Prompt tokens this request wrote into the prefix cache itself (whole pages past its hit that were not
+        cached before): the cache writes the usage of Anthropic's and OpenAI's APIs report."""
+        return self.cache_writes.tokens

@@ -1,14 +1,15 @@
 """A request's life inside the engine: its tokens, how many have KV, and why it ended.
 
 A contract shared by the scheduler, the KV managers and the simulator, so it sits below all of them. The
-scheduler is the only writer of a request's progress (num_computed_tokens, num_cached_tokens, status); the KV
-managers read it and keep their own per-request state, typed, inside themselves.
+scheduler is the only writer of a request's progress (num_computed_tokens, num_cached_tokens, cache_writes,
+status); the KV managers read it and keep their own per-request state, typed, inside themselves.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from prefixkv.cache_miss import CacheMiss
@@ -38,6 +39,55 @@ class MultiModalHash:
     hash: str
 
 
+Span = tuple[int, int]  # token positions [start, end)
+
+
+def _union(runs: tuple[Span, ...], spans: Iterable[Span]) -> tuple[Span, ...]:
+    """Sorted, disjoint runs covering `runs` and `spans` (touching runs are joined)."""
+    merged: list[list[int]] = []
+    for start, end in sorted([*runs, *spans]):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return tuple((start, end) for start, end in merged)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheWrites:
+    """The prompt tokens a request wrote into the cache itself, as its KV manager reported each insert when the
+    KV was computed (Scheduler.update records them; never derived from the prompt's length and the hit): `pool`,
+    runs of whole pages it inserted into the prefix cache that were not cached before (a page another request
+    cached first, in flight or earlier, is not in them); `tier`, runs of whole chunks it handed to a second tier to
+    store (write_through; see kvcache/offload/tiered_cache.py). Only units wholly inside the prompt count, and
+    pool pages only past the request's hit: a page read from the cache (a tier's load is inserted into the pool as
+    if computed) is not also written. Frozen: an output may hold it while the request goes on."""
+
+    pool: tuple[Span, ...] = ()
+    tier: tuple[Span, ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        """Prompt tokens written into the prefix cache (the pool)."""
+        return sum(end - start for start, end in self.pool)
+
+    @property
+    def tier_tokens(self) -> int:
+        """Prompt tokens handed to the second tier."""
+        return sum(end - start for start, end in self.tier)
+
+    def tokens_below(self, position: int) -> int:
+        """Written (pool) tokens before `position`: e.g. those a breakpoint's prefix retains."""
+        return sum(max(0, min(end, position) - start) for start, end in self.pool if start < position)
+
+    def plus(self, pool: Iterable[Span] = (), tier: Iterable[Span] = ()) -> CacheWrites:
+        """These writes and more; a span written again (after an eviction and a recompute) counts once."""
+        return CacheWrites(_union(self.pool, pool), _union(self.tier, tier))
+
+    def union(self, other: CacheWrites) -> CacheWrites:
+        return self.plus(other.pool, other.tier)
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     request_id: str
@@ -64,6 +114,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens of token_ids whose KV is in the request's pages
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
     cache_miss: CacheMiss | None = None  # why the rest of the prompt missed, at first admission (cache_miss.py)
+    cache_writes: CacheWrites = CacheWrites()  # what it wrote into the cache itself, as each commit reported it
     num_preemptions: int = 0
     arrival_step: int = 0  # engine step at which it arrived (for starvation bounds)
     first_scheduled_time: float | None = None

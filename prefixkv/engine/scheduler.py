@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from prefixkv.config import EngineConfig
 from prefixkv.engine.policies import SchedulingPolicy
-from prefixkv.kvcache.manager import KVCacheManager
-from prefixkv.request import MultiModalHash, Request, RequestStatus
+from prefixkv.kvcache.manager import Inserted, KVCacheManager
+from prefixkv.request import MultiModalHash, Request, RequestStatus, Span
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,21 @@ def admit_request(kv: KVCacheManager, request: Request, num_new_tokens: int, num
     return True
 
 
+def record_writes(request: Request, inserted: Inserted) -> None:
+    """Add to request.cache_writes the prompt's part of what a commit inserted (request.py, CacheWrites): units
+    wholly inside the prompt (a page holding generated tokens is no prompt write), pool pages only past the hit (a
+    page it read, loaded from a tier or hit before a preemption and recomputed after, is not written too)."""
+    prompt, hit = request.num_prompt_tokens, max(request.num_cached_tokens, 0)
+    pool = _clip(inserted.pool, hit, prompt // inserted.page_size * inserted.page_size)
+    tier = _clip(inserted.tier, 0, prompt // inserted.chunk_tokens * inserted.chunk_tokens)
+    if pool or tier:
+        request.cache_writes = request.cache_writes.plus(pool, tier)
+
+
+def _clip(runs: tuple[Span, ...], start: int, end: int) -> list[Span]:
+    return [(max(s, start), min(e, end)) for s, e in runs if max(s, start) < min(e, end)]
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: SchedulingPolicy) -> None:
         self.max_num_seqs = config.max_num_seqs
@@ -92,11 +107,14 @@ class Scheduler:
         return out
 
     def update(self, out: SchedulerOutput, sampled: Sequence[int | None]) -> None:
-        """After a step: each scheduled request's tokens are computed (make its new full pages findable) and,
-        where its sequence was complete, the sampled token is appended (None: a prefill chunk, nothing sampled)."""
+        """After a step: each scheduled request's tokens are computed (make its new full pages findable, and
+        record what it wrote) and, where its sequence was complete, the sampled token is appended (None: a
+        prefill chunk, nothing sampled)."""
         for (request, num_new), token in zip(out.scheduled, sampled, strict=True):
             request.num_computed_tokens += num_new
-            self.kv.commit(request)
+            inserted = self.kv.commit(request)
+            if inserted.pool or inserted.tier:
+                record_writes(request, inserted)
             if token is not None:
                 request.token_ids.append(token)
 

@@ -91,6 +91,9 @@ def build_output(parent: ParentRequest) -> RequestOutput:
         first_token_time=min((r.first_token_time for r in reqs if r.first_token_time), default=None),
         finish_time=max((r.finish_time or 0 for r in reqs), default=None) if finished else None,
     )
+    writes = first.cache_writes
+    for r in reqs[1:]:  # siblings share the prompt: whichever computed a page first wrote it
+        writes = writes.union(r.cache_writes)
     return RequestOutput(
         request_id=parent.request_id,
         prompt=parent.prompt,
@@ -98,6 +101,7 @@ def build_output(parent: ParentRequest) -> RequestOutput:
         outputs=completions,
         finished=finished,
         num_cached_tokens=max(first.num_cached_tokens, 0),
+        cache_writes=writes,
         metrics=metrics,
         cache_miss=first.cache_miss,
     )

@@ -35,7 +35,7 @@ from prefixkv.kvcache.events import block_removed, block_stored
 from prefixkv.kvcache.eviction import EvictionHeap, make_eviction_policy
 from prefixkv.kvcache.free_block_queue import Block, FreeBlockQueue
 from prefixkv.kvcache.hashing import extend_block_keys, external_block_hash, hash_function
-from prefixkv.kvcache.manager import PagedKVCache
+from prefixkv.kvcache.manager import NOTHING_INSERTED, Inserted, PagedKVCache, runs_of
 from prefixkv.kvcache.retention import retain_request_pages
 from prefixkv.kvcache.summary import CacheSummary, NamespaceUsage
 from prefixkv.request import Request
@@ -196,27 +196,33 @@ class HashPrefixCache(PagedKVCache):
             self._key_blocks(request, held, end // self.page_size)  # (room reserved past the tokens keys nothing)
         return True
 
-    def commit(self, request: Request) -> None:
+    def commit(self, request: Request) -> Inserted:
         """The blocks the step completed are computed now: no longer in flight; keyed here when allocate() did
-        not key them already."""
+        not key them already. This request's writes are the blocks it keyed itself (in flight, now computed, or
+        keyed here), never one left private because another block held its key first."""
         if not self.caching:
-            return
+            return NOTHING_INSERTED
         held = self._held[request.request_id]
         num_full = request.num_computed_tokens // self.page_size
         if num_full <= held.num_committed:
-            return
+            return NOTHING_INSERTED
+        written = []
         if self._in_flight:
-            for b in held.blocks[held.num_committed : min(num_full, held.num_keyed)]:
-                self._in_flight.pop(b.block_id, None)
+            for i in range(held.num_committed, min(num_full, held.num_keyed)):
+                if self._in_flight.pop(held.blocks[i].block_id, None) is not None:
+                    written.append(i)
         held.num_committed = num_full
-        self._key_blocks(request, held, num_full)
+        written += self._key_blocks(request, held, num_full)
+        return Inserted(runs_of(written, self.page_size), self.page_size) if written else NOTHING_INSERTED
 
-    def _key_blocks(self, request: Request, held: _Held, num_full: int) -> None:
+    def _key_blocks(self, request: Request, held: _Held, num_full: int) -> list[int]:
         """Give the request's blocks up to num_full their keys, making them findable (a block whose key another
-        block holds already stays private). Those past held.num_committed are in flight until commit()."""
+        block holds already stays private). Those past held.num_committed are in flight until commit(). Returns
+        the indices of the blocks it keyed."""
         start = held.num_keyed
         if num_full <= start:
-            return
+            return []
+        keyed = []
         keys = self.block_hashes(request, num_full)
         stored: list[int] | None = [] if self._events is not None else None
         for i in range(start, num_full):
@@ -228,6 +234,7 @@ class HashPrefixCache(PagedKVCache):
             else:
                 if stored is not None:
                     stored.append(i)
+                keyed.append(i)
                 block = held.blocks[i]
                 block.block_hash = key
                 block.cache_salt = request.cache_salt
@@ -247,6 +254,7 @@ class HashPrefixCache(PagedKVCache):
         held.num_keyed = num_full
         if request.retains:
             self._retain(request, [self.cached[keys[i]] for i in range(start, num_full)], start)
+        return keyed
 
     def _retain(self, request: Request, blocks: list[Block], first_depth: int) -> None:
         retain_request_pages(self.retention, request, [b.block_id for b in blocks], first_depth, self.page_size)

@@ -5,7 +5,8 @@ Protocol per request (all called by the scheduler, never by the model runner):
   allocate(req, n, cached)    -> take the `cached` hit's pages (first admission only), then pages for n more
                                  tokens; False and nothing changed if memory is short even after eviction
   page_table(req)             -> page ids, handed to the model runner
-  commit(req)                 -> req.num_computed_tokens advanced: make newly computed KV findable
+  commit(req)                 -> req.num_computed_tokens advanced: make newly computed KV findable; returns what
+                                 this request inserted itself (Inserted: the scheduler records its writes)
   free(req)                   -> finished, aborted or preempted: release pages (they stay cached until evicted;
                                  pages keyed in flight that were never computed are forgotten)
 
@@ -30,7 +31,37 @@ from prefixkv.kvcache.events import AllBlocksCleared, KVCacheEvent
 from prefixkv.kvcache.miss_reasons import MissExplainer
 from prefixkv.kvcache.retention import RetentionTable
 from prefixkv.kvcache.summary import CacheSummary
-from prefixkv.request import Request
+from prefixkv.request import Request, Span
+
+
+@dataclass(frozen=True, slots=True)
+class Inserted:
+    """What one commit() made cacheable on its request's behalf, as the cache's own inserts reported it: runs
+    [start, end) of the request's sequence, of whole pages it inserted into the prefix cache that were not cached
+    before (never one another request had cached first, in flight or earlier), and of whole chunks it handed to a
+    second tier to store. The scheduler keeps the prompt's part in Request.cache_writes (units wholly inside the
+    prompt: hence the unit sizes)."""
+
+    pool: tuple[Span, ...] = ()
+    page_size: int = 1
+    tier: tuple[Span, ...] = ()
+    chunk_tokens: int = 1
+
+
+NOTHING_INSERTED = Inserted()
+
+
+def runs_of(indices: list[int], size: int) -> tuple[Span, ...]:
+    """The token runs of these pages (or chunks) of `size` tokens, ascending indices: consecutive ones joined."""
+    if indices[-1] - indices[0] + 1 == len(indices):  # the usual case: one run
+        return ((indices[0] * size, (indices[-1] + 1) * size),)
+    runs: list[Span] = []
+    for i in indices:
+        if runs and runs[-1][1] == i * size:
+            runs[-1] = (runs[-1][0], (i + 1) * size)
+        else:
+            runs.append((i * size, (i + 1) * size))
+    return tuple(runs)
 
 
 @dataclass(slots=True)
@@ -141,8 +172,9 @@ class KVCacheManager(ABC):
         the scheduler counts the hit as computed once this returns True."""
 
     @abstractmethod
-    def commit(self, request: Request) -> None:
-        """Called after a forward pass advanced request.num_computed_tokens."""
+    def commit(self, request: Request) -> Inserted:
+        """Called after a forward pass advanced request.num_computed_tokens; returns what this request inserted
+        itself (NOTHING_INSERTED when nothing)."""
 
     @abstractmethod
     def free(self, request: Request) -> None:

@@ -32,7 +32,7 @@ from typing import NamedTuple
 from prefixkv.cache_miss import CacheMiss
 from prefixkv.kvcache.events import block_removed, block_stored
 from prefixkv.kvcache.hashing import extend_block_keys, external_block_hash, hash_function
-from prefixkv.kvcache.manager import PagedKVCache
+from prefixkv.kvcache.manager import NOTHING_INSERTED, Inserted, PagedKVCache, runs_of
 from prefixkv.kvcache.radix_tree import RadixNode, RadixTree
 from prefixkv.kvcache.retention import retain_request_pages
 from prefixkv.kvcache.summary import CacheSummary, HotPrefix, NamespaceUsage
@@ -262,15 +262,17 @@ class RadixPrefixCache(PagedKVCache):
         """Tree pages the request hit or committed are retained (the tree reads the table when it evicts)."""
         retain_request_pages(self.retention, request, pages, first_depth, self.page_size)
 
-    def commit(self, request: Request) -> None:
+    def commit(self, request: Request) -> Inserted:
+        """Insert the newly computed full pages; this request's writes are the pages the tree took from it (a run
+        another request inserted first is shared instead, and this request's copies go back to the free list)."""
         state = self._requests.get(request.request_id)
         if state is None:
-            return
+            return NOTHING_INSERTED
         ps = self.page_size
         full = min(request.num_computed_tokens, request.num_tokens, len(state.pages) * ps)
         full -= full % ps
         if full <= state.committed:
-            return
+            return NOTHING_INSERTED
         first = state.committed // ps
         node, tree_pages = self.tree.insert(
             state.node, self._keys(request), state.committed, full, state.pages[first : full // ps]
@@ -290,6 +292,7 @@ class RadixPrefixCache(PagedKVCache):
             self._emit_stored(request, self._block_keys(request, stored[-1] + 1), stored)
         if request.retains:
             self._retain(request, tree_pages, first)
+        return Inserted(runs_of(stored, ps), ps) if stored else NOTHING_INSERTED
 
     def _block_keys(self, request: Request, num_pages: int) -> list[bytes]:
         """hashing.py's chain keys of the request's first num_pages pages (at least; memoised until free())."""

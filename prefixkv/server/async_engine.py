@@ -166,7 +166,8 @@ class RequestGroup:
 
 def _coalesce(unread: RequestOutput | None, newer: RequestOutput) -> RequestOutput:
     """Fold a newer delta output into the unread one. Per completion index, token ids, text and logprobs
-    concatenate; the rest (finish and stop reason, cumulative logprob, metrics, cached tokens) is the newer's.
+    concatenate; the rest (finish and stop reason, cumulative logprob, metrics, cached tokens and cache writes,
+    which every output carries whole) is the newer's.
     With n > 1 a delta lists only the completions that changed. Builds new lists rather than extending the
     engine's (so nothing handed over changes); that costs the unread size, which max_backlog bounds."""
     if unread is None:

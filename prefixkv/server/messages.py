@@ -4,15 +4,17 @@ The conversation goes through the model's chat template like /v1/chat/completion
 (messages_protocol.py) becomes a retention span, so the prefix up to it stays cached for its TTL, and a hit
 refreshes it. Errors on these routes come in Anthropic's shape (errors.py); keys may come as `x-api-key`.
 
-`usage`, exact on every request (input_tokens + cache_read_input_tokens + cache_creation_input_tokens = the prompt):
-- cache_read_input_tokens: prompt tokens served from the cache;
-- cache_creation_input_tokens: tokens this request wrote to the cache, i.e. its whole pages past the hit (prefixkv
-  caches every whole page of a prompt, as Anthropic's top-level automatic caching would); in
-  cache_creation.ephemeral_1h_input_tokens those inside a 1h breakpoint's prefix, the rest in ephemeral_5m;
-- input_tokens: the rest, the tail of the prompt that fills no whole page (none with page size 1, the radix
-  cache's default). With the prefix cache off, every token is input.
-A prompt's last token is always computed (its logits make the first output token), so a wholly cached prompt
-that ends on a page boundary reads all but its last page, and that page counts as written.
+`usage`, exact on every request (input_tokens + cache_read_input_tokens + cache_creation_input_tokens = the prompt),
+from the engine's counts, never from a formula over the prompt's length:
+- cache_read_input_tokens: prompt tokens served from the cache (RequestOutput.num_cached_tokens);
+- cache_creation_input_tokens: prompt tokens this request wrote into the cache itself, as the engine counted its
+  inserts (RequestOutput.cache_writes: whole pages past the hit that were not cached before). A page a duplicate
+  request in flight, or an earlier one, inserted first is not this request's write, nor is anything with the
+  cache off. In cache_creation.ephemeral_1h_input_tokens the written pages wholly inside a 1h breakpoint's
+  prefix (the pages that breakpoint retains for the hour), the rest in ephemeral_5m;
+- input_tokens: the rest: the tail of the prompt that fills no whole page, and pages computed but not written
+  (a prompt's last token is always computed, so a wholly cached prompt that ends on a page boundary computes its
+  last page again, and that page was cached already: input, not a write).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fastapi import APIRouter, Request
 
 from prefixkv.cache_miss import CacheMiss
 from prefixkv.outputs import RequestOutput
+from prefixkv.request import CacheWrites
 from prefixkv.server.auth import cache_salt_for
 from prefixkv.server.cached_content import entry_for, prefixed_conversation, use_retention
 from prefixkv.server.errors import APIError, from_value_error
@@ -97,20 +100,18 @@ class _Accounting:
 
     def __init__(self, state: ServerState, prompt_tokens: int, spans: Sequence[tuple[int, float]]) -> None:
         self.prompt_tokens = prompt_tokens
-        self.page_size = state.page_size
-        self.caching = state.prefix_caching
         hour = CACHE_TTL_SECONDS["1h"]
-        self.hour_end = max((pos for pos, seconds in spans if seconds >= hour), default=0)
+        hour_end = max((pos for pos, seconds in spans if seconds >= hour), default=0)
+        self.hour_pages_end = hour_end // state.page_size * state.page_size  # the 1h span retains whole pages
         self.explain_cache_miss = False
 
-    def usage(self, cached: int, output_tokens: int, miss: CacheMiss | None = None) -> dict:
-        """Anthropic's usage; with explain_cache_miss asked (prefixkv's extension) and `miss` known, cache_miss."""
+    def usage(self, cached: int, writes: CacheWrites, output_tokens: int, miss: CacheMiss | None = None) -> dict:
+        """Anthropic's usage from the engine's counts (an output's num_cached_tokens and cache_writes, the newest:
+        each output carries them whole); with explain_cache_miss asked (prefixkv's extension) and `miss` known,
+        cache_miss."""
         cached = max(0, cached)
-        written = written_1h = 0
-        if self.caching:
-            whole = self.prompt_tokens // self.page_size * self.page_size
-            written = max(0, whole - cached)
-            written_1h = max(0, min(whole, self.hour_end // self.page_size * self.page_size) - cached)
+        written = writes.tokens
+        written_1h = writes.tokens_below(self.hour_pages_end)
         out = {
             "input_tokens": self.prompt_tokens - cached - written,
             "cache_creation_input_tokens": written,
@@ -147,7 +148,9 @@ def _message(final: RequestOutput, message_id: str, model: str, accounting: _Acc
         "content": [{"type": "text", "text": completion.text}] if completion.token_ids else [],
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
-        "usage": accounting.usage(final.num_cached_tokens, len(completion.token_ids), final.cache_miss),
+        "usage": accounting.usage(
+            final.num_cached_tokens, final.cache_writes, len(completion.token_ids), final.cache_miss
+        ),
     }
 
 
@@ -157,16 +160,17 @@ def _error_event(err: APIError) -> str:
 
 async def _stream(group, message_id: str, model: str, accounting: _Accounting) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start, one text block (start, deltas, stop), message_delta with the
-    stop reason and the usage, message_stop. message_start waits for the engine's first output, which brings
-    the cache hit (and the miss's cause), so its usage is already exact; when asked, both usages carry
+    stop reason and the usage, message_stop. message_start waits for the engine's first output, which comes once
+    the prompt is computed and brings the cache hit, the prompt's writes (and the miss's cause), so its usage is
+    already exact; when asked, both usages carry
     cache_miss, as the plain answer's does (the SDK's final message keeps message_start's)."""
     started = block_open = False
     output_tokens = 0
-    cached = 0
+    cached, writes = 0, CacheWrites()
     miss: CacheMiss | None = None
     final: RequestOutput | None = None
     async for _, output in group:
-        cached = output.num_cached_tokens
+        cached, writes = output.num_cached_tokens, output.cache_writes
         miss = output.cache_miss or miss
         completion = output.outputs[0] if output.outputs else None
         if not started:
@@ -179,7 +183,7 @@ async def _stream(group, message_id: str, model: str, accounting: _Accounting) -
                 "content": [],
                 "stop_reason": None,
                 "stop_sequence": None,
-                "usage": accounting.usage(cached, 0, miss),
+                "usage": accounting.usage(cached, writes, 0, miss),
             }
             yield sse({"type": "message_start", "message": message}, event="message_start")
         if completion is None:
@@ -204,7 +208,7 @@ async def _stream(group, message_id: str, model: str, accounting: _Accounting) -
     delta = {
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-        "usage": accounting.usage(cached, output_tokens, miss),
+        "usage": accounting.usage(cached, writes, output_tokens, miss),
     }
     yield sse(delta, event="message_delta")
     yield sse({"type": "message_stop"}, event="message_stop")

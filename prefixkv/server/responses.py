@@ -5,7 +5,8 @@ OpenAI's) keeps the response with its whole conversation (response_store.py), an
 continues from one: the prompt is the stored turns, then the new input, behind this request's `instructions`
 (which, as OpenAI's, are not carried over). Sent with the same instructions, each turn's prompt starts with the
 previous turn's, which the prefix cache holds, so `usage.input_tokens_details.cached_tokens` covers the session
-so far. `prompt_cache_key` and `prompt_cache_retention` mean what they mean on chat completions (server.md).
+so far, and `cache_write_tokens` what this request wrote into it (the engine's count, server/usage.py).
+`prompt_cache_key` and `prompt_cache_retention` mean what they mean on chat completions (server.md).
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ class _Made:
 
 
 def _input_details(body: ResponsesRequest, final: RequestOutput) -> dict:
-    details: dict = {"cached_tokens": max(0, final.num_cached_tokens)}
+    # cache_write_tokens: what the engine counted this request inserting into the prefix cache (server/usage.py)
+    details: dict = {"cached_tokens": max(0, final.num_cached_tokens), "cache_write_tokens": final.num_written_tokens}
     if body.explain_cache_miss and final.cache_miss is not None:  # prefixkv's extension, as on chat completions
         details["cache_miss"] = final.cache_miss.to_json()
     return details

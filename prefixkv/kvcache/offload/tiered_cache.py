@@ -34,7 +34,8 @@ saved. write_back: such a chunk is only remembered (its pages), and saved when o
 again by an allocation, i.e. when the pool evicts it; the engine reads those saves right after scheduling, before
 any load or forward pass overwrites the pages (allocation is the only way a page is reused, and a reused page
 keeps its old KV until then). save_all_pending() hands over the rest (the engine does at close(), so a restart
-finds it).
+finds it). What a request wrote to the tier (commit()'s Inserted.tier, RequestOutput.cache_writes.tier) is what
+its own commits queued: write_through's chunks; write_back's are stored later, at an eviction, for no request.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from prefixkv.cache_miss import CacheMiss
 from prefixkv.choices import KV_OFFLOAD_WRITE_POLICIES, check
 from prefixkv.kvcache.events import KVCacheEvent
 from prefixkv.kvcache.hashing import extend_block_keys, hash_function
-from prefixkv.kvcache.manager import KVCacheManager, PrefixCacheStats
+from prefixkv.kvcache.manager import Inserted, KVCacheManager, PrefixCacheStats, runs_of
 from prefixkv.kvcache.offload.tier import KVTier
 from prefixkv.kvcache.retention import RetentionTable
 from prefixkv.kvcache.summary import CacheSummary
@@ -464,18 +465,25 @@ class TieredKVCache(KVCacheManager):
             pos = stop
         self.tier_stats.hit_tokens += end - start
 
-    def commit(self, request: Request) -> None:
-        """The inner cache keys the new pages; then every newly completed chunk the tier lacks is queued to save."""
-        self.inner.commit(request)
+    def commit(self, request: Request) -> Inserted:
+        """The inner cache keys the new pages; then every newly completed chunk the tier lacks is queued to save.
+
+        What this request wrote to the tier is what it queued here (write_through): chunks it computed that the
+        tier held nowhere (not stored, not queued, not waiting for an eviction), counted when handed over, as the
+        pool's pages are when inserted (the writer thread stores them right after; a save its full queue drops
+        costs a later recompute, and is still counted). With write_back a chunk is stored when the pool evicts
+        it, later and for no request: a request's tier writes are then none."""
+        pool = self.inner.commit(request)
         state = self._state(request)
         c = self.chunk_tokens
         full = request.num_computed_tokens // c
         if full <= state.checked_chunks:
-            return
+            return pool
         keys = self._chunk_keys(state, full)
         pages = self.inner.page_table(request)
         ps = self.page_size
         queued = {save.key for save in self._saves}
+        saved = []
         for index in range(state.checked_chunks, full):
             key = keys[index]
             if index in state.loaded_chunks or key in queued or key in self._unsaved or self.tier.contains(key):
@@ -487,7 +495,9 @@ class TieredKVCache(KVCacheManager):
                     self._unsaved_by_page[page] = key
             else:
                 self._save(key, slots)
+                saved.append(index)
         state.checked_chunks = full
+        return Inserted(pool.pool, self.page_size, runs_of(saved, c), c) if saved else pool
 
     def _save(self, key: bytes, slots: list[int]) -> None:
         self._saves.append(SaveOp(key, slots))
