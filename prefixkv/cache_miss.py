@@ -13,7 +13,10 @@ Causes, in the order a missed page is tested for them:
 - expired: the page was cached under a retention (a TTL, a cache breakpoint) that ran out, and was evicted after,
   while an endless retention would still have held it (else the cap, not the TTL, let it go: evicted).
 - isolated: the same tokens are cached, but under another tenant's salt or another adapter.
-- never_seen: no page with these tokens was cached within the engine's eviction history.
+- unknown: a page with these tokens was evicted so long ago that the engine's bounded eviction history no longer
+  holds the eviction (it keeps a filter of what fell out: such a page never reads never_seen); the simulator,
+  which keeps every eviction, has none.
+- never_seen: no page with these tokens was ever cached (compulsory: no cache could have served it).
 - granularity: the tail no hit can cover: a partial last page, and the last token (always recomputed).
 """
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CAUSES = ("in_flight", "evicted", "expired", "isolated", "never_seen", "granularity", "routed")
+CAUSES = ("in_flight", "evicted", "expired", "isolated", "unknown", "never_seen", "granularity", "routed")
 
 
 @dataclass(slots=True)

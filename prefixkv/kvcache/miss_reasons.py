@@ -9,8 +9,9 @@ It keys pages itself, the same way for both caches and cheaply: a content key ch
 multimodal hashes) onto the page before it with Python's hash (a collision only mislabels a diagnosis), and a
 page's key is its content key in its namespace (adapter, tenant salt). It keeps:
 - which page holds which key now;
-- a bounded ring of evicted keys with when, why and by which policy (the oldest fall out: an eviction older
-  than the ring reads as never_seen, which the engine accepts; the simulator keeps every one);
+- a bounded ring of evicted keys with when, why and by which policy (the oldest fall out; the simulator keeps
+  every one), and a Bloom filter of the keys that fell out of it, so that an eviction older than the ring reads
+  as unknown and never as never_seen (a page never cached may read unknown too, a false positive of the filter);
 - how many cached pages hold each content key, so a page missing under this request's salt or adapter but held
   under another's is told apart (isolated);
 - the keys running requests will compute: a page another request is computing right now is in_flight;
@@ -21,7 +22,7 @@ page's key is its content key in its namespace (adapter, tenant salt). It keeps:
 
 At a request's first admission the scheduler asks `explain` (through KVCacheManager.explain_miss, before the
 allocation keys anything) and gets a CacheMiss: each page past the hit gets one cause, tested in the order
-in_flight, routed, evicted/expired, isolated, never_seen; a page that is findable but past an earlier missed
+in_flight, routed, evicted/expired, isolated, unknown, never_seen; a page that is findable but past an earlier missed
 page takes that page's cause (the chain broke there); the tail no hit can cover (a partial page, the last
 token) is granularity. The causes add up to the missed tokens exactly, by construction. Pages under 16 tokens
 are tracked in units of 16 tokens (see MissExplainer.unit): there the partial unit at the end counts as
@@ -52,11 +53,39 @@ Key = tuple[object, int]  # (namespace, content key)
 MIN_UNIT_TOKENS = 16
 
 
+class FellOut:
+    """The keys whose eviction fell out of the bounded history: a Bloom filter, so one of them never reads as
+    never seen, in a fixed size. A key that never fell out may test positive (then its miss reads unknown): with
+    `bits_per_entry` bits and 4 hashes per history entry, that chance is 1e-5 once a ring's worth fell out, 0.2%
+    at four rings' worth, 16% at sixteen (a long-running engine's unknown grows: it is what it cannot tell)."""
+
+    HASHES = 4
+
+    def __init__(self, entries: int, bits_per_entry: int = 64) -> None:
+        self.size = max(entries * bits_per_entry, 1 << 16)
+        self._bits = bytearray(-(-self.size // 8))
+        self.added = 0
+
+    def _indexes(self, key: Key) -> list[int]:
+        h = hash(key) & 0xFFFF_FFFF_FFFF_FFFF
+        low, step = h & 0xFFFF_FFFF, (h >> 32) | 1  # double hashing (Kirsch-Mitzenmacher)
+        return [(low + i * step) % self.size for i in range(self.HASHES)]
+
+    def add(self, key: Key) -> None:
+        for i in self._indexes(key):
+            self._bits[i >> 3] |= 1 << (i & 7)
+        self.added += 1
+
+    def __contains__(self, key: Key) -> bool:
+        return self.added > 0 and all(self._bits[i >> 3] >> (i & 7) & 1 for i in self._indexes(key))
+
+
 class MissExplainer:
     def __init__(
         self, page_size: int, clock: Callable[[], float] = time.monotonic, history_capacity: int | None = 65536
     ) -> None:
-        """history_capacity: evicted keys remembered (None: all, for the simulator's exact breakdowns)."""
+        """history_capacity: evicted keys remembered (None: all, for the simulator's exact breakdowns); the keys
+        that fall out of them go to a filter (FellOut) and their misses read unknown."""
         if history_capacity is not None and history_capacity < 0:
             raise ValueError(f"history_capacity must be >= 0 or None, got {history_capacity!r}")
         self.page_size = page_size
@@ -70,6 +99,7 @@ class MissExplainer:
         self._page_of_key: dict[Key, int] = {}
         self._content_count: dict[int, int] = {}  # content key -> findable pages with it (any namespace)
         self._history: OrderedDict[Key, _Eviction] = OrderedDict()
+        self._fell_out = FellOut(history_capacity or 0)  # stays empty when the history keeps every eviction
         self._pending: dict[Key, int] = {}  # key -> running requests that will compute it
         self._pending_of: dict[str, set[Key]] = {}  # request id -> its pending keys
         self._chains: dict[str, list[int]] = {}  # request id -> its content keys so far
@@ -99,13 +129,13 @@ class MissExplainer:
     def evicted(self, page: int, policy: str, expired: bool) -> None:
         """Page `page` was dropped (policy: the eviction policy or "reset"); expired: its retention had run out."""
         key = self._unstore(page)
-        if key is None or self.history_capacity == 0:
+        if key is None:
             return
         history = self._history
         history[key] = _Eviction(self.clock(), "expired" if expired else "evicted", policy)
         history.move_to_end(key)
         if self.history_capacity is not None and len(history) > self.history_capacity:
-            history.popitem(last=False)
+            self._fell_out.add(history.popitem(last=False)[0])
 
     def unstored(self, page: int) -> None:
         """Page `page` stopped being findable without being evicted (keyed in flight, never computed)."""
@@ -192,6 +222,8 @@ class MissExplainer:
                         policy, ago = eviction.policy, self.clock() - eviction.at
                 elif contents[j] in self._content_count:
                     cause = "isolated"
+                elif key in self._fell_out:
+                    cause = "unknown"  # its eviction fell out of the history: evicted or expired, no longer known
                 else:
                     cause = "never_seen"
             by_cause[cause] = by_cause.get(cause, 0) + (j + 1) * unit - max(j * unit, hit_tokens)

@@ -106,8 +106,8 @@ class _EngineStatsCollector:
         missed = CounterMetricFamily(
             "prefixkv:prefix_cache_missed_tokens",
             "Prompt tokens of first admissions not served from the prefix cache, by why (every cause is listed; "
-            "they sum to queries - hits): in_flight, evicted, expired, isolated, never_seen, granularity, routed "
-            "(behind a router: another replica holds the page).",
+            "they sum to queries - hits): in_flight, evicted, expired, isolated, unknown (an eviction older than the "
+            "history), never_seen, granularity, routed (behind a router: another replica holds the page).",
             labels=["model_name", "cause"],
         )
         for cause in CAUSES:

@@ -20,10 +20,17 @@ from prefixkv.router import policy_options
 from prefixkv.sim import bounds, report
 from prefixkv.sim.agent_traces import describe as describe_sessions
 from prefixkv.sim.agent_traces import is_agent_trace, load_agent_trace
-from prefixkv.sim.cause_check import check_causes
+from prefixkv.sim.cause_check import World, check_causes
 from prefixkv.sim.cost_model import PRESETS, StepCostModel, load_cost_model
 from prefixkv.sim.replicas import POOLED, ROUTERS, simulate_replicas, summarize_replicas
-from prefixkv.sim.simulator import NO_TENANCY, Tenancy, simulate_trace, summarize_trace
+from prefixkv.sim.simulator import (
+    NO_TENANCY,
+    RequestMetrics,
+    SimResult,
+    Tenancy,
+    simulate_trace,
+    summarize_trace,
+)
 from prefixkv.sim.tier import TIER_PRESETS, SimTierOptions, default_tier_cost, load_tier_cost
 from prefixkv.sim.traces import FORMATS, ScaledRequest, TraceScaling, load_trace, scale_trace
 
@@ -208,8 +215,8 @@ def register(sub) -> argparse.ArgumentParser:
     m.add_argument(
         "--check-causes",
         action="store_true",
-        help="after the run, remove each cause it blamed (evicted, expired, isolated) in a run of its own and "
-        "compare the hit rate with the one its breakdown predicts",
+        help="after the run, remove each cause it blamed (evicted, expired, isolated, routed) in a run of its own "
+        "and report the share of the blamed tokens that run wins back",
     )
     p.set_defaults(func=run_command)
     return p
@@ -318,9 +325,9 @@ def _run_one(
     router_options: dict | None = None,
     tenancy: Tenancy = NO_TENANCY,
     tier: SimTierOptions | None = None,
-) -> tuple[dict, list[float], list[float]]:
+) -> tuple[dict, SimResult]:
     """One simulation: one engine (with a second tier if given), or `replicas` engines behind `router` (one
-    replica needs no router)."""
+    replica needs no router). Returns its summary and its requests' metrics (the fleet's, merged)."""
     t0 = time.perf_counter()
     with _Progress(len(requests), quiet, desc) as on_done:
         if replicas == 1:
@@ -334,9 +341,7 @@ def _run_one(
             res = fleet.merged()
     summary["wall_s"] = time.perf_counter() - t0
     summary["replicas"], summary["router"] = replicas, router
-    ttfts = [m.ttft_s for m in res.metrics if m.ttft_s is not None]
-    queues = [m.queue_s for m in res.metrics if m.queue_s is not None]
-    return summary, ttfts, queues
+    return summary, res
 
 
 def _with_bounds(summary: dict, unbounded: dict, offline: dict | None) -> dict:
@@ -430,20 +435,31 @@ def run_command(args: argparse.Namespace) -> int:
     offline = None if args.no_bounds else _offline(accesses, kv_tokens)  # the bound of all the KV there is
     options = router_options(args)
     tenancy = Tenancy(args.tenants, args.retention_seconds, args.retention_share)
-    summary, ttfts, queues = _run_one(
+    summary, res = _run_one(
         config, requests, cost, args.quiet, "simulate", args.replicas, args.router, options, tenancy, tier
     )
     summary = _with_bounds(summary, unbounded, offline)
     checks = None
     if args.check_causes:
 
-        def rerun(cfg: EngineConfig, ten: Tenancy) -> dict:
-            removed = _run_one(
-                cfg, requests, cost, args.quiet, "no cause", args.replicas, args.router, options, ten, tier
+        def rerun(world: World) -> tuple[dict, list[RequestMetrics]]:
+            router = world.router or args.router
+            removed, removed_res = _run_one(
+                world.config,
+                requests,
+                cost,
+                args.quiet,
+                "no cause",
+                args.replicas,
+                router,
+                options,
+                world.tenancy,
+                tier,
             )
-            return removed[0]
+            return removed, removed_res.metrics
 
-        checks = check_causes(summary, config, tenancy, requests, unique, rerun)
+        world = World(config, tenancy, args.router if args.replicas > 1 else None)
+        checks = check_causes(summary, res.metrics, world, requests, unique, rerun)
     results = {
         "command": "simulate",
         "trace": {"path": args.trace, "format": trace.format, "block_size": trace.block_size},
@@ -470,6 +486,8 @@ def run_command(args: argparse.Namespace) -> int:
     if args.replicas > 1:
         title += f", {args.replicas} replicas, {args.router} router"
     if not args.no_plot:
+        ttfts = [m.ttft_s for m in res.metrics if m.ttft_s is not None]
+        queues = [m.queue_s for m in res.metrics if m.queue_s is not None]
         _try_plot(lambda: report.plot_run(summary, ttfts, queues, title, png), png)
     return 0
 
@@ -522,12 +540,22 @@ def _run_table(s: dict) -> str:
 
 
 def _checks_table(rows: list[dict]) -> str:
+    """The evidence per cause: the share of its blamed tokens the run without it wins back, and the net change."""
     cells = [
-        [r["cause"], r["blamed_tokens"], r["predicted_hit_rate"], r["achieved_hit_rate"], f"{r['gap_points']:+.2f}"]
+        [
+            "+".join(r["removes"]),
+            r["without"],
+            r["blamed_tokens"],
+            r["won_back_tokens"],
+            f"{r['recovered_share']:.1%}",
+            f"{r['net_hit_tokens']:+d}" + ("" if r["same_requests"] else " *"),
+            f"{r['net_share']:+.1%}",
+        ]
         for r in rows
     ]
-    headers = ["cause removed", "blamed tokens", "predicted hit rate", "achieved", "gap (points)"]
-    return report.format_table(headers, cells)
+    headers = ["cause", "the run without it", "blamed tokens", "won back", "share", "net hit change", "net / blamed"]
+    note = "\n* that run served other requests (a larger pool took ones this run rejected)"
+    return report.format_table(headers, cells) + ("" if all(r["same_requests"] for r in rows) else note)
 
 
 def _causes(s: dict) -> str:
@@ -591,7 +619,7 @@ def sweep_command(args: argparse.Namespace) -> int:
         config = EngineConfig.from_kwargs(**_cell_kwargs(base, pools[fraction], policy, eviction))
         desc = f"[{k}/{len(cells)}] {fraction} {policy} {eviction} {router} x{scale}"
         options = {k: v for k, v in wanted.items() if router != POOLED and k in policy_options(router)}
-        summary, _, _ = _run_one(config, by_scale[scale], cost, args.quiet, desc, args.replicas, router, options)
+        summary, _ = _run_one(config, by_scale[scale], cost, args.quiet, desc, args.replicas, router, options)
         summary = _with_bounds(summary, unbounded, offline.get(str(fraction)))
         summary.update(fraction=fraction, pool_tokens=pools[fraction], time_scale=scale, policy=policy)
         summary["eviction"] = eviction

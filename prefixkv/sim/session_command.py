@@ -41,7 +41,15 @@ from prefixkv.sim.command import (
     tier_options,
 )
 from prefixkv.sim.cost_model import PRESETS, load_cost_model
-from prefixkv.sim.sessions import POLICIES, TIER_ACTIONS, SessionPolicy, replay_sessions
+from prefixkv.sim.sessions import (
+    POLICIES,
+    TIER_ACTIONS,
+    SessionPolicy,
+    add_common_jct,
+    common_sessions,
+    mean_jct,
+    replay_sessions,
+)
 from prefixkv.stats import ratio
 
 
@@ -163,9 +171,11 @@ def sessions_command(args: argparse.Namespace) -> int:
             runs.append(summary)
             print(
                 f"  pool {fraction:g} ({pool} tokens) {label}: hit {summary['token_hit_rate']:.3f}, mean JCT "
-                f"{summary['jct_s']['mean']:.0f} s ({summary['wall_s']:.1f} s wall)",
+                f"{summary['jct_s']['mean']:.0f} s, {summary['rejected_requests']} rejected "
+                f"({summary['wall_s']:.1f} s wall)",
                 flush=True,
             )
+    common = add_common_jct(runs)
     targets_rows = targets(runs)
     results = {
         "command": "simulate sessions",
@@ -178,11 +188,17 @@ def sessions_command(args: argparse.Namespace) -> int:
         "cost_model": cost.to_json(),
         "tier_cost": tier_options(args, 1.0, need, cost).cost.to_json() if any(tier_fractions) else None,
         "solo_jct_s": solo,
+        "common_sessions": common,  # served whole by every run: the JCTs that compare across runs
         "runs": runs,
         "targets": targets_rows,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     print(_table(runs))
+    if not all(r["comparable"] for r in runs):
+        print(
+            f"* rejected requests: that run's sessions went on without them, so its JCTs are not comparable; the "
+            f"common column is over the {len(common)} of {len(drawn)} sessions whose requests every run served alike"
+        )
     print(_targets_table(targets_rows))
     _write_results(results, args.output_dir, "sessions.json")
     png = os.path.join(args.output_dir, "sessions.png")
@@ -204,23 +220,34 @@ def _solo_jcts(config, cost, scaling, mapping, drawn: list[AgentSession]) -> dic
 def targets(runs: list[dict]) -> list[dict]:
     """Per pool size: the best policy by mean JCT against LRU and the fixed TTL, its share of the offline bound and
     its worst slowdown; with a pool of at least the whole working set in the grid, also the most any cache policy
-    could gain there: LRU's mean JCT over LRU's with that pool (no capacity misses at all)."""
+    could gain there: LRU's mean JCT over LRU's with that pool (no capacity misses at all). Each comparison is
+    over the sessions its runs served alike (common_sessions), so a run that rejected requests does not look
+    faster."""
     largest = max(
         (r for r in runs if _label(r) == "lru" and r["fraction"] >= 1), key=lambda r: r["fraction"], default=None
     )
     out = []
     for fraction in sorted({r["fraction"] for r in runs}):
         cell = {_label(r): r for r in runs if r["fraction"] == fraction}
-        best = min(cell.values(), key=lambda r: r["jct_s"]["mean"])
+        alike = common_sessions(list(cell.values()))
+        best = min(cell.values(), key=lambda r: mean_jct(r, alike))
         row = {"fraction": fraction, "best_policy": _label(best), "of_offline_bound": best.get("of_offline_bound")}
+        row["compared_sessions"] = len(alike)
         for other in ("lru", "ttl"):
             if other in cell:
-                row[f"jct_{other}_over_best"] = ratio(cell[other]["jct_s"]["mean"], best["jct_s"]["mean"])
+                row[f"jct_{other}_over_best"] = ratio(mean_jct(cell[other], alike), mean_jct(best, alike))
         row["max_slowdown_vs_solo"] = best.get("slowdown_vs_solo", {}).get("max")
         if largest is not None and "lru" in cell:
-            row["jct_lru_over_unlimited_pool"] = ratio(cell["lru"]["jct_s"]["mean"], largest["jct_s"]["mean"])
+            pair = common_sessions([cell["lru"], largest])
+            row["jct_lru_over_unlimited_pool"] = ratio(mean_jct(cell["lru"], pair), mean_jct(largest, pair))
+            row["unlimited_pool_compared_sessions"] = len(pair)
         out.append(row)
     return out
+
+
+def _common_mean(run: dict) -> float:
+    """The run's mean JCT over the common sessions (runs written before them: over all)."""
+    return run.get("jct_common_s", run["jct_s"])["mean"]
 
 
 def _label(run: dict) -> str:
@@ -229,17 +256,21 @@ def _label(run: dict) -> str:
 
 
 def _targets_table(rows: list[dict]) -> str:
-    headers = ["pool", "best", "/bound", "LRU JCT / best", "TTL JCT / best", "max slowdown", "LRU JCT / unlimited pool"]
+    headers = ["pool", "sessions compared", "best", "/bound", "LRU JCT / best", "TTL JCT / best", "max slowdown"]
+    headers += ["LRU JCT / unlimited pool (sessions)"]
     nan = float("nan")
     cells = [
         [
             t["fraction"],
+            t.get("compared_sessions", "all"),
             t["best_policy"],
             t["of_offline_bound"] or nan,
             t.get("jct_lru_over_best", nan),
             t.get("jct_ttl_over_best", nan),
             t["max_slowdown_vs_solo"] or nan,
-            t.get("jct_lru_over_unlimited_pool", nan),
+            f"{t['jct_lru_over_unlimited_pool']:.4f} ({t['unlimited_pool_compared_sessions']})"
+            if "jct_lru_over_unlimited_pool" in t
+            else nan,
         ]
         for t in rows
     ]
@@ -247,20 +278,21 @@ def _targets_table(rows: list[dict]) -> str:
 
 
 def _table(runs: list[dict]) -> str:
-    headers = ["pool", "policy", "hit rate", "offline", "/bound", "JCT mean s", "JCT p90 s", "slowdown mean", "max"]
-    headers += ["tier hit", "evicted", "rejected", "wall s"]
+    headers = ["pool", "policy", "hit rate", "offline", "/bound", "JCT mean s", "JCT p90 s", "common JCT mean s"]
+    headers += ["slowdown mean", "max", "tier hit", "evicted", "rejected", "wall s"]
     rows = []
     for r in runs:
         slow = r.get("slowdown_vs_solo", {})
         rows.append(
             [
                 r["fraction"],
-                _label(r),
+                _label(r) + ("" if r.get("comparable", True) else " *"),
                 r["token_hit_rate"],
                 r.get("offline_bound_hit_rate", float("nan")),
                 r.get("of_offline_bound") or float("nan"),
                 r["jct_s"]["mean"],
                 r["jct_s"]["p90"],
+                _common_mean(r),
                 slow.get("mean", float("nan")),
                 slow.get("max", float("nan")),
                 ratio(r.get("tier_hit_tokens", 0), r["prompt_tokens"]),

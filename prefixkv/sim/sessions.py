@@ -126,6 +126,7 @@ class _Session:
     end_s: float | None = None
     requests: int = 0
     rejected: int = 0
+    rejected_steps: list[str] = field(default_factory=list)  # "agent id:step index" of each rejected request
     prompt_tokens: int = 0
     hit_tokens: int = 0
 
@@ -280,6 +281,7 @@ class SessionReplay:
             run.requests += 1
             if m.rejected:
                 run.rejected += 1
+                run.rejected_steps.append(f"{agent.session.id}:{agent.step}")
                 self._rejected.add(m.request_id)
             else:
                 run.prompt_tokens += m.prompt_tokens
@@ -361,13 +363,9 @@ class SessionReplay:
             "prompt_tokens": prompt,
             "hit_tokens": hit,
             "token_hit_rate": ratio(hit, prompt),
-            "jct_s": {
-                "mean": ratio(sum(jcts), len(jcts)),
-                "p50": percentile(jcts, 50),
-                "p90": percentile(jcts, 90),
-                "max": max(jcts, default=float("nan")),
-            },
+            "jct_s": jct_stats(jcts),
             "jct_by_session": {run.id: run.end_s - run.start_s for run in runs if run.end_s is not None},
+            "rejected_by_session": {run.id: sorted(run.rejected_steps) for run in runs if run.rejected},
             "sim_seconds": res.sim_seconds,
             "steps": self.sim.scheduler.step_count,
             "preemptions": self.sim.scheduler.num_preemptions,
@@ -380,6 +378,43 @@ class SessionReplay:
             "pool_pages": self.kv.num_pages,
             "page_size": self.kv.page_size,
         }
+
+
+def jct_stats(jcts: list[float]) -> dict:
+    return {
+        "mean": ratio(sum(jcts), len(jcts)),
+        "p50": percentile(jcts, 50),
+        "p90": percentile(jcts, 90),
+        "max": max(jcts, default=float("nan")),
+    }
+
+
+def common_sessions(runs: list[dict]) -> list[str]:
+    """The sessions that compare across `runs`: each run served the same requests of them. A session that lost a
+    rejected request (too long for that pool) goes on without it and ends sooner, so its JCT compares only
+    between runs that rejected the same of its requests (none, or the same ones)."""
+    if not runs:
+        return []
+    first = runs[0].get("rejected_by_session", {})
+    return [
+        sid
+        for sid in runs[0]["jct_by_session"]
+        if all(r.get("rejected_by_session", {}).get(sid, []) == first.get(sid, []) for r in runs)
+    ]
+
+
+def mean_jct(run: dict, sessions: list[str]) -> float:
+    return ratio(sum(run["jct_by_session"][sid] for sid in sessions), len(sessions))
+
+
+def add_common_jct(runs: list[dict]) -> list[str]:
+    """Each run's JCT over the sessions that compare across all of them (`jct_common_s`), and whether its own
+    covers whole sessions (`comparable`: it rejected nothing). Returns the common sessions."""
+    common = common_sessions(runs)
+    for r in runs:
+        r["jct_common_s"] = jct_stats([r["jct_by_session"][sid] for sid in common]) | {"sessions": len(common)}
+        r["comparable"] = not r["rejected_requests"]
+    return common
 
 
 def replay_sessions(

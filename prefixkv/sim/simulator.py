@@ -106,6 +106,7 @@ class RequestMetrics:
     wait_steps: int | None = None  # first admission step - arrival step
     preemptions: int = 0
     rejected: bool = False  # prompt + output can never fit the pool (or max_model_len): never scheduled
+    missed_by_cause: dict[str, int] = field(default_factory=dict)  # its first admission's CacheMiss, by cause
 
 
 @dataclass
@@ -325,6 +326,8 @@ class Simulation:
         del self._live[request]
         metrics.latency_s = self.result.sim_seconds - metrics.arrival_s
         metrics.hit_tokens = max(request.num_cached_tokens, 0)
+        if request.cache_miss is not None:
+            metrics.missed_by_cause = request.cache_miss.tokens_by_cause
         metrics.preemptions = request.num_preemptions
         self.result.metrics.append(metrics)
         if self.on_done:

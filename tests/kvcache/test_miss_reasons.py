@@ -9,6 +9,7 @@ import pytest
 
 from prefixkv.cache_miss import CAUSES
 from prefixkv.kvcache.hash_cache import HashPrefixCache
+from prefixkv.kvcache.miss_reasons import FellOut
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 from tests.kvcache.helpers import admit, compute, make_request
 
@@ -106,6 +107,32 @@ def test_a_lapsed_page_the_cap_would_have_dropped_anyway_is_evicted_not_expired(
     serve(kv, make_request(prompt(500, 21)))
     assert serve(kv, make_request(prompt(0, 9))).cause == "evicted"
     assert serve(kv, make_request(prompt(200, 9))).cause == "expired"  # within the cap: the TTL's doing
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_eviction_older_than_the_history_is_unknown_not_never_seen(kind):
+    """The engine's history of evictions is bounded (here 2 pages): once the first prompt's evictions fell out of
+    it, its miss reads unknown, apart from what was never cached at all."""
+    kv = make_cache(kind, num_pages=6, miss_history=2)
+    serve(kv, make_request(prompt(0, 9)))
+    serve(kv, make_request(prompt(500, 21)))  # needs every page of the pool: the first prompt's 2 pages go
+    assert kv.misses.explain(make_request(prompt(0, 9)), 0).cause == "evicted"
+    serve(kv, make_request(prompt(2000, 21)))  # evicts the second prompt: the first one's evictions fall out
+    miss = serve(kv, make_request(prompt(0, 9)))
+    assert (miss.cause, miss.tokens_by_cause) == ("unknown", {"unknown": 32, "granularity": 4})
+    assert serve(kv, make_request(prompt(9000, 9))).cause == "never_seen"
+
+
+def test_what_fell_out_of_the_history_never_reads_never_seen():
+    """FellOut is a Bloom filter: no key added is ever missed; keys never added rarely test positive."""
+    fell = FellOut(1000)
+    added = [((), k) for k in range(0, 4000, 4)]
+    for key in added:
+        fell.add(key)
+    assert all(key in fell for key in added)
+    others = [(("salt",), k) for k in range(20_000)]
+    assert sum(key in fell for key in others) / len(others) < 1e-3
+    assert ((), 1) not in FellOut(10)  # empty
 
 
 @pytest.mark.parametrize("kind", KINDS)

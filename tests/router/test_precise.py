@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from prefixkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixkv.router import BlockIndex, PreciseRouting, ReplicaState, Router, RouteRequest
+from tests.shared_data import MOONCAKE, shared_trace
 
 BS = 4
 TUNING_SWEEP = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "routing" / "tuning_sweep.json"
-MOONCAKE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
 
 
 def stored(hashes: list[int], parent: int | None = None, medium: str | None = "GPU") -> BlockStored:
@@ -66,16 +65,17 @@ def test_the_default_weights_are_the_ones_the_tuning_sweep_chose():
     )
 
 
-@pytest.mark.skipif(not os.path.exists(MOONCAKE), reason="the shared Mooncake trace is not on this machine")
 def test_the_weights_were_tuned_on_a_slice_that_ends_before_the_held_out_one_begins():
     """The tuning slice's last request arrives before the held-out slice's first: no request is in both."""
     from prefixkv.sim.traces import TraceScaling, load_trace, scale_trace
+
+    path = shared_trace(MOONCAKE)
 
     sweep = json.loads(TUNING_SWEEP.read_text())
     tuning, held_out = sweep["tuning_slice"], sweep["held_out_slice"]
     assert tuning["args"] == ["--max-requests", str(tuning["max_requests"])] and tuning["start_s"] == 0
     assert held_out["args"] == ["--start-s", str(held_out["start_s"]), "--max-requests", str(held_out["max_requests"])]
-    trace = load_trace(MOONCAKE)
+    trace = load_trace(str(path))
     assert trace.requests[0].arrival_s == 0  # arrivals are trace seconds from the first request
     tuned = scale_trace(trace, TraceScaling(max_requests=tuning["max_requests"]))  # rebased to 0: trace seconds
     assert len(tuned) == tuning["max_requests"] and tuned[-1].arrival_s < held_out["start_s"]

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from prefixkv.cache_miss import CAUSES
 from prefixkv.prewarm import prewarm_from_file, read_prewarm_file
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.cli import main as serve_main
@@ -212,7 +213,7 @@ def test_a_miss_is_explained_when_asked_and_counted_by_cause(client, server, llm
     wait_no_pages_held(server, AUTH)
     samples = metric_samples(server, AUTH)
     missed = {k: v for k, v in samples.items() if k.startswith("prefixkv:prefix_cache_missed_tokens_total{")}
-    assert len(missed) == 7 and missed[next(k for k in missed if 'cause="never_seen"' in k)] > 0
+    assert len(missed) == len(CAUSES) and missed[next(k for k in missed if 'cause="never_seen"' in k)] > 0
     assert missed[next(k for k in missed if 'cause="routed"' in k)] >= 16
     (queries,) = [v for k, v in samples.items() if k.startswith("prefixkv:prefix_cache_queries_total{")]
     (hits,) = [v for k, v in samples.items() if k.startswith("prefixkv:prefix_cache_hits_total{")]

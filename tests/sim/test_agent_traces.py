@@ -21,9 +21,9 @@ from prefixkv.sim.agent_traces import (
     token_mapping,
 )
 from prefixkv.sim.traces import TraceFormatError
+from tests.shared_data import CLAUDE_CODE, shared_trace
 
 SLICE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "data", "claude_code")
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces", "claude_code")
 
 
 def _request(t: float, n_in: int, ids: list[int], **kw) -> dict:
@@ -163,7 +163,6 @@ def test_describe_from_the_cli(capsys):
     assert "unbounded_hit_rate  0.0593" in out and "requests            200" in out  # docs/data/README.md: 5.9%
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED), reason="../shared/traces/claude_code is not here")
 def test_the_shared_sample_loads_whole():
-    facts = describe(load_agent_trace(SHARED))
+    facts = describe(load_agent_trace(str(shared_trace(CLAUDE_CODE))))
     assert facts["sessions"] == 48 and facts["requests"] == 3453 and facts["subagents"] == 9

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
 from prefixkv.sim.bounds import offline_hit_tokens, page_accesses, unbounded_hit_tokens
 from prefixkv.sim.traces import BlockTokens, ScaledRequest, TraceScaling, load_trace, scale_trace
-
-MOONCAKE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+from tests.shared_data import MOONCAKE, shared_trace
 
 
 def requests(specs, per_block=4) -> list[ScaledRequest]:
@@ -120,10 +118,9 @@ def test_offline_by_hand():
         offline_hit_tokens(long, 4, 0)
 
 
-@pytest.mark.skipif(not os.path.exists(MOONCAKE), reason="the shared Mooncake trace is not on this machine")
 def test_real_trace_unbounded_rate():
     """The README's fact (37.4% at 512-token blocks); the engine's rules (whole pages, one token left) give 37.34%."""
-    trace = load_trace(MOONCAKE)
+    trace = load_trace(str(shared_trace(MOONCAKE)))
     full = scale_trace(trace, TraceScaling())
     assert abs(unbounded_hit_tokens(full, 512).rate - 0.374) < 0.001
     head = scale_trace(trace, TraceScaling(tokens_per_block=16, max_requests=300))

@@ -20,7 +20,7 @@ from prefixkv.sampling_params import SamplingParams
 from prefixkv.session_hint import SessionHint
 from prefixkv.sim.agent_traces import AgentScaling, SubagentGroup, load_agent_trace, token_mapping
 from prefixkv.sim.cost_model import StepCostModel
-from prefixkv.sim.sessions import SessionPolicy, replay_sessions
+from prefixkv.sim.sessions import SessionPolicy, add_common_jct, common_sessions, replay_sessions
 from prefixkv.sim.simulator import Arrival, SimClock, Simulation, create_kv
 
 SLICE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "data", "claude_code")
@@ -207,9 +207,30 @@ def test_simulate_sessions_on_the_shipped_slice(tmp_path, capsys):
         assert sum(r["missed_tokens_by_cause"].values()) == r["prompt_tokens"] - r["hit_tokens"]
         assert r["slowdown_vs_solo"]["max"] >= 1.0 - 1e-9
         assert r["sessions"] == 4
-        assert (r["rejected_requests"] > 0) == (r["fraction"] == 0.2)
+        assert (r["rejected_requests"] > 0) == (r["fraction"] == 0.2) == (not r["comparable"])
+    # the small pool's sessions skip their rejected requests and end sooner: JCTs compare over the others only
+    common = results["common_sessions"]
+    skipped = set(results["runs"][0]["rejected_by_session"])
+    assert skipped and common == [sid for sid in results["runs"][0]["jct_by_session"] if sid not in skipped]
+    for r in results["runs"]:
+        assert r["jct_common_s"]["sessions"] == len(common)
+        assert r["jct_common_s"]["mean"] == pytest.approx(sum(r["jct_by_session"][s] for s in common) / len(common))
+    assert [t["compared_sessions"] for t in results["targets"]] == [4, 4]  # within a pool, every run alike
     assert results["targets"][0]["best_policy"] in {"lru", "pause", "session", "ttl"}
-    assert "JCT mean s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "JCT mean s" in out and "common JCT mean s" in out and "lru *" in out
+
+
+def test_jct_compares_only_over_the_sessions_every_run_served_alike():
+    """A run that rejected a session's request ended that session sooner: the session leaves the comparison,
+    unless every compared run rejected the same requests of it."""
+    small = {"jct_by_session": {"a": 50.0, "b": 10.0}, "rejected_by_session": {"a": ["a:3"]}, "rejected_requests": 1}
+    large = {"jct_by_session": {"a": 90.0, "b": 12.0}, "rejected_requests": 0}
+    assert common_sessions([small, large]) == ["b"]
+    assert common_sessions([small, dict(small)]) == ["a", "b"]
+    assert add_common_jct([small, large]) == ["b"]
+    assert (small["jct_common_s"]["mean"], large["jct_common_s"]["mean"]) == (10.0, 12.0)
+    assert (small["comparable"], large["comparable"]) == (False, True)
 
 
 def test_the_session_table_is_bounded_and_a_parent_ending_ends_its_subagents():

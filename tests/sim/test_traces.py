@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from prefixkv.engine.prompts import shared_prefix
 from prefixkv.sim.traces import TraceFormatError, TraceScaling, load_trace, scale_trace, scaled_length
-
-MOONCAKE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+from tests.shared_data import MOONCAKE, shared_trace
 
 
 def write(tmp_path, rows, name="t.jsonl") -> str:
@@ -175,11 +173,22 @@ def test_slicing_output_scale_and_describe(tmp_path):
     assert scaled_length(1000, 512, 16) == 16 + 15 and scaled_length(513, 512, 16) == 17
 
 
-@pytest.mark.skipif(not os.path.exists(MOONCAKE), reason="the shared Mooncake trace is not on this machine")
 def test_real_mooncake_trace_loads():
-    trace = load_trace(MOONCAKE)
+    trace = load_trace(str(shared_trace(MOONCAKE)))
     assert trace.format == "mooncake" and len(trace.requests) == 12_031
     assert round(trace.requests[-1].arrival_s) == 3_537
     assert max(r.input_length for r in trace.requests) == 126_195
     reqs = scale_trace(trace, TraceScaling(tokens_per_block=16, max_requests=50))
     assert len(reqs) == 50 and all(len(r.prompt_tokens()) == r.prompt_len for r in reqs)
+
+
+def test_missing_shared_data_skips_here_and_fails_in_ci(tmp_path, monkeypatch):
+    """tests/shared_data.py: a test reading the shared traces skips where they are not, but not in CI."""
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="missing"):
+        shared_trace(MOONCAKE, root=tmp_path)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must provide it"):
+        shared_trace(MOONCAKE, root=tmp_path)
+    (tmp_path / MOONCAKE).write_text("")
+    assert shared_trace(MOONCAKE, root=tmp_path) == tmp_path / MOONCAKE
