@@ -66,7 +66,8 @@ def base_url(tmp_path_factory):
 
 LONG_ANSWER = 64  # tokens: ~0.5 s of decode on 2 cores, so a kill lands while requests are in flight
 ADMITTED_S = 0.3  # how long requests stay ongoing on a replica before it is killed: its engine has taken them
-BUSY_ANSWER = 24  # tokens: a stream still decoding when the request sent after its first token is routed
+STOPPED_S = 0.5  # how long a stopped victim's last answers (sent before the stop) get to reach the router
+BUSY_ANSWER = 400  # tokens (of max_model_len 512): still decoding while the router's view catches up (closed: aborted)
 
 
 def _complete(client, max_tokens: int = 4):
@@ -146,30 +147,78 @@ def _tenant(base_url: str, key: str) -> httpx.Client:
     return httpx.Client(base_url=base_url.removesuffix("/v1"), headers={"authorization": f"Bearer {key}"}, timeout=120)
 
 
-def _one_entry_per_replica(client, tenant: httpx.Client) -> list[dict]:
+def _one_entry_per_replica(base_url: str, client, tenant: httpx.Client) -> list[dict]:
     """Two messages entries of `tenant` (`client` its OpenAI client), one on each replica, as created (plus
     `replica` and `session`, the create's prompt_cache_key, which the replica ignores and the router pins).
 
     A long answer streaming on one replica makes it the busier: a fresh entry goes to the other one. The second
-    stream follows the first entry's session, so the second entry goes to the first stream's replica."""
+    stream follows the first entry's session, so the second entry goes to the first stream's replica. Each entry
+    is made only once the router's own view (the ingress's stats) has the streaming replica the busier (its
+    polled gauges lag: a request just answered can still count as running on the other replica for a second or
+    more on a busy machine), and the placement is judged only if the router still counted the stream unanswered
+    after the create (else the create may have been routed after it ended, on a tie): such a round is redone."""
     created: list[dict] = []
-    for _ in range(2):
-        session = {"prompt_cache_key": created[0]["session"]} if created else {}
-        with client.completions.with_streaming_response.create(
-            model=MODEL,
-            prompt=f"[{uuid.uuid4().hex}] {PROMPT}",
-            max_tokens=BUSY_ANSWER,
-            stream=True,
-            extra_body=session,
-        ) as busy:
-            next(busy.iter_lines())  # admitted and decoding there while the entry is made
-            key = f"create-{uuid.uuid4().hex}"
-            system = {"role": "system", "content": f"[{uuid.uuid4().hex}] {SYSTEM}"}
-            r = tenant.post("/v1/caches", json={"messages": [system], "ttl": "600s", "prompt_cache_key": key})
-            assert r.status_code == 200, r.text
-            created.append({**r.json(), "replica": r.headers[REPLICA_HEADER], "session": key})
-            assert created[-1]["replica"] != busy.headers[REPLICA_HEADER], "an entry went to the busy replica"
+    while len(created) < 2:
+        for _round in range(3):
+            entry = _entry_beside_a_stream(base_url, client, tenant, created[0]["session"] if created else None)
+            if entry is not None:
+                created.append(entry)
+                break
+        else:
+            pytest.fail("the busy stream ended before the entry was routed, three rounds in a row")
     return created
+
+
+def _entry_beside_a_stream(base_url: str, client, tenant: httpx.Client, session: str | None) -> dict | None:
+    """An entry made while a long stream (pinned to `session`'s replica, if given) runs on another replica; None
+    when the stream ended before the router saw it the busier or before the entry was routed (inconclusive)."""
+    with client.completions.with_streaming_response.create(
+        model=MODEL,
+        prompt=f"[{uuid.uuid4().hex}] {PROMPT}",
+        max_tokens=BUSY_ANSWER,
+        stream=True,
+        extra_body={"ignore_eos": True} | ({"prompt_cache_key": session} if session else {}),
+    ) as stream:
+        # one iterator kept for the stream's life: a dropped one closes the connection, which aborts the stream
+        lines = stream.iter_lines()
+        next(lines)  # admitted and decoding there (streams pass through a replica chunk by chunk)
+        busy = stream.headers[REPLICA_HEADER]
+        view = _busier_in_the_routers_view(base_url, busy)
+        if view is None:
+            return None
+        key = f"create-{uuid.uuid4().hex}"
+        system = {"role": "system", "content": f"[{uuid.uuid4().hex}] {SYSTEM}"}
+        r = tenant.post("/v1/caches", json={"messages": [system], "ttl": "600s", "prompt_cache_key": key})
+        assert r.status_code == 200, r.text
+        if not _sent_unanswered(_ingress_stats(base_url), busy) or "[DONE]" in next(lines, "[DONE]"):
+            return None
+        assert r.headers[REPLICA_HEADER] != busy, f"an entry went to the busy replica: {view}"
+        return {**r.json(), "replica": r.headers[REPLICA_HEADER], "session": key}
+
+
+def _busier_in_the_routers_view(base_url: str, busy: str) -> list | None:
+    """Wait until every request router of the ingress (one per handle: the create goes through the plain one,
+    which knows of the stream only by the replicas' polled gauges) would see `busy` more loaded than every other
+    replica; their views then (None: no router counts a request unanswered on `busy` any more, the stream ended
+    first)."""
+    deadline = time.monotonic() + 60
+    while True:
+        stats = _ingress_stats(base_url)
+        if not _sent_unanswered(stats, busy):
+            return None
+        views = stats["routers"]
+        if views and all(
+            len(view) == 2 and all(view[busy]["load"] > s["load"] for rid, s in view.items() if rid != busy)
+            for view in views
+        ):
+            return views
+        assert time.monotonic() < deadline, f"the routers never saw {busy} the busier: {views}"
+        time.sleep(0.05)
+
+
+def _sent_unanswered(stats: dict, replica: str) -> int:
+    """The requests the ingress's routers sent to `replica` that have not completed, by their own record."""
+    return sum(view[replica]["sent_unanswered"] for view in stats["routers"] if replica in view)
 
 
 def test_cache_entries_behave_as_on_one_server(base_url):
@@ -180,7 +229,7 @@ def test_cache_entries_behave_as_on_one_server(base_url):
     a, b = _tenant(base_url, "tenant-a"), _tenant(base_url, "tenant-b")
     client = openai.OpenAI(base_url=base_url, api_key="tenant-a", timeout=120, max_retries=0)
     model = client.models.list().data[0].id
-    created = _one_entry_per_replica(client, a)
+    created = _one_entry_per_replica(base_url, client, a)
     entry, other = created  # on different replicas
     holder, name = entry["replica"], entry["name"]
     assert entry["usage"]["cached_tokens"] > 0
@@ -284,7 +333,7 @@ def test_replica_killed_under_load(base_url):
     # long enough answers that a request still in flight when the replica is killed is not answered first
     _, reference = _complete(client, max_tokens=LONG_ANSWER)
     tenant = _tenant(base_url, "unused")
-    entries = _one_entry_per_replica(client, tenant)  # the victim's goes with it
+    entries = _one_entry_per_replica(base_url, client, tenant)  # the victim's goes with it
     prefix = "SERVE_REPLICA::prefixkv#EngineReplica#"
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
     actors = {name.removeprefix(prefix): ray.get_actor(name, namespace="serve") for name in names}
@@ -296,14 +345,13 @@ def test_replica_killed_under_load(base_url):
         answers while the engine decodes)."""
         return {rid: ray.get(actor.get_num_ongoing_requests.remote()) for rid, actor in actors.items()}
 
-    deadline = time.monotonic() + 60
-    while any(ongoing().values()):  # a finished request leaves the count a moment after its answer
-        assert time.monotonic() < deadline, "the replicas never went idle"
-        time.sleep(0.02)
-    before = _ingress_stats(base_url)
-    results: list[object] = []
+    def idle() -> None:
+        deadline = time.monotonic() + 60
+        while any(ongoing().values()):  # a finished request leaves the count a moment after its answer
+            assert time.monotonic() < deadline, "the replicas never went idle"
+            time.sleep(0.02)
 
-    def send():
+    def send(results: list[object]) -> None:
         try:
             raw = client.completions.with_raw_response.create(
                 model=MODEL, prompt=PROMPT, max_tokens=LONG_ANSWER, temperature=0
@@ -313,25 +361,39 @@ def test_replica_killed_under_load(base_url):
         except Exception as exc:  # noqa: BLE001 - recorded, asserted on below
             results.append(exc)
 
-    threads = [threading.Thread(target=send) for _ in range(6)]
-    for t in threads:
-        t.start()
-    # kill a replica only once requests are in flight there, and still there a moment later (Ray counts a request
-    # as ongoing on a replica before its engine has taken it). A run on AMD EPYC Zen 3 (2 busy cores) that killed
-    # at the first count, with ray.kill, saw 3 ongoing on the victim and every answer given without a retry.
-    while True:
-        assert time.monotonic() < deadline, "no request reached a replica"
-        if any(ongoing().values()):
-            time.sleep(ADMITTED_S)
-            if any((counts := ongoing()).values()):
-                break
-        time.sleep(0.02)
-    victim = max(counts, key=counts.__getitem__)
-    in_flight, actor = counts[victim], actors[victim]
-    victim_actor_id = actor._actor_id.hex()  # what the ingress's counters key lost attempts by
-    # its process gets SIGKILL, which takes effect at once (ray.kill is asynchronous: on a busy 2-core machine the
-    # victim could finish its requests before the kill landed)
-    os.kill(pids[victim], signal.SIGKILL)
+    # Kill a replica only once requests are in flight there, and still there a moment later (Ray counts a request
+    # as ongoing on a replica before its engine has taken it). The victim is stopped first (SIGSTOP: it can answer
+    # nothing more), then the router's own record says whether a request it sent there is still unanswered: one
+    # is then lost with the kill, whatever the machine's load. Where none is (the victim answered them all in the
+    # moment between the count and the stop), it is resumed and the round is sent again.
+    for _attempt in range(3):
+        idle()
+        before = _ingress_stats(base_url)
+        results: list[object] = []
+        threads = [threading.Thread(target=send, args=(results,)) for _ in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "no request reached a replica"
+            if any(ongoing().values()):
+                time.sleep(ADMITTED_S)
+                if any((counts := ongoing()).values()):
+                    break
+            time.sleep(0.02)
+        victim = max(counts, key=counts.__getitem__)
+        os.kill(pids[victim], signal.SIGSTOP)
+        time.sleep(STOPPED_S)  # an answer it sent just before the stop reaches the router meanwhile
+        in_flight = _sent_unanswered(_ingress_stats(base_url), victim)
+        if in_flight:
+            break
+        os.kill(pids[victim], signal.SIGCONT)
+        for t in threads:
+            t.join(timeout=180)
+    else:
+        pytest.fail("the victim had answered every request before it was stopped, three rounds in a row")
+    victim_actor_id = actors[victim]._actor_id.hex()  # what the ingress's counters key lost attempts by
+    os.kill(pids[victim], signal.SIGKILL)  # at once (ray.kill is asynchronous)
     for t in threads:
         t.join(timeout=180)
     assert not any(t.is_alive() for t in threads)
@@ -591,3 +653,45 @@ def test_the_ingress_finds_an_entry_it_never_saw_created():
     assert replicas.calls == {"identify": 1, "holds_cache_entry": 2}
     assert asyncio.run(cls._holder(ingress, "cache_b")) == "r2" and replicas.calls["holds_cache_entry"] == 2
     assert asyncio.run(cls._holder(ingress, "cache_unknown")) is None  # routed as any request: 'not found'
+
+
+def test_a_replica_passes_a_stream_on_as_the_app_sends_it():
+    """The in-process call yields each chunk as the app sends it (the app sends its second only once the first
+    has reached the caller), and closing it early tells the app its client went away."""
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from prefixkv.serve_ray.in_process import call_app, call_app_whole
+
+    first_read, app_stopped = asyncio.Event(), asyncio.Event()
+
+    async def chunks():
+        try:
+            yield b"first"
+            await first_read.wait()  # a transport that buffered the body would wait here for ever
+            yield b"second"
+            await asyncio.Event().wait()  # a generation that would go on: only a disconnect ends it
+        finally:
+            app_stopped.set()
+
+    app = Starlette(routes=[Route("/s", lambda r: StreamingResponse(chunks(), status_code=201), methods=["POST"])])
+
+    async def drive() -> list:
+        seen: list = []
+        answer = call_app(app, "POST", "/s?x=1", [("content-type", "text/plain")], b"body")
+        async for part in answer:
+            seen.append(part)
+            if part == b"first":
+                first_read.set()
+            if part == b"second":
+                break
+        await answer.aclose()
+        await asyncio.wait_for(app_stopped.wait(), 10)
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(drive(), 30))  # buffered, it would time out here
+    assert seen[0][0] == 201 and seen[1:] == [b"first", b"second"]
+    app.router.routes.append(Route("/whole", lambda request: StreamingResponse(iter([b"a", b"b"])), methods=["GET"]))
+    status, _, body = asyncio.run(call_app_whole(app, "GET", "/whole", [], b""))
+    assert (status, body) == (200, b"ab")

@@ -18,7 +18,9 @@ flight at once one would never be routed (Ray asks the router again and again).
 What the retries did is visible: every answer carries `x-prefixkv-retries` (how many replicas were lost under
 this request before the one named by `x-prefixkv-replica` answered), and `GET /ingress/stats` (any valid key, as
 /metrics) returns the ingress's counters: requests forwarded, retries, requests left unanswered, streams cut, and
-the attempts lost per replica actor (Ray's actor id, as in `ray list actors` and the "replica lost" warnings).
+the attempts lost per replica actor (Ray's actor id, as in `ray list actors` and the "replica lost" warnings),
+and under `routers` what each request router of the ingress (one per handle) would route on now, per replica: its
+polled gauges, floored by that router's own count of the requests it sent there and not yet answered.
 
 No `from __future__ import annotations` here: FastAPI must see the handler's real annotation types once Serve
 has rebound the class methods.
@@ -38,6 +40,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from prefixkv.router.request import RouteRequest
+from prefixkv.serve_ray import router_view
 from prefixkv.serve_ray.cache_entries import (
     INVALID_PAGE_TOKEN,
     SHAPES,
@@ -225,6 +228,9 @@ class Ingress:
         """tokenize: give the router each prompt's token ids and cache salt (for the cache-aware policies);
         app_options: the replicas' app options (their keys and tenant isolation decide the salts)."""
         self._replicas = replicas
+        # one streaming handle for the ingress's life: a handle per stream would mean a request router per stream,
+        # each with an empty KV-event index and no count of the streams before it
+        self._streaming = replicas.options(stream=True)
         self._tokenizer = routing_tokenizer(model) if tokenize else None
         options = app_options or ServingOptions()
         self._salts = TenantSalts(options) if tokenize else None
@@ -239,7 +245,7 @@ class Ingress:
         if self._keys is not None and self._keys.identify(request_api_key(raw)) is None:
             message = "Invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
             return APIError(message, status=401, code="invalid_api_key").response()
-        return self.stats.as_dict()
+        return {**self.stats.as_dict(), "routers": router_view.routers_view()}
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
     async def forward(self, path: str, raw: Request) -> Any:
@@ -384,7 +390,7 @@ class Ingress:
 
     async def _stream(self, request: ForwardedRequest) -> Response:
         for attempt in range(MAX_ATTEMPTS):
-            chunks: Any = self._replicas.options(stream=True).handle_stream.remote(request)
+            chunks: Any = self._streaming.handle_stream.remote(request)
             try:
                 head: ForwardedResponse = await chunks.__anext__()
             except _REPLICA_LOST as exc:
@@ -392,21 +398,32 @@ class Ingress:
                 continue
             self._saw(request.route)
             headers = _answer_headers(head, attempt)
-            return StreamingResponse(self._rest(chunks), status_code=head.status, headers=headers)
+            replica = _lower(head.headers).get(REPLICA_HEADER, "")
+            router_view.stream_opened(replica)  # counted open until its last chunk (router_view.py says why)
+            return StreamingResponse(self._rest(chunks, replica), status_code=head.status, headers=headers)
         return self._unanswered()
 
     def _unanswered(self) -> Response:
         self.stats.unanswered += 1
         return JSONResponse(_error(503, "no engine replica could answer the request"), status_code=503)
 
-    async def _rest(self, chunks: Any) -> AsyncIterator[bytes]:
-        """The body chunks after the head; a replica lost mid-stream ends it with an error event and [DONE]."""
+    async def _rest(self, chunks: Any, replica: str) -> AsyncIterator[bytes]:
+        """The body chunks after the head; a replica lost mid-stream ends it with an error event and [DONE]. A
+        client that goes away closes this generator early: the replica's call is cancelled, so its app sees the
+        disconnect and the engine aborts the request (Ray would otherwise run the generator to its end)."""
+        finished = False
         try:
             async for chunk in chunks:
                 yield chunk
+            finished = True
         except _REPLICA_LOST as exc:
+            finished = True
             self.stats.streams_cut += 1
             self.stats.lost_attempts[getattr(exc, "actor_id", None) or "unknown"] += 1
             logger.warning("replica lost mid-stream: %s", exc)
             yield f"data: {json.dumps(_error(503, 'the engine replica was lost mid-stream'))}\n\n".encode()
             yield b"data: [DONE]\n\n"
+        finally:
+            router_view.stream_closed(replica)
+            if not finished:
+                chunks.cancel()

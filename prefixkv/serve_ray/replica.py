@@ -1,8 +1,9 @@
 """One engine replica: the single-process server app, driven in process by the ingress's forwarded requests.
 
 Why the whole app rather than new handlers: authentication, validation, OpenAI error bodies and limits stay the
-ones `prefixkv serve` has, in one place. The app is called through httpx's ASGI transport (no socket); its
-lifespan (the engine thread) is entered on the first request, because Ray builds the replica synchronously.
+ones `prefixkv serve` has, in one place. The app is called in process (in_process.py: no socket, and a stream
+passed on chunk by chunk as the app sends it); its lifespan (the engine thread) is entered on the first
+request, because Ray builds the replica synchronously.
 `record_routing_stats` is Ray Serve's hook for per-replica routing data: it returns the app's /load gauges, which
 Ray's controller polls and hands to every request router (RunningReplica.routing_stats). For the precise policy
 the replica also publishes its KV events over ZMQ (the engine's own publisher, on free ports) and its stats carry
@@ -19,10 +20,9 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-import httpx
-
 from prefixkv.config import EngineConfig
 from prefixkv.router.request import RouteRequest
+from prefixkv.serve_ray.in_process import call_app, call_app_whole
 from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
 from prefixkv.server.options import ServingOptions
 from prefixkv.server.router_hints import HELD_ELSEWHERE
@@ -51,7 +51,6 @@ class EngineReplica:
             }
         # loaded on a thread that ends, so the engine thread is the only one left running kernels (engine_thread.py)
         self._app = build_app(on_short_lived_thread(lambda: build_engine(config)), app_options)
-        self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self._app), base_url="http://replica")
         self._lifespan = contextlib.AsyncExitStack()
         self._started = asyncio.Lock()
         self._running = False
@@ -63,34 +62,38 @@ class EngineReplica:
                 await self._lifespan.enter_async_context(self._app.router.lifespan_context(self._app))
                 self._running = True
 
-    def _headers(self, response: httpx.Response) -> list[tuple[str, str]]:
-        headers = [(k, v) for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP]
-        return [*headers, (REPLICA_HEADER, self.replica_id)]
+    def _headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return [*((k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP), (REPLICA_HEADER, self.replica_id)]
 
-    def _request(self, request: ForwardedRequest) -> httpx.Request:
-        """The app's request; with what the router recorded while routing it here (Router.route ran in the caller's
-        process before Ray sent the arguments) as the held-elsewhere header, never a client's."""
+    def _request_headers(self, request: ForwardedRequest) -> list[tuple[str, str]]:
+        """The app's request headers; with what the router recorded while routing it here (Router.route ran in the
+        caller's process before Ray sent the arguments) as the held-elsewhere header, never a client's."""
         headers = [(k, v) for k, v in request.headers if k.lower() not in _NOT_FORWARDED]
         if request.route.held_elsewhere_tokens > 0:
             headers.append((HELD_ELSEWHERE, str(request.route.held_elsewhere_tokens)))
-        return self._client.build_request(request.method, request.path, headers=headers, content=request.body)
+        return headers
 
     async def handle(self, request: ForwardedRequest) -> ForwardedResponse:
         """A whole (non-streaming) response."""
         await self._start()
-        response = await self._client.send(self._request(request))
-        return ForwardedResponse(response.status_code, self._headers(response), response.content)
+        status, headers, body = await call_app_whole(
+            self._app, request.method, request.path, self._request_headers(request), request.body
+        )
+        return ForwardedResponse(status, self._headers(headers), body)
 
     async def handle_stream(self, request: ForwardedRequest) -> AsyncIterator[bytes | ForwardedResponse]:
-        """A streaming response: first its status and headers (empty body), then its body chunks as they come."""
+        """A streaming response: first its status and headers (empty body), then its body chunks as the app sends
+        them. Closed early (the client went away), the app sees the disconnect and the engine aborts the request."""
         await self._start()
-        response = await self._client.send(self._request(request), stream=True)
+        answer = call_app(self._app, request.method, request.path, self._request_headers(request), request.body)
         try:
-            yield ForwardedResponse(response.status_code, self._headers(response), b"")
-            async for chunk in response.aiter_raw():
-                yield chunk
+            async for part in answer:
+                if isinstance(part, bytes):
+                    yield part
+                else:
+                    yield ForwardedResponse(part[0], self._headers(part[1]), b"")
         finally:
-            await response.aclose()
+            await answer.aclose()
 
     async def identify(self, route: RouteRequest) -> str:
         """This replica's id. `route` is for the request router, which records the live replicas on it: how the
@@ -117,9 +120,9 @@ class EngineReplica:
     async def check_health(self) -> None:
         """Ray's health probe: the engine thread must answer."""
         await self._start()
-        response = await self._client.get("/health")
-        if response.status_code != 200:
-            raise RuntimeError(f"replica unhealthy: /health answered {response.status_code}")
+        status, _, _ = await call_app_whole(self._app, "GET", "/health", [], b"")
+        if status != 200:
+            raise RuntimeError(f"replica unhealthy: /health answered {status}")
 
 
 def _replica_id() -> str:

@@ -17,6 +17,7 @@ ingress (this router runs in its process) reads back after the call and then tar
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -24,6 +25,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from prefixkv.kv_events.subscriber import KVEventSubscriber
 from prefixkv.router import ReplicaState, Router, RouteRequest, create_policy
+from prefixkv.serve_ray import router_view
 from prefixkv.serve_ray.messages import ForwardedRequest
 
 logger = logging.getLogger("ray.serve")  # Serve's logger: lines land in the Serve logs of the process routing
@@ -51,17 +53,32 @@ class PrefixkvRequestRouter(RequestRouter):
     def initialize_state(self, policy: str = "round-robin", **options: Any) -> None:
         self.router = Router(create_policy(policy, **options))
         self._subscribers: dict[str, KVEventSubscriber] = {}  # replica id -> its KV event stream
-        self._ongoing: dict[str, int] = {}  # replica id -> requests sent there and not yet completed
+        router_view.register(self)
+
+    def states(self, replicas: list[RunningReplica]) -> list[ReplicaState]:
+        """What the policy would score `replicas` on now: their last routing stats, floored by the count of the
+        requests this process's routers sent there and that have not completed (router_view.py)."""
+        return [replica_state(r, router_view.in_flight(r.replica_id.unique_id)) for r in replicas]
+
+    def view(self) -> dict[str, dict[str, Any]]:
+        """Replica id -> the state it would be routed on now, and `sent_unanswered`: the requests this process's
+        routers sent there that have not completed."""
+        return {
+            state.replica_id: {
+                **dataclasses.asdict(state),
+                "load": state.load,
+                "sent_unanswered": router_view.in_flight(state.replica_id),
+            }
+            for state in self.states(list(self.curr_replicas.values()))
+        }
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
-        self._ongoing[replica_id.unique_id] = self._ongoing.get(replica_id.unique_id, 0) + 1
+        router_view.sent(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
-        rid = replica_id.unique_id
-        if self._ongoing.get(rid, 0) > 0:
-            self._ongoing[rid] -= 1
+        router_view.completed(replica_id.unique_id)
 
     def _apply_kv_events(self, replicas: list[RunningReplica]) -> None:
         """Feed the policy every KV event the replicas published since the last request (non-blocking). A replica's
@@ -93,7 +110,7 @@ class PrefixkvRequestRouter(RequestRouter):
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self._apply_kv_events(candidate_replicas)
-        states = [replica_state(r, self._ongoing.get(r.replica_id.unique_id, 0)) for r in candidate_replicas]
+        states = self.states(candidate_replicas)
         route = _route_request(pending_request)
         chosen = self.router.route(route, states)
         route.live_replicas = tuple(sorted(by_id))  # read back by the ingress, in this process (cache entries)
@@ -102,7 +119,7 @@ class PrefixkvRequestRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.router.remove_replica(replica_id.unique_id)
-        self._ongoing.pop(replica_id.unique_id, None)
+        router_view.forget(replica_id.unique_id)
         subscriber = self._subscribers.pop(replica_id.unique_id, None)
         if subscriber is not None:
             subscriber.close()
