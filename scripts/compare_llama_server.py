@@ -9,10 +9,13 @@ the GGUF file holding the same values (bf16: dense bf16 against a BF16 GGUF; q4_
 it is by both; q8_0: weights quantized to q8_0 by each at load / by llama-quantize). Each round sends the same
 token-id prompt to each, in alternating order, one request at a time, through this one streaming client
 (/v1/completions, greedy, ignore_eos, stream_options.include_usage). Decode tok/s of a request is its output tokens
-after the first over the time from the first streamed token to the last; TTFT apart. The floor of the format is
-measured in the same run: the bytes one decode step reads (prefixkv's weights as it stores them) over the memory
-bandwidth measured before and after the rounds (bench decode's measure). JSON, a table and a plot go to
---output-dir (default docs/benchmarks/llama_server/<cpu family>/).
+after the first over the time from the first streamed token to the last; TTFT apart. prefixkv against llama-server
+is the median of the per-round ratios (the two requests of a round are seconds apart; never the ratio of the two
+medians), every round's ratio listed with what the rounds show (prefixkv.bench.paired: "every round ahead" only
+where each is, "a tie within the noise" where the sign test cannot tell the split from chance). The floor of the
+format is measured in the same run: the bytes one decode step reads (prefixkv's weights as it stores them) over
+the best read pass measured before and after the rounds (bench decode's floor_bandwidth). JSON, a table and a
+plot go to --output-dir (default docs/benchmarks/llama_server/<cpu family>/).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from compare_vllm.__main__ import cpu_family, machine  # noqa: E402
 from compare_vllm.servers import SERVED_MODEL_NAME, Server, SideFailed, free_port  # noqa: E402
 from compare_vllm.workloads import TokenSource  # noqa: E402
 
+from prefixkv.bench.paired import Paired, from_ratios, paired, round_ratio  # noqa: E402
+
 # format -> (prefixkv's --weight-format, the GGUF file llama-server reads, under --gguf-dir)
 FORMATS = {
     "bf16": ("dense", "smollm2-bf16.gguf"),
@@ -50,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-server", required=True, help="the llama-server binary")
     p.add_argument("--gguf-dir", required=True, help="holds " + ", ".join(f for _, f in FORMATS.values()))
     p.add_argument("--formats", default="bf16,q4_1,q8_0", help="comma-separated, of " + ", ".join(FORMATS))
-    p.add_argument("--rounds", type=int, default=3, help="timed requests per engine and format (median)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="timed requests per engine and format (the median of per-round ratios)"
+    )
     p.add_argument("--prompt-tokens", type=int, default=50)
     p.add_argument("--output-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
@@ -169,11 +176,38 @@ def run_format(args: argparse.Namespace, name: str, logs: str) -> dict:
         record[engine] = {
             key: statistics.median(r[engine][key] for r in record["rounds"]) for key in ("decode_tok_s", "ttft_s")
         }
-    record["prefixkv_vs_llama_server"] = record["prefixkv"]["decode_tok_s"] / record["llama-server"]["decode_tok_s"]
+    pair = paired_decode(record)
+    record["prefixkv_vs_llama_server"] = pair.median  # the median of the per-round ratios
+    record["paired_decode"] = pair.as_dict()
+    ttft = [(r["prefixkv"]["ttft_s"], r["llama-server"]["ttft_s"]) for r in record["rounds"]]
+    record["paired_ttft"] = paired([p for p, _ in ttft], [q for _, q in ttft], higher_is_better=False).as_dict()
     return record
 
 
+def paired_decode(record: dict) -> Paired:
+    """prefixkv against llama-server round by round (> 1: prefixkv decodes faster), from a format's rounds (a
+    stored result's too)."""
+    return from_ratios(
+        [round_ratio(r["prefixkv"]["decode_tok_s"], r["llama-server"]["decode_tok_s"]) for r in record["rounds"]]
+    )
+
+
+def stored_round_ratios(path: str, fmt: str) -> list[float]:
+    """A stored run's per-round prefixkv / llama-server decode ratios for one format: from its JSON's rounds, or
+    from the "per round" column of a table.md this script wrote (runs kept only as tables: two decimals)."""
+    if path.endswith(".json"):
+        with open(path) as f:
+            return list(paired_decode(json.load(f)["formats"][fmt]).ratios)
+    with open(path) as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) > 4 and cells[0] == fmt:
+                return [float(x) for x in cells[4].split(":")[0].split()]
+    raise ValueError(f"{path}: no {fmt} row")
+
+
 def summarize_floor(record: dict, floor: dict, bandwidth_bytes_s: float) -> None:
+    """The format's floor at bandwidth_bytes_s (the run's best read pass), and each engine's median against it."""
     step_floor_s = floor["floor_bytes"] / bandwidth_bytes_s
     record["floor"] = {**floor, "floor_ms_per_step": step_floor_s * 1e3, "floor_tok_s": 1 / step_floor_s}
     for engine in ENGINES:
@@ -184,18 +218,20 @@ def table(results: dict) -> str:
     lines = [
         f"CPU: {results['machine']['cpu'].get('model', '?')} ({results['machine']['family']}), "
         f"{results['settings']['threads']} threads; bandwidth {results['bandwidth_bytes_s'] / 1e9:.1f} GB/s",
-        "| format | prefixkv tok/s | llama-server tok/s | prefixkv / llama-server | per round | floor tok/s | "
-        "prefixkv x floor | llama-server x floor | TTFT prefixkv / llama-server |",
+        "| format | prefixkv tok/s | llama-server tok/s | prefixkv / llama-server (median of per-round ratios) | "
+        "per round: what the rounds show | floor tok/s | prefixkv x floor | llama-server x floor | "
+        "TTFT prefixkv / llama-server |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rec in results["formats"].items():
         p, q = rec["prefixkv"], rec["llama-server"]
-        per_round = " ".join(
-            f"{r['prefixkv']['decode_tok_s'] / r['llama-server']['decode_tok_s']:.2f}" for r in rec.get("rounds", ())
-        )
+        ratio, per_round = rec["prefixkv_vs_llama_server"], ""
+        if rec.get("rounds"):  # recomputed from the rounds, so a stored result reads the same way
+            pair = paired_decode(rec)
+            ratio, per_round = pair.median, f"{pair.per_round()}: {pair.verdict}"
         lines.append(
             f"| {name} | {p['decode_tok_s']:.1f} | {q['decode_tok_s']:.1f} | "
-            f"**{rec['prefixkv_vs_llama_server']:.2f}x** | {per_round} | {rec['floor']['floor_tok_s']:.0f} | "
+            f"**{ratio:.2f}x** | {per_round} | {rec['floor']['floor_tok_s']:.0f} | "
             f"{p['times_floor']:.2f}x | {q['times_floor']:.2f}x | "
             f"{p['ttft_s'] * 1e3:.0f} / {q['ttft_s'] * 1e3:.0f} ms |"
         )
@@ -219,9 +255,16 @@ def plot(results: dict, png_path: str) -> None:
         )
     ):
         xs = [j + (i - 1) * width for j in range(len(names))]
-        ax.bar(xs, values, width, label=label, alpha=0.5 if i == 2 else 1.0)
+        bars = ax.bar(xs, values, width, label=label, alpha=0.5 if i == 2 else 1.0)
+        if i == 0:  # prefixkv's bars carry the paired figure: the median of the per-round ratios
+            notes = []
+            for n in names:
+                rec = results["formats"][n]
+                ratio = paired_decode(rec).median if rec.get("rounds") else rec["prefixkv_vs_llama_server"]
+                notes.append(f"{ratio:.2f}x")
+            ax.bar_label(bars, labels=notes, fontsize=7, padding=2)
     ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("one stream's decode tok/s")
+    ax.set_ylabel("one stream's decode tok/s (each side's median)")
     cpu = results["machine"]["cpu"].get("model", "?")
     ax.set_title(f"one stream, {results['settings']['output_tokens']} tokens, {cpu}, 2 threads", fontsize=9)
     ax.legend(fontsize=8)
@@ -234,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
-    from prefixkv.bench.decode import measure_bandwidth
+    from prefixkv.bench.decode import floor_bandwidth, measure_bandwidth, read_rates
 
     torch.set_num_threads(args.threads)
     mach = machine()
@@ -248,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"== {name}: prefixkv --weight-format {FORMATS[name][0]} vs llama-server {FORMATS[name][1]}", flush=True)
         formats[name] = run_format(args, name, logs)
     bandwidth.append(measure_bandwidth(BANDWIDTH_MIB, repeats=5))
-    best = max(b["bandwidth_bytes_s"] for b in bandwidth)
+    best = floor_bandwidth([r for b in bandwidth for r in read_rates(b)])  # bench decode's floor statistic
     for name in args.formats:
         summarize_floor(formats[name], floors[name], best)
     build_info = None
@@ -271,8 +314,11 @@ def main(argv: list[str] | None = None) -> None:
         },
         "definitions": {
             "decode_tok_s": "(output tokens - 1) / (last streamed token's arrival - first's), median over rounds",
+            "prefixkv_vs_llama_server": "the median over rounds of each round's prefixkv / llama-server decode_tok_s "
+            "(paired_decode: every round's ratio, the counts ahead and behind, the sign test and the verdict)",
             "floor_tok_s": "bandwidth_bytes_s / floor_bytes: every weight of prefixkv's layout read once a step",
-            "bandwidth_bytes_s": "best bf16 sum or copy over 256 MiB-1 GiB buffers, before and after the rounds",
+            "bandwidth_bytes_s": "the best read pass (native stream_read, else a bf16 sum; copies left out) over "
+            "256 MiB-1 GiB buffers, before and after the rounds: bench decode's floor_bandwidth",
         },
         "bandwidth": bandwidth,
         "bandwidth_bytes_s": best,

@@ -20,13 +20,15 @@ Three measurements, in one run:
   steps count (every scheduled request computes one token and has sampled before).
 - The floor: the bytes of weights one decode step must read (every matrix the layers multiply by, the norms'
   weights and the lm_head, which is the tied embedding here; embedding rows are left out: a step reads N rows of
-  it), in bf16, divided by this machine's memory bandwidth measured on the engine's thread count (a bf16 .sum(),
-  a bf16 copy and the native kernels' plain read pass over buffers far larger than L3, best of a few passes,
-  before and after the decode runs). Floor ms/step = bytes / bandwidth; a decode step can be no shorter, whatever
-  the stream count, so N streams' floor is N / floor tok/s. The KV the attention reads (it grows with streams and
-  context) is reported beside it, not counted in the floor. On a shared VM the bandwidth moves within seconds, so
-  every timed round is also put against the read bandwidth measured before, during and after it (the round
-  floor, RoundBandwidth).
+  it), in bf16, divided by this machine's read bandwidth on the engine's thread count. Floor ms/step = bytes /
+  bandwidth; a decode step can be no shorter, whatever the stream count, so N streams' floor is N / floor tok/s.
+  The KV the attention reads (it grows with streams and context) is reported beside it, not counted in the floor.
+  One statistic for every floor: the best read pass (the native kernels' plain read, else a bf16 .sum(); never a
+  copy, which writes too) of the interval the floor is for. The run's floor: the best read pass of the whole run
+  (passes over buffers far larger than L3 before and after the decode runs, and every round's probes). A round's
+  floor: the best of its own probes (RoundBandwidth: right before it, every 32nd step and right after it), since on
+  a shared VM the bandwidth moves within seconds. So a round's floor is never below the run's, and both are
+  printed: x floor against the run's, x round floor against each round's own (the median over the rounds).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from collections import defaultdict
 from typing import Any
 
 from prefixkv.bench import common
+from prefixkv.bench.paired import from_ratios, paired
 from prefixkv.bench.workloads import median, random_prompts, ratio, sampler_for
 from prefixkv.engine.core import StepComponent
 
@@ -80,13 +83,20 @@ DEFINITIONS = {
     "the pass runs the Python layers even where the fused decode path (one native call for the layers) is on: "
     "the same kernels, which hooks can time one by one",
     "ab": "with --ab-kernel-options: a second engine with those kernel options, timed in rounds alternating with "
-    "the first (each side first in half the rounds); decode_tok_s_ratio = this run's engine / the second",
+    "the first (each side first in half the rounds); decode_tok_s_ratio = the median of the per-round ratios this "
+    "run's engine / the second (paired: every round's ratio in decode_tok_s_ratio_runs, the verdict in paired)",
+    "bandwidth_bytes_s": "the run's floor bandwidth: the best read pass (native stream_read, else a bf16 .sum(); "
+    "copies left out) of the run: before and after the decode runs and every round's probes (floor_bandwidth)",
     "floor_ms_per_step": "floor_bytes / bandwidth_bytes_s: the weights one decode step must read (weight_bytes_bf16; "
-    "with a block weight format, bytes_read_as_stored) at the best measured bandwidth",
+    "with a block weight format, bytes_read_as_stored) at the run's floor bandwidth",
     "measured_over_floor": "uninstrumented decode_step_ms / floor_ms_per_step (1 = at the memory limit)",
-    "measured_over_round_floor": "per round, its decode_step_ms / (floor_bytes / that round's read bandwidth: the "
-    "mean of read passes right before it, after every 32nd step of it and right after it); the median over the "
-    "rounds (speed[n].over_round_floor_runs). The probes' time inside a round is taken out of its decode window",
+    "round_bandwidth_bytes_s": "a round's floor bandwidth, the same statistic over the round's own read passes: the "
+    "best of those right before it, after every 32nd step of it and right after it (the mean is kept beside it)",
+    "round_floor_tok_s": "per stream count, the median over the rounds of streams / (floor_bytes / that round's "
+    "floor bandwidth)",
+    "measured_over_round_floor": "per round, its decode_step_ms / (floor_bytes / round_bandwidth_bytes_s); the "
+    "median over the rounds (speed[n].over_round_floor_runs). The probes' time inside a round is taken out of its "
+    "decode window",
     "matmul_read_bytes_s": "per matmul kind: its bf16 weight bytes / its ms per step in the split (what it would "
     "stream at if it only read its weights; compare with bandwidth_bytes_s)",
     "others_cpu_share": "share of the machine's CPUs other processes kept busy during a run (/proc/stat minus this "
@@ -160,7 +170,13 @@ def timed_streams(
         probes_s = bandwidth.probe_seconds_in(first, last)
         window -= probes_s
         bandwidth.probe()
-        extra = {"round_bandwidth_bytes_s": bandwidth.mean(), "probes": len(bandwidth.samples), "probes_s": probes_s}
+        extra = {
+            "round_bandwidth_bytes_s": floor_bandwidth(bandwidth.rates()),
+            "round_bandwidth_mean_bytes_s": bandwidth.mean(),
+            "round_read_bytes_s": bandwidth.rates(),
+            "probes": len(bandwidth.samples),
+            "probes_s": probes_s,
+        }
     steps = max(counts) - 1
     return {
         **extra,
@@ -448,10 +464,26 @@ def weight_bytes(model) -> dict[str, Any]:
     }
 
 
+def read_rates(measurement: dict[str, Any]) -> list[float]:
+    """The read passes of a measure_bandwidth() result, one per size: the native plain read where it was measured,
+    else the bf16 .sum() (the pass RoundBandwidth probes with); copies are left out (they write as well)."""
+    return [r.get("native_read_bytes_s", r["sum_read_bytes_s"]) for r in measurement["sizes"]]
+
+
+def floor_bandwidth(rates: list[float]) -> float:
+    """The one statistic every floor's bandwidth is: the best read pass of the interval the floor is for (the run,
+    or one round). A step can be no shorter than its weights' read at the fastest rate the machine showed then."""
+    kept = [r for r in rates if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
+    if not kept:
+        raise ValueError("no read pass to take a floor from")
+    return max(kept)
+
+
 def measure_bandwidth(sizes_mib: list[int], repeats: int) -> dict[str, Any]:
     """Bytes/s of a bf16 .sum() (reads the buffer), a bf16 copy (reads and writes it: 2x its bytes) and, where the
     native kernels are built, their plain read pass (stream_read: AVX-512 loads on every thread, what a weight
-    stream can get) per size, best of `repeats` passes after one untimed; bandwidth_bytes_s is the best of all."""
+    stream can get) per size, best of `repeats` passes after one untimed; bandwidth_bytes_s is floor_bandwidth of
+    the read passes (read_rates), copy_bytes_s is kept for reference."""
     import torch
 
     stream_read = _stream_read()
@@ -467,8 +499,9 @@ def measure_bandwidth(sizes_mib: list[int], repeats: int) -> dict[str, Any]:
             row["native_read_bytes_s"] = nbytes / _best_time(lambda src=src: stream_read(src), repeats)
         rows.append(row)
         del src, dst
-    best = max(v for r in rows for k, v in r.items() if k.endswith("_bytes_s"))
-    return {"num_threads": torch.get_num_threads(), "sizes": rows, "bandwidth_bytes_s": best}
+    result: dict[str, Any] = {"num_threads": torch.get_num_threads(), "sizes": rows}
+    result["bandwidth_bytes_s"] = floor_bandwidth(read_rates(result))
+    return result
 
 
 def _stream_read():
@@ -482,9 +515,10 @@ def _stream_read():
 class RoundBandwidth(StepComponent):
     """The read bandwidth a timed round had: one read pass over a buffer (the smallest --bandwidth-mib, at most
     64 MiB) right before the round, after every `every`-th engine step of it and right after it; the round's
-    bandwidth is their mean. Why during the round: this VM's bandwidth jumps between ~40 and ~70 GB/s for a second
-    or two at a time (every buffer at once, so it is the host, not where a buffer lies), so a probe before and
-    after a 2-second round can miss what the round had. The probes' own time inside the round's decode window
+    floor bandwidth is the best of them (floor_bandwidth, the statistic of the run's floor too). Why during the
+    round: this VM's bandwidth jumps between ~40 and ~70 GB/s for a second or two at a time (every buffer at once,
+    so it is the host, not where a buffer lies), so a probe before and after a 2-second round can miss what the
+    round had. The probes' own time inside the round's decode window
     (probe_seconds_in) is taken out of it."""
 
     def __init__(self, mib: int, every: int = 32) -> None:
@@ -518,6 +552,9 @@ class RoundBandwidth(StepComponent):
 
     def probe_seconds_in(self, first: float, last: float) -> float:
         return sum(seconds for start, seconds, _ in self.samples if first <= start <= last)
+
+    def rates(self) -> list[float]:
+        return [bw for _, _, bw in self.samples]
 
     def mean(self) -> float:
         return sum(bw for _, _, bw in self.samples) / len(self.samples)
@@ -590,13 +627,15 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
             "kernel_options": args.ab_kernel_options,
             "kernels": other.llm_engine.kernels,
             "speed": {str(n): summarize_streams(n, other_runs[n]) for n in streams},
-            # > 1: the first engine (this run's --kernel-options) decodes faster; per round and the median
-            "decode_tok_s_ratio_runs": {
-                str(n): [ratio(a["decode_tok_s"], b["decode_tok_s"]) for a, b in zip(runs[n], other_runs[n])]
-                for n in streams
-            },
         }
-        ab["decode_tok_s_ratio"] = {n: median(r) for n, r in ab["decode_tok_s_ratio_runs"].items()}
+        # > 1: the first engine (this run's --kernel-options) decodes faster; paired round by round
+        pairs = {
+            str(n): paired([a["decode_tok_s"] for a in runs[n]], [b["decode_tok_s"] for b in other_runs[n]])
+            for n in streams
+        }
+        ab["paired"] = {n: p.as_dict() for n, p in pairs.items()}
+        ab["decode_tok_s_ratio_runs"] = {n: list(p.ratios) for n, p in pairs.items()}
+        ab["decode_tok_s_ratio"] = {n: p.median for n, p in pairs.items()}
         del other
 
     split: dict[str, Any] = {}
@@ -609,7 +648,9 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
 
     runner: Any = llm.llm_engine.runner  # a ModelRunner (the engine types it as its ModelExecutor protocol)
     weights = weight_bytes(runner.model)
-    bandwidth = max(bandwidth_before["bandwidth_bytes_s"], bandwidth_after["bandwidth_bytes_s"])
+    # the run's floor: the same statistic as each round's (floor_bandwidth), over every read pass of the run
+    probes = [bw for n in streams for r in runs[n] for bw in r["round_read_bytes_s"]]
+    bandwidth = floor_bandwidth(read_rates(bandwidth_before) + read_rates(bandwidth_after) + probes)
     dense = runner.options.weight_format == "dense"
     # the bytes a step must read: the weights in bf16, or as stored where they are read in a block format
     floor_bytes = weights["weight_bytes_bf16"] if dense else weights["bytes_read_as_stored"]
@@ -637,11 +678,15 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
             if kind in weights["by_kind_bf16"]
         }
     vs_floor = {str(n): ratio(speed[str(n)]["decode_step_ms"], floor["floor_ms_per_step"]) for n in streams}
-    for n in streams:  # each round against the bandwidth of its own time
-        paired = [r["decode_step_ms"] / 1e3 / (floor_bytes / r["round_bandwidth_bytes_s"]) for r in runs[n]]
-        speed[str(n)]["round_bandwidth_bytes_s_runs"] = [r["round_bandwidth_bytes_s"] for r in runs[n]]
-        speed[str(n)]["probes_runs"] = [r["probes"] for r in runs[n]]
-        speed[str(n)]["over_round_floor_runs"] = paired
+    for n in streams:  # each round against its own floor (the best read pass of its own time)
+        round_floor_s = [floor_bytes / r["round_bandwidth_bytes_s"] for r in runs[n]]
+        s = speed[str(n)]
+        s["round_bandwidth_bytes_s_runs"] = [r["round_bandwidth_bytes_s"] for r in runs[n]]
+        s["round_bandwidth_mean_bytes_s_runs"] = [r["round_bandwidth_mean_bytes_s"] for r in runs[n]]
+        s["probes_runs"] = [r["probes"] for r in runs[n]]
+        s["round_floor_tok_s_runs"] = [n / f for f in round_floor_s]
+        s["over_round_floor_runs"] = [r["decode_step_ms"] / 1e3 / f for r, f in zip(runs[n], round_floor_s)]
+    floor["round_floor_tok_s_by_streams"] = {str(n): median(speed[str(n)]["round_floor_tok_s_runs"]) for n in streams}
     vs_round_floor = {str(n): median(speed[str(n)]["over_round_floor_runs"]) for n in streams}
     results: dict[str, Any] = {
         "config": common.run_config(
@@ -691,6 +736,7 @@ def _print(results: dict[str, Any]) -> None:
             s["ttft_s"] * 1e3,
             floor["floor_tok_s_by_streams"][n],
             results["measured_over_floor"][n],
+            floor["round_floor_tok_s_by_streams"][n],
             results["measured_over_round_floor"][n],
             " ".join("-" if x is None else f"{x:.0%}" for x in s["others_cpu_share_runs"]),
         )
@@ -705,6 +751,7 @@ def _print(results: dict[str, Any]) -> None:
             "TTFT ms",
             "floor tok/s",
             "x floor",
+            "round floor tok/s",
             "x round floor",
             "others' CPU",
         ],
@@ -713,22 +760,41 @@ def _print(results: dict[str, Any]) -> None:
         f"{cfg['dtype']}, {cfg['num_threads']} threads, {cfg['cpu']['model']}",
     )
     print(
-        f"floor: {floor['floor_bytes'] / 1e6:.1f} MB of weights ({cfg['kernels'].get('weights', 'dense')}) per step at "
-        f"{floor['bandwidth_bytes_s'] / 1e9:.1f} GB/s = {floor['floor_ms_per_step']:.2f} ms/step "
+        f"floor: {floor['floor_bytes'] / 1e6:.1f} MB of weights ({cfg['kernels'].get('weights', 'dense')}) per step; "
+        "each floor at the best read pass of its interval"
+    )
+    print(
+        f"  the run's: {floor['bandwidth_bytes_s'] / 1e9:.1f} GB/s = {floor['floor_ms_per_step']:.2f} ms/step "
         f"({floor['floor_tok_s']:.0f} tok/s for one stream)"
     )
+    for n, s in results["speed"].items():
+        bws = " / ".join(f"{b / 1e9:.1f}" for b in s["round_bandwidth_bytes_s_runs"])
+        steps = " / ".join(f"{floor['floor_bytes'] / b * 1e3:.2f}" for b in s["round_bandwidth_bytes_s_runs"])
+        print(
+            f"  the rounds' ({n} stream(s)): {bws} GB/s = {steps} ms/step; x round floor per round "
+            + " ".join(f"{x:.2f}" for x in s["over_round_floor_runs"])
+        )
     print(f"load average (1/5/15 min) before / after: {results['load_average_1_5_15']}")
     ab = results["ab"]
     if ab is not None:
+        pairs = {n: paired_of(ab, n) for n in results["speed"]}
         common.print_table(
-            ["streams", "decode tok/s", f"with {ab['kernel_options']}", "ratio (median)", "ratio per round"],
+            [
+                "streams",
+                "decode tok/s",
+                f"with {ab['kernel_options']}",
+                "median of per-round ratios",
+                "ratio per round",
+                "rounds",
+            ],
             [
                 (
                     n,
                     s["decode_tok_s"],
                     ab["speed"][n]["decode_tok_s"],
-                    f"{ab['decode_tok_s_ratio'][n]:.3f}",
-                    " ".join(f"{r:.3f}" for r in ab["decode_tok_s_ratio_runs"][n]),
+                    f"{pairs[n].median:.3f}",
+                    pairs[n].per_round(3),
+                    pairs[n].verdict,
                 )
                 for n, s in results["speed"].items()
             ],
@@ -749,6 +815,11 @@ def _print(results: dict[str, Any]) -> None:
         print(f"weights streamed per matmul kind, GB/s: {rates}")
 
 
+def paired_of(ab: dict[str, Any], n: str):
+    """The A/B's paired comparison at n streams, from its per-round ratios (a stored result's too)."""
+    return from_ratios(ab["decode_tok_s_ratio_runs"][n])
+
+
 def plot(results: dict[str, Any], png_path: str) -> None:
     """Left: decode tok/s per stream count with the floor; right: the split of a decode step, stacked."""
     import matplotlib
@@ -762,11 +833,16 @@ def plot(results: dict[str, Any], png_path: str) -> None:
     xs = range(len(counts))
     measured = [results["speed"][n]["decode_tok_s"] for n in counts]
     floors = [floor["floor_tok_s_by_streams"][n] for n in counts]
-    # the rounds' own floor, drawn as the measured tok/s times the median round's step / round-floor ratio
-    round_floors = [v * results["measured_over_round_floor"][n] for n, v in zip(counts, measured)]
+    # the rounds' own floors (each at its round's best read pass), the median over the rounds
+    round_floors = [
+        floor["round_floor_tok_s_by_streams"][n]
+        if "round_floor_tok_s_by_streams" in floor
+        else v * results["measured_over_round_floor"][n]
+        for n, v in zip(counts, measured)
+    ]
     ax.bar(xs, measured, color="tab:blue", label="measured decode tok/s (median)")
-    ax.plot(xs, floors, color="tab:red", marker="o", label="floor: weights / best bandwidth of the run")
-    ax.plot(xs, round_floors, color="tab:orange", marker="s", label="round floor: at the rounds' own bandwidth")
+    ax.plot(xs, floors, color="tab:red", marker="o", label="floor: weights / the run's best read pass")
+    ax.plot(xs, round_floors, color="tab:orange", marker="s", label="round floor: at each round's best read pass")
     for x, n, v in zip(xs, counts, measured):
         label = f"{v:.0f}\n{results['measured_over_round_floor'][n]:.2f}x round floor"
         ax.annotate(f"{label}\n{results['measured_over_floor'][n]:.2f}x floor", (x, v), ha="center", va="bottom")

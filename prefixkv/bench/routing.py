@@ -5,8 +5,9 @@ thread each, every replica's pool --kv-cache-tokens) per router, in alternating 
 serve`'s multi-tenant workload: --tenants system prompts whose sum overflows one replica's pool but fits in all N
 together. Round-robin sends every tenant to every replica, so each pool thrashes through all the prompts; a
 cache-aware router can keep each tenant on one replica. Reported per router: the hit rate the server reported
-(usage.prompt_tokens_details), TTFT p50 / p90 and output tok/s, as medians over the rounds, and the ratios to
-the first router. The machine's noise moves TTFT from run to run: compare the routers within one run only.
+(usage.prompt_tokens_details), TTFT p50 / p90 and output tok/s, as medians over the rounds, and each router
+against the first: the median of the per-round ratios (> 1: better), every round's listed. The machine's noise
+moves TTFT from run to run: compare the routers within one run only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import statistics
 import sys
 
+from prefixkv.bench.paired import paired
 from prefixkv.bench.serve_client import add_arguments, run_async
 from prefixkv.bench.server_process import serve_process
 
@@ -107,14 +109,26 @@ def run(args: argparse.Namespace) -> dict:
         }
         for r, rows in runs.items()
     }
-    base = medians[routers[0]]
-    print(f"\nmedians of {args.rounds} rounds; ratios against {routers[0]} (> 1: better)")
+    base = runs[routers[0]]
+    vs_first = {  # round by round against the first router (> 1: better), then the median
+        r: {
+            k: paired([x[k] for x in rows], [x[k] for x in base], higher_is_better=not k.startswith("ttft"))
+            for k in ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "output_tok_s")
+        }
+        for r, rows in runs.items()
+        if r != routers[0]
+    }
+    print(f"\nmedians of {args.rounds} rounds; against {routers[0]}: medians of per-round ratios (> 1: better)")
     print(f"{'router':<14}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'out tok/s':>11}{'p90 ratio':>11}")
     for r, m in medians.items():
+        p90 = vs_first[r]["ttft_p90_ms"].median if r in vs_first else 1.0
         print(
             f"{r:<14}{m['hit_rate']:>10.1%}{m['ttft_p50_ms']:>13.0f}{m['ttft_p90_ms']:>13.0f}"
-            f"{m['output_tok_s']:>11.1f}{base['ttft_p90_ms'] / m['ttft_p90_ms']:>11.2f}"
+            f"{m['output_tok_s']:>11.1f}{p90:>11.2f}"
         )
+    for r, metrics in vs_first.items():
+        for k, p in metrics.items():
+            print(f"  {r} vs {routers[0]}, {k}: {p.describe()}")
     config = {k: getattr(args, k) for k in ("replicas", "rounds", "tenants", "system_prompt_tokens", "num_requests")}
     config.update(
         concurrency=args.concurrency,
@@ -124,7 +138,8 @@ def run(args: argparse.Namespace) -> dict:
         threads_per_replica=1,
         command="prefixkv " + " ".join(sys.argv[1:]),
     )
-    return {"config": config, "routers": routers, "runs": runs, "medians": medians}
+    paired_vs_first = {r: {k: p.as_dict() for k, p in m.items()} for r, m in vs_first.items()}
+    return {"config": config, "routers": routers, "runs": runs, "medians": medians, "paired_vs_first": paired_vs_first}
 
 
 def plot(results: dict, path: str) -> None:

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from prefixkv.bench import common
+from prefixkv.bench.paired import paired
 from prefixkv.bench.workloads import median, random_prompts, ratio, sampler_for, shared_prefix_prompts
 
 
@@ -209,7 +210,8 @@ def _match_fraction(a: list[list[int]], b: list[list[int]]) -> float:
 
 # -- shared prefix -------------------------------------------------------------------------------------------
 def run_shared_prefix(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) -> dict:
-    """All requests submitted at once behind one prefix; off/on runs alternate.
+    """All requests submitted at once behind one prefix; off/on runs alternate, and the on/off ratio is the median of
+    the per-round ratios (each round's two runs back to back), every round's listed.
 
     From an empty cache (the default), requests admitted in the first step all compute the prefix themselves;
     later ones hit it, so the hit count depends on max_num_batched_tokens. --warm-prefix measures the steady state.
@@ -236,7 +238,8 @@ def run_shared_prefix(args: argparse.Namespace, llm_factory: common.LLMFactory |
             "output_tokens": rs[0]["output_tokens"],
             "runs": [common.drop_token_ids(r) for r in rs],
         }
-    speedup = ratio(summary[on_mode]["output_tok_s"], summary["off"]["output_tok_s"])
+    pair = paired([r["output_tok_s"] for r in runs[on_mode]], [r["output_tok_s"] for r in runs["off"]])
+    speedup = pair.median
     same = runs["off"][0]["output_token_ids"] == runs[on_mode][0]["output_token_ids"]
     results = {
         "config": common.run_config(
@@ -252,6 +255,7 @@ def run_shared_prefix(args: argparse.Namespace, llm_factory: common.LLMFactory |
         ),
         "modes": summary,
         "ratio_output_tok_s_on_over_off": speedup,
+        "paired_output_tok_s_on_over_off": pair.as_dict(),
         "outputs_identical_on_off": same,
         "reference": {
             "label": common.REFERENCE_LABEL,
@@ -275,7 +279,7 @@ def run_shared_prefix(args: argparse.Namespace, llm_factory: common.LLMFactory |
     )
     ref = common.REFERENCE
     print(
-        f"caching on/off output tok/s: {speedup:.2f}x (reference vLLM CPU: "
+        f"caching on/off output tok/s: {pair.describe()} (reference vLLM CPU: "
         f"{ref['shared_prefix_output_tok_s_on'] / ref['shared_prefix_output_tok_s_off']:.2f}x)"
         f"; greedy outputs identical on/off: {same}"
     )

@@ -2,7 +2,8 @@
 
 For each weight format (dense bf16, the GGUF's own blocks, q8_0 made at load) on the same machine, in one process:
 - speed: decode tok/s of 1 and 16 streams (bench decode's measure: a 50-token question, 128 greedy tokens),
-  the formats timed in rounds that rotate their order, medians;
+  the formats timed in rounds that rotate their order, medians; against dense, the median of the per-round ratios
+  (each round's runs seconds apart), every round's listed with what the rounds show;
 - quality: on a fixed set of chat prompts, greedy answers of 64 tokens, the share of positions where a format's
   token equals the reference's (and how many answers are identical), against dense bf16 and against a float32
   engine (--reference-dtype: the checkpoint's values unrounded, the closest to what the file means); and
@@ -20,6 +21,7 @@ from typing import Any
 
 from prefixkv.bench import common
 from prefixkv.bench.decode import timed_streams
+from prefixkv.bench.paired import paired
 from prefixkv.bench.workloads import median, random_prompts, ratio, sampler_for
 
 FORMATS = ("dense", "gguf", "q8_0")
@@ -130,15 +132,14 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
         for fmt, by_n in runs.items()
     }
     # the ratio to dense per round (each round's runs are seconds apart), then the median
-    vs_dense = {
+    pairs = {
         fmt: {
-            str(n): median(
-                [ratio(a["decode_tok_s"], b["decode_tok_s"]) for a, b in zip(runs[fmt][n], runs["dense"][n])]
-            )
+            str(n): paired([a["decode_tok_s"] for a in runs[fmt][n]], [b["decode_tok_s"] for b in runs["dense"][n]])
             for n in streams
         }
         for fmt in formats
     }
+    vs_dense = {fmt: {n: p.median for n, p in by_n.items()} for fmt, by_n in pairs.items()}
 
     prompts = QUALITY_PROMPTS[: args.num_prompts]
     scored = dict(llms)
@@ -173,6 +174,7 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
         "kernels": {fmt: llm.llm_engine.kernels for fmt, llm in llms.items()},
         "speed": speed,
         "decode_tok_s_vs_dense": vs_dense,
+        "paired_vs_dense": {fmt: {n: p.as_dict() for n, p in by_n.items()} for fmt, by_n in pairs.items()},
         "quality": quality,
         "reference_dtype": args.reference_dtype or None,
         "text": os.path.relpath(os.path.abspath(TEXT)),
@@ -202,4 +204,9 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
         rows,
         title=f"weight formats, {args.dtype}, {args.num_threads or 'all'} threads, {results['cpu']['model']}",
     )
+    print("decode tok/s against dense bf16, the median of the per-round ratios:")
+    for fmt, by_count in pairs.items():
+        for count, pair in by_count.items():
+            if fmt != "dense":
+                print(f"  {fmt}, {count} stream(s): {pair.describe()}")
     return results

