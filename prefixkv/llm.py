@@ -16,7 +16,6 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.client import TierDirectory
 from prefixkv.engine.core import StepComponent
 from prefixkv.engine.engine import Engine
-from prefixkv.kv_events.publisher import ZmqEventPublisher
 from prefixkv.kv_events.relay import EventRelay
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.manager import KVCacheManager
@@ -141,6 +140,9 @@ def _kv_and_components(
             kv = tiered
             components.append(TierCopier(tiered, tier, runner))
     if config.kv_events_endpoint is not None:
+        # imported here: an engine without KV events runs where pyzmq is not installed (a GPU machine's own image)
+        from prefixkv.kv_events.publisher import ZmqEventPublisher
+
         publisher = ZmqEventPublisher(
             config.kv_events_endpoint,
             config.kv_events_replay_endpoint,

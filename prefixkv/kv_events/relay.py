@@ -7,11 +7,13 @@ cache reset and hands the batch to the publisher, as a step component of the eng
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prefixkv.kv_events.publisher import ZmqEventPublisher
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.request import Request
+
+if TYPE_CHECKING:  # pyzmq is needed only once events are published
+    from prefixkv.kv_events.publisher import ZmqEventPublisher
 
 
 class EventRelay:
