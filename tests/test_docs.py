@@ -9,6 +9,7 @@ placeholders (FILE, `...`, `a|b`) are checked down to their subcommand.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shlex
@@ -98,6 +99,39 @@ def test_no_doc_points_outside_the_repository(page):
 def test_readme_is_short():
     lines = README.read_text().count("\n")
     assert lines <= MAX_README_LINES, f"README.md has {lines} lines (at most {MAX_README_LINES}: details go to docs/)"
+
+
+def _headline_script():
+    spec = importlib.util.spec_from_file_location("headline", REPO / "scripts" / "headline.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["headline"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_headline_table_is_the_generated_one():
+    """README's headline table is exactly what scripts/headline.py computes from the stored results (after a
+    change to a result, or to code a row measures, run `python scripts/headline.py --write`)."""
+    headline = _headline_script()
+    assert headline.readme_table(README.read_text()) == headline.table()
+
+
+def test_a_headline_figure_follows_its_data(monkeypatch):
+    """The check can fail: a stored round behind moves the vLLM row's figure and its verdict."""
+    headline = _headline_script()
+    before = headline.table()
+    load = headline.load
+
+    def one_round_behind(rel):
+        data = load(rel)
+        if rel.endswith("amd_epyc/compare_vllm.json"):
+            data["summary"][0]["per_round_ratio"] = [0.5, 0.5, 0.5]
+        return data
+
+    monkeypatch.setattr(headline, "load", one_round_behind)
+    after = headline.table()
+    assert after != before and "**0.50x-" in after and "behind: cold TTFT" in after
 
 
 def test_readme_carries_the_test_command_ci_runs():
