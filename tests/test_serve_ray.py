@@ -28,6 +28,7 @@ openai = pytest.importorskip("openai")
 
 from prefixkv.config import EngineConfig  # noqa: E402
 from prefixkv.serve_ray import build_application  # noqa: E402
+from prefixkv.serve_ray.deployment import init_ray  # noqa: E402
 from prefixkv.serve_ray.ingress import RETRIES_HEADER, STATS_PATH  # noqa: E402
 from prefixkv.serve_ray.replica import REPLICA_HEADER  # noqa: E402
 from prefixkv.server.options import ServingOptions  # noqa: E402
@@ -50,7 +51,7 @@ def base_url(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys"
     keys.write_text(KEYS)
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)  # its workers at niceness 0
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         config = EngineConfig(dtype="float32", kv_cache_tokens=4096, max_model_len=512, num_threads=1)
@@ -320,6 +321,15 @@ def _ingress_stats(base_url: str) -> dict:
     )
     response.raise_for_status()
     return response.json()
+
+
+def test_replicas_and_ingress_run_at_niceness_zero(base_url):
+    """Ray starts workers at niceness 15, where any other load on the node starves the engine (deployment.py's
+    WORKER_NICENESS has the measurement); the Ray prefixkv starts runs them at 0."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "prefixkv#" in a["name"]]
+    actors = [ray.get_actor(name, namespace="serve") for name in names]
+    assert len(actors) == 3  # two engine replicas and the ingress
+    assert ray.get([a.__ray_call__.remote(lambda _self: os.nice(0)) for a in actors]) == [0, 0, 0]
 
 
 def test_replica_killed_under_load(base_url):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -26,6 +28,8 @@ from prefixkv.serve_ray.in_process import call_app, call_app_whole
 from prefixkv.serve_ray.messages import ForwardedRequest, ForwardedResponse
 from prefixkv.server.options import ServingOptions
 from prefixkv.server.router_hints import HELD_ELSEWHERE
+
+logger = logging.getLogger("ray.serve")  # Serve's logger: lines land in the replica's Serve log
 
 REPLICA_HEADER = "x-prefixkv-replica"  # which replica answered: for logs, debugging and tests
 _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "host"}
@@ -49,6 +53,12 @@ class EngineReplica:
                 "kv_events_endpoint": f"tcp://{host}:{pub}",
                 "kv_events_replay_endpoint": f"tcp://{host}:{replay}",
             }
+        if (niceness := os.nice(0)) > 0:
+            logger.warning(
+                "replica runs at niceness %d: any other process on this node takes the CPU first (start Ray with "
+                "RAY_worker_niceness=0; a local Ray that prefixkv starts does)",
+                niceness,
+            )
         # loaded on a thread that ends, so the engine thread is the only one left running kernels (engine_thread.py)
         self._app = build_app(on_short_lived_thread(lambda: build_engine(config)), app_options)
         self._lifespan = contextlib.AsyncExitStack()
