@@ -97,12 +97,11 @@ def changed_since(commit: str, paths: tuple[str, ...]) -> bool:
 
 def describe(pair: Paired) -> str:
     """'**1.31x**, every round ahead (3 of 3)': the median of the per-round ratios and what the rounds show."""
-    n = pair.measured
     if pair.kind.startswith("every round"):
-        shown = f"{pair.kind} ({n} of {n})"
+        shown = pair.verdict  # 'every round ahead (5 of 5)', or 'ahead in its only round (too few to test)'
     else:
         head = "a tie within the noise" if pair.kind == "tie" else pair.kind
-        shown = f"{head}: {pair.ahead} of {n} rounds ahead, {pair.behind} behind"
+        shown = f"{head}: {pair.ahead} of {pair.measured} rounds ahead, {pair.behind} behind"
     return f"**{pair.median:.2f}x**, {shown}"
 
 
@@ -164,6 +163,28 @@ def _rounds_of(d: dict, fmt: str) -> list[float]:
     if "per_round" in d:
         return d["per_round"]
     return [r["prefixkv"]["decode_tok_s"] / r["llama-server"]["decode_tok_s"] for r in d["formats"][fmt]["rounds"]]
+
+
+def system_prompt(data: list[dict]) -> tuple[str, int]:
+    d, pairs = data[0], {k: from_ratios(v["ratios"]) for k, v in data[0]["paired"].items()}
+    hashed = d["ttft"]["hash"]
+    text = (
+        f"TTFT of a new question behind a cached 2048-token system prompt, cold {hashed['cold_s']:.2f} s, warm "
+        f"{hashed['warm_s']:.3f} s: {describe(pairs['warm_vs_cold_on'])}; a cold prompt with caching on against "
+        f"off: {describe(pairs['cold_on_vs_off'])}"
+    )
+    return text, pairs["warm_vs_cold_on"].rounds
+
+
+def shared_prefix(data: list[dict]) -> tuple[str, int]:
+    d = data[0]
+    pair = from_ratios(d["paired_output_tok_s_on_over_off"]["ratios"])
+    modes = {mode: m["output_tok_s"] for mode, m in d["modes"].items()}
+    text = (
+        f"32 requests behind one 1024-token prefix, output tok/s with caching {modes['hash']:.0f}, without "
+        f"{modes['off']:.0f}: {describe(pair)}; greedy outputs identical: {d['outputs_identical_on_off']}"
+    )
+    return text, pair.rounds
 
 
 def mooncake(data: list[dict]) -> tuple[str, int]:
@@ -230,6 +251,8 @@ ROWS = (
         SERVER,
     ),
     Row("the same, the GGUF's quantized blocks", (f"{LLAMA}/llama_server.json",), llama_server_blocks, SERVER),
+    Row("`bench system-prompt`", (f"{BENCH}/zen4/system-prompt.json",), system_prompt, ENGINE),
+    Row("`bench shared-prefix`", (f"{BENCH}/zen4/shared-prefix.json",), shared_prefix, ENGINE),
     Row("`prefixkv simulate`", (f"{BENCH}/conversation_trace/full_radix.json",), mooncake, SIMULATOR, simulated=True),
     Row("routing (simulated, whole trace)", (f"{BENCH}/routing/full_4replicas.json",), routing, SIMULATOR, True),
 )
