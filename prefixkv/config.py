@@ -159,6 +159,12 @@ class EngineConfig:
         "seed of the sampling generator that requests without their own seed draw from "
         "(none: a fresh random seed each start)",
     )
+    debug_nan_kv: bool = _option(
+        False,
+        "debugging aid (slower): fill each KV page with NaN when the cache hands it out, evicts it or frees it "
+        "uncached, and fail a step whose logits are not finite, so a read of never-written or freed KV fails "
+        "loudly instead of giving a plausible answer (the suite's cache correctness tests run with it on)",
+    )
     kernel_options: str | None = _option(
         None,
         "forward-pass kernel paths to force on or off, e.g. 'native_attention=0,shared_prefill=0' or "
@@ -177,6 +183,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a ZeroMQ address (tcp://, ipc:// or inproc://), got {endpoint!r}")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (there is nothing to replay)")
+        if not isinstance(self.debug_nan_kv, bool):
+            raise ValueError(f"debug_nan_kv must be True or False, got {self.debug_nan_kv!r}")
         if not isinstance(self.retained_pool_fraction, (int, float)) or not 0 <= self.retained_pool_fraction <= 1:
             raise ValueError(f"retained_pool_fraction must be in [0, 1], got {self.retained_pool_fraction!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "lpm_k"):

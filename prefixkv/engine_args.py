@@ -50,6 +50,11 @@ def add_engine_args(
         flags = [f"--{f.name.replace('_', '-')}", *meta.get("aliases", ()), *(aliases or {}).get(f.name, ())]
         default = f.default
         shown = "" if default is None else f" (default: {default})"
+        if _TYPES[f.name] is bool:  # --x / --no-x
+            group.add_argument(
+                *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=meta.get("help", "")
+            )
+            continue
         group.add_argument(
             *flags,
             dest=f.name,

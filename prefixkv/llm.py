@@ -66,6 +66,7 @@ def build_engine(
         dtype=config.dtype,
         seed=config.seed,
         options=options,
+        nan_kv=config.debug_nan_kv,
     )
     # one-time costs land here, at startup, never in a first request's TTFT: native kernels (built by
     # scripts/setup.sh, loaded here; built here if missing), weight packing, the pool
@@ -115,6 +116,7 @@ def _kv_and_components(
         config.eviction,
         config.retained_pool_fraction,
         clock=clock,
+        on_invalid_pages=runner.poison_pages if config.debug_nan_kv else None,
     )
     components: list[StepComponent] = []
     tier: KVTier | None = None

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from prefixkv.choices import PREFIX_CACHES, check
 from prefixkv.kvcache.eviction import make_eviction_policy
 from prefixkv.kvcache.hash_cache import HashPrefixCache
-from prefixkv.kvcache.manager import KVCacheManager
+from prefixkv.kvcache.manager import KVCacheManager, PagedKVCache
 from prefixkv.kvcache.no_cache import NoPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
 
@@ -23,16 +23,21 @@ def create_kv_cache_manager(
     retained_pool_fraction: float = 0.2,
     clock: Callable[[], float] = time.monotonic,
     miss_history: int | None = None,
+    on_invalid_pages: Callable[[list[int]], None] | None = None,
 ) -> KVCacheManager:
     """eviction: one of eviction.EVICTION_POLICIES (ValueError otherwise); with caching off nothing is cached,
     so it is checked and then has nothing to choose. retained_pool_fraction and clock: see retention.py;
-    miss_history: evicted pages remembered to explain misses (manager.PagedKVCache; -1: all)."""
+    miss_history: evicted pages remembered to explain misses (manager.PagedKVCache; -1: all); on_invalid_pages:
+    told of pages whose KV nobody may read any more (PagedKVCache.watch_invalid_pages)."""
     make_eviction_policy(eviction)
+    manager: PagedKVCache
     if kind == "off":
-        return NoPrefixCache(num_pages, page_size)
+        manager = NoPrefixCache(num_pages, page_size)
+        manager.watch_invalid_pages(on_invalid_pages)
+        return manager
     check("prefix_cache", kind, PREFIX_CACHES)
     cache_class = HashPrefixCache if kind == "hash" else RadixPrefixCache
-    return cache_class(
+    manager = cache_class(
         num_pages,
         page_size,
         hash_algo=hash_algo,
@@ -41,3 +46,5 @@ def create_kv_cache_manager(
         clock=clock,
         miss_history=miss_history,
     )
+    manager.watch_invalid_pages(on_invalid_pages)
+    return manager

@@ -284,6 +284,16 @@ class PagedKVCache(KVCacheManager):
         if miss_history is None:
             miss_history = max(8 * num_pages, 4096)
         self.misses = MissExplainer(page_size, clock, None if miss_history < 0 else miss_history)
+        self._on_invalid_pages: Callable[[list[int]], None] | None = None
+
+    def watch_invalid_pages(self, callback: Callable[[list[int]], None] | None) -> None:
+        """callback(pages) each time pages stop holding KV anyone may read: handed to a new owner (until it writes
+        them), evicted from the cache, or freed uncached. The debug mode debug_nan_kv fills them with NaN there."""
+        self._on_invalid_pages = callback
+
+    def _invalidated(self, pages: list[int]) -> None:
+        if self._on_invalid_pages is not None and pages:
+            self._on_invalid_pages(pages)
 
     def enable_events(self) -> None:
         if self._events is None:

@@ -208,6 +208,7 @@ class RadixPrefixCache(PagedKVCache):
             self._release(self.tree.evict(n - len(self._free)), self.tree.eviction.name)
         taken = self._free[-n:] if n else []
         del self._free[len(self._free) - n :]
+        self._invalidated(taken)
         return taken
 
     def _release(self, evicted: list[int], policy: str) -> None:
@@ -221,6 +222,7 @@ class RadixPrefixCache(PagedKVCache):
         if self._events is not None and evicted:
             self._events.append(block_removed([self._page_hash[p] for p in evicted]))
         self._free.extend(evicted)
+        self._invalidated(evicted)
 
     def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
         ps = self.page_size
@@ -282,6 +284,7 @@ class RadixPrefixCache(PagedKVCache):
             mine = state.pages[first + j]
             if mine != tree_page:  # someone cached these tokens first: share theirs, return ours
                 self._free.append(mine)
+                self._invalidated([mine])
                 state.pages[first + j] = tree_page
             else:
                 stored.append(first + j)
@@ -335,7 +338,9 @@ class RadixPrefixCache(PagedKVCache):
         if state is None:
             return
         # tail first, so the next allocations reuse the pages least likely to matter
-        self._free.extend(reversed(state.pages[state.committed // self.page_size :]))
+        uncached = state.pages[state.committed // self.page_size :]
+        self._free.extend(reversed(uncached))
+        self._invalidated(uncached)
         self.tree.touch(state.node)
         self.tree.unlock(state.node)
         root = state.node

@@ -32,13 +32,16 @@ class ModelRunner:
         dtype: str | None = None,
         seed: int | None = None,
         options: KernelOptions | None = None,
+        nan_kv: bool = False,
     ) -> None:
         """device/dtype default to the loaded model's; if given and different, the model is moved/cast.
 
         options: how the forward pass computes (prefixkv.model.options); None = `KernelOptions.choose` for this
         device, dtype and model: every bit-exact fast path that runs here, and the paths that reorder the
         attention sum (cascade decodes, split prefill) only below float32. A LoadedModel serves one runner at a
-        time: the runner built last sets its device, dtype and kernels.
+        time: the runner built last sets its device, dtype and kernels. nan_kv: the debug mode (EngineConfig's
+        debug_nan_kv): pages the cache calls invalid are filled with NaN (poison_pages), and a step whose logits
+        are not finite raises.
         """
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
@@ -58,13 +61,18 @@ class ModelRunner:
         self.model.use_kernels(options)
         self.num_pages, self.page_size = num_pages, page_size
         c = self.config
-        # zeros, not empty: padded decode rows read slot 0 and masked garbage must still be finite
+        # one page more than the cache hands out: the pad page, which padded rows and page tables read (masked
+        # out, but read), so it must stay finite; zeros, not empty, for the same reason everywhere else
         self.kv_cache = lazily_zeroed(
-            (c.num_layers, 2, c.num_kv_heads, num_pages * page_size, c.head_dim), self.dtype, self.device
+            (c.num_layers, 2, c.num_kv_heads, (num_pages + 1) * page_size, c.head_dim), self.dtype, self.device
         )
         self.model.bind_kv_cache(self.kv_cache)
+        self.nan_kv = nan_kv
+        self._pending_poison: list[int] = []  # pages poison_pages was told of, NaN before the next write
         self.sampler = Sampler(seed)
-        self.planner = StepPlanner(options, page_size, self.dtype, 2 * c.num_kv_heads * c.head_dim, self.device)
+        self.planner = StepPlanner(
+            options, page_size, self.dtype, 2 * c.num_kv_heads * c.head_dim, self.device, pad_page=num_pages
+        )
 
     def kernel_report(self) -> dict[str, str]:
         """Which hardware and kernels compute here, as labels: the start log line, /metrics' prefixkv:kernel_info
@@ -112,7 +120,27 @@ class ModelRunner:
         kv = raw.view(self.dtype).view(c.num_layers, 2, c.num_kv_heads, tokens, c.head_dim)
         kv = kv[:, :, :, first_token : first_token + len(slots)].to(self.device)
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self._apply_poison()
         self.kv_cache.index_copy_(3, index, kv)
+
+    def poison_pages(self, pages: list[int]) -> None:
+        """The debug_nan_kv mode: these pages hold no KV anyone may read (the cache reports each page it hands
+        out, evicts or frees uncached). They are filled with NaN before the next load into the pool or forward
+        pass, so a later read of KV never written or freed turns the answers it touches into NaN instead of
+        plausible tokens. Not at once: a write_back tier reads an evicted page's KV after the allocation that
+        reuses it and before that step's loads and forward pass, by design (kvcache/offload/tiered_cache.py)."""
+        if pages and (max(pages) >= self.num_pages or min(pages) < 0):
+            raise ValueError(f"pages {min(pages)}..{max(pages)} outside the pool's {self.num_pages}")
+        self._pending_poison.extend(pages)
+
+    @torch.inference_mode()
+    def _apply_poison(self) -> None:
+        if not self._pending_poison:
+            return
+        c, pages = self.config, torch.tensor(self._pending_poison, dtype=torch.long, device=self.device)
+        self._pending_poison = []
+        by_page = self.kv_cache.view(c.num_layers, 2, c.num_kv_heads, self.num_pages + 1, self.page_size, -1)
+        by_page.index_fill_(3, pages, float("nan"))
 
     @torch.inference_mode()
     def execute(self, items: list[BatchItem]) -> list[Sample | None]:
@@ -121,6 +149,7 @@ class ModelRunner:
             return []
         for it in items:
             self._check(it)
+        self._apply_poison()
         # single-token items (decodes) first, shortest context first: they share batched attention calls
         order = sorted(
             range(len(items)),
@@ -144,6 +173,12 @@ class ModelRunner:
         if not sample_at:
             return results
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if self.nan_kv and not bool(torch.isfinite(logits).all()):
+            bad = [ordered[k].request_id for k, ok in zip(sample_at, torch.isfinite(logits).all(-1).tolist()) if not ok]
+            raise RuntimeError(
+                f"debug_nan_kv: the logits of {', '.join(map(str, bad))} are not finite: a step read KV that was "
+                "never written or was freed (a page the cache handed out, evicted or freed uncached)"
+            )
         chosen = [ordered[k] for k in sample_at]
         samples = self.sampler(logits, [it.sampling_params for it in chosen], [it.num_output_tokens for it in chosen])
         for k, sample in zip(sample_at, samples):

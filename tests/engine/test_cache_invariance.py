@@ -57,7 +57,9 @@ def test_warm_answers_equal_cold_ones(cold, new_llm, name):
     cache, page_size, budget = CONFIGS[name]
     index = list(CONFIGS).index(name)
     mine = list(range(index, len(prompts), len(CONFIGS)))
-    llm = new_llm(dtype="bfloat16", prefix_cache=cache, page_size=page_size, max_num_batched_tokens=budget)
+    llm = new_llm(
+        dtype="bfloat16", prefix_cache=cache, page_size=page_size, max_num_batched_tokens=budget, debug_nan_kv=True
+    )
     warm = warm_runs(llm, [prompts[i] for i in mine], MAX_TOKENS, sequential=False)
     want = [cold_outputs[i] for i in mine]
     for phase, outputs in warm.items():

@@ -474,7 +474,7 @@ def test_outputs_with_deferral_equal_each_prompt_run_alone(new_llm, options):
     long = shared + words(200)
     prompts += [long, long[:300] + words(12)]
     greedy = SamplingParams(temperature=0, max_tokens=6)
-    llm = new_llm(kv_cache_tokens=4096, **options)
+    llm = new_llm(kv_cache_tokens=4096, debug_nan_kv=True, **options)
 
     def generate(batch):
         return llm.generate([{"prompt_token_ids": p} for p in batch], greedy, use_tqdm=False)
@@ -507,7 +507,7 @@ def test_bf16_same_step_reads_match_deferred_reads(new_llm):
     shared = [rng.randrange(200, 40000) for _ in range(150)]
     prompts = [shared + [rng.randrange(200, 40000) for _ in range(6 + 3 * i)] for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=2)
-    llm = new_llm(dtype="bfloat16", kv_cache_tokens=4096, prefix_cache="hash")
+    llm = new_llm(dtype="bfloat16", kv_cache_tokens=4096, prefix_cache="hash", debug_nan_kv=True)
     engine = llm.llm_engine
     runs, steps = {}, {}
     for same_step in (True, False):

@@ -96,7 +96,7 @@ def test_every_page_is_free_after_all_requests_finish_or_abort(llm_factory):
 @pytest.mark.parametrize("cache", ["off", "hash"])
 def test_small_pool_forces_preemption(llm_factory, reference, cache):
     prompts, alone = reference
-    llm = llm_factory(prefix_cache=cache, kv_cache_tokens=640, max_num_batched_tokens=256)
+    llm = llm_factory(prefix_cache=cache, kv_cache_tokens=640, max_num_batched_tokens=256, debug_nan_kv=True)
     before = llm.llm_engine.get_stats().num_preemptions
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert llm.llm_engine.get_stats().num_preemptions > before, "the pool was meant to be too small"

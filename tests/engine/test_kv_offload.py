@@ -42,7 +42,7 @@ def expected(reference):
 
 @pytest.mark.parametrize("kind, write_policy", [("hash", "write_through"), ("radix", "write_back")])
 def test_outputs_are_identical_when_an_evicted_prompt_comes_back_from_the_tier(new_llm, expected, kind, write_policy):
-    llm = new_llm(prefix_cache=kind, **POOL, **TIER, kv_offload_write_policy=write_policy)
+    llm = new_llm(prefix_cache=kind, **POOL, **TIER, kv_offload_write_policy=write_policy, debug_nan_kv=True)
     engine = llm.llm_engine
     a, b = prompts(llm.get_tokenizer())
     assert run(llm, a) == (expected[0], 0)
@@ -72,7 +72,8 @@ def test_a_restarted_engine_finds_its_prefixes_on_disk_and_never_serves_a_damage
     assert first.llm_engine.get_stats().kv_tier_entries == 0  # write_back: nothing evicted, nothing written yet
     first.close()  # saves what only the pool holds, flushes the writer, releases the directory
 
-    restarted = new_llm(prefix_cache="radix", **POOL, **disk)  # chunk keys do not depend on the pool's cache kind
+    # chunk keys do not depend on the pool's cache kind
+    restarted = new_llm(prefix_cache="radix", **POOL, **disk, debug_nan_kv=True)
     assert run(restarted, a) == (expected[0], 96)
     assert restarted.llm_engine.get_stats().kv_tier_hit_tokens == 96
     restarted.close()
@@ -81,7 +82,7 @@ def test_a_restarted_engine_finds_its_prefixes_on_disk_and_never_serves_a_damage
     data = bytearray(entry.read_bytes())
     data[-100] ^= 0xFF  # one flipped bit pattern inside chunk 1's payload
     entry.write_bytes(bytes(data))
-    damaged = new_llm(prefix_cache="hash", **POOL, **disk)
+    damaged = new_llm(prefix_cache="hash", **POOL, **disk, debug_nan_kv=True)
     assert run(damaged, a) == (expected[0], 32)  # chunk 0 only; chunk 1 recomputed (and stored again)
     assert damaged.llm_engine.get_stats().kv_tier_corrupt == 1
     damaged.close()

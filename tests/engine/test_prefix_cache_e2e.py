@@ -58,7 +58,7 @@ def test_caching_on_equals_off_sequential_and_batched(llm_factory, workload_and_
     """One prompt at a time (each hits what the ones before it cached) and all at once (hits within the batch);
     the chunked variants run the batch only: their one-at-a-time hits are the unchunked variants'."""
     prompts, expected = workload_and_expected
-    llm = llm_factory(**options)
+    llm = llm_factory(**options, debug_nan_kv=True)
     llm.reset_prefix_cache()
     if one_by_one:
         alone = [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0] for p in prompts]
@@ -75,7 +75,7 @@ SYSTEM_TOKENS = 256  # 16 pages, a multiple of the page size: the whole system p
 
 @pytest.mark.parametrize("cache", ["hash", "radix"])
 def test_system_prompt_hit_counts_and_isolation(llm_factory, cache):
-    llm = llm_factory(prefix_cache=cache)
+    llm = llm_factory(prefix_cache=cache, debug_nan_kv=True)
     llm.reset_prefix_cache()
     tok = llm.get_tokenizer()
     rng = random.Random(2)

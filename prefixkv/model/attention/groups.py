@@ -81,7 +81,7 @@ class InPlaceDecodes:
     """Single-token decodes attended by the native kernel straight from their pages."""
 
     rows: Rows
-    page_table: torch.Tensor  # [B, max_pages] int64, rows padded with page 0
+    page_table: torch.Tensor  # [B, max_pages] int64, rows padded with the pad page
     context_lens: torch.Tensor  # [B] int64: positions [0, start_pos + 1) are attended
     page_size: int
     invariant: bool  # bf16: the prefill kernel's arithmetic (paged_flash_decode), else the plain decode kernel
@@ -103,7 +103,7 @@ class PaddedDecodes:
 
     rows: Rows
     max_len: int
-    slots: torch.Tensor  # [B * max_len] flattened padded context slots (padding reads slot 0)
+    slots: torch.Tensor  # [B * max_len] flattened padded context slots (padding reads the pad page)
     mask: torch.Tensor  # [B, 1, 1, max_len] additive mask hiding the padding
 
     @property
@@ -132,7 +132,7 @@ class CascadeDecodes:
     prefix_len: int
     prefix_slots: torch.Tensor  # [prefix_len]
     suffix_len: int
-    suffix_slots: torch.Tensor  # [B * suffix_len] flattened padded slots (padding reads slot 0)
+    suffix_slots: torch.Tensor  # [B * suffix_len] flattened padded slots (padding reads the pad page)
     suffix_mask: torch.Tensor  # [B, 1, 1, suffix_len] additive mask hiding the padding
     flash: bool  # torch's CPU flash kernel with log-sum-exp, else plain float32 ops
 
@@ -212,7 +212,7 @@ class NativeCascadeDecodes:
     rows: Rows
     prefix_slots: torch.Tensor  # [prefix_len]
     prefix_q_pos: torch.Tensor  # [B] prefix_len - 1: every member sees the whole prefix
-    suffix_table: torch.Tensor  # [B, pages] each member's pages after the shared ones (padded with page 0)
+    suffix_table: torch.Tensor  # [B, pages] each member's pages after the shared ones (padded with the pad page)
     suffix_lens: torch.Tensor  # [B] start_pos + 1 - prefix_len
     page_size: int
     invariant: bool

@@ -95,10 +95,14 @@ class StepPlanner:
         dtype: torch.dtype,
         gather_width: int,
         device: torch.device | str = "cpu",
+        pad_page: int = 0,
     ) -> None:
-        """gather_width: elements per gathered slot (2 * kv_heads * head_dim)."""
+        """gather_width: elements per gathered slot (2 * kv_heads * head_dim); pad_page: the pool page that padded
+        rows and page tables point at, which must stay finite (ModelRunner reserves one past the cache's pages, so
+        a pool filled with NaN for debugging (debug_nan_kv) still pads with zeros)."""
         self.options = options
         self.page_size = page_size
+        self.pad_page = pad_page
         self.dtype = dtype
         self.gather_width = gather_width
         self.device = torch.device(device)
@@ -164,7 +168,7 @@ class StepPlanner:
 
     def _in_place_group(self, members, start_positions, page_tables) -> InPlaceDecodes:
         lens = np.asarray([start_positions[i] + 1 for i in members], dtype=np.int64)
-        table = _page_table(members, page_tables, lens, 0, self.page_size)
+        table = _page_table(members, page_tables, lens, 0, self.page_size, self.pad_page)
         return InPlaceDecodes(
             self._rows(members),
             self._tensor(table),
@@ -175,7 +179,7 @@ class StepPlanner:
         )
 
     def _padded_group(self, members, start_positions, page_tables) -> PaddedDecodes:
-        slots, valid = _padded_slots(members, 0, start_positions, page_tables, self.page_size)
+        slots, valid = _padded_slots(members, 0, start_positions, page_tables, self.page_size, self.pad_page)
         b, max_len = slots.shape
         mask = torch.from_numpy(np.where(valid, 0.0, -np.inf).astype(np.float32))
         return PaddedDecodes(
@@ -191,7 +195,7 @@ class StepPlanner:
             return self._native_cascade_group(members, prefix_pages, start_positions, page_tables)
         prefix_len = prefix_pages * ps
         prefix_slots = _slots(page_tables[members[0]], prefix_len, ps)
-        slots, valid = _padded_slots(members, prefix_len, start_positions, page_tables, ps)
+        slots, valid = _padded_slots(members, prefix_len, start_positions, page_tables, ps, self.pad_page)
         b, suffix_len = slots.shape
         mask = torch.from_numpy(np.where(valid, 0.0, -np.inf).astype(np.float32)).view(b, 1, 1, suffix_len)
         return CascadeDecodes(
@@ -208,7 +212,7 @@ class StepPlanner:
         ps = self.page_size
         prefix_len = prefix_pages * ps
         lens = np.asarray([start_positions[i] + 1 - prefix_len for i in members], dtype=np.int64)
-        table = _page_table(members, page_tables, lens, prefix_pages, ps)
+        table = _page_table(members, page_tables, lens, prefix_pages, ps, self.pad_page)
         return NativeCascadeDecodes(
             self._rows(members),
             self._tensor(_slots(page_tables[members[0]], prefix_len, ps)),
@@ -304,17 +308,19 @@ def _slots(page_table: list[int], end: int, page_size: int) -> np.ndarray:
     return pt[pos // page_size] * page_size + pos % page_size
 
 
-def _page_table(members, page_tables, lens: np.ndarray, first_page: int, page_size: int) -> np.ndarray:
-    """[B, pages] the pages holding each member's positions [first_page * page_size, + lens[b]), padded with 0."""
-    table = np.zeros((len(members), int(-(-lens.max() // page_size))), dtype=np.int64)
+def _page_table(members, page_tables, lens: np.ndarray, first_page: int, page_size: int, pad_page: int) -> np.ndarray:
+    """[B, pages] the pages holding each member's positions [first_page * page_size, + lens[b]), padded with
+    pad_page."""
+    table = np.full((len(members), int(-(-lens.max() // page_size))), pad_page, dtype=np.int64)
     for b, i in enumerate(members):
         pages = page_tables[i][first_page : first_page + -(-int(lens[b]) // page_size)]
         table[b, : len(pages)] = pages
     return table
 
 
-def _padded_slots(members, offset, start_positions, page_tables, page_size):
-    """Slots of positions [offset, start_pos + 1) of each member, padded to the longest: (slots [B, L], valid)."""
+def _padded_slots(members, offset, start_positions, page_tables, page_size, pad_page):
+    """Slots of positions [offset, start_pos + 1) of each member, padded to the longest with pad_page's first slot:
+    (slots [B, L], valid). Masked out, but read: the pad must be finite (a NaN times a zero weight is NaN)."""
     ends = np.asarray([start_positions[i] + 1 for i in members], dtype=np.int64)
     width = int(ends.max()) - offset
     max_pages = -(-(offset + width) // page_size)
@@ -325,7 +331,7 @@ def _padded_slots(members, offset, start_positions, page_tables, page_size):
     pos = offset + np.arange(width, dtype=np.int64)
     slots = table[:, pos // page_size] * page_size + pos % page_size  # [B, width]
     valid = pos[None, :] < ends[:, None]
-    return np.where(valid, slots, 0), valid  # padding reads slot 0 (finite: the pool is zero-initialised)
+    return np.where(valid, slots, pad_page * page_size), valid
 
 
 def _length_groups(members: list[int], start_positions, options: KernelOptions) -> list[list[int]]:
