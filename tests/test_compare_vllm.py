@@ -5,6 +5,7 @@ Nothing here runs vLLM or depends on speed.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -316,3 +317,74 @@ def test_times_bound_is_at_least_one_for_a_sound_bound():
     assert limits.times_bound(True, value=50.0, bound=200.0) == 4.0  # a rate: bound / value
     for bad in (0.0, -1.0, math.nan, math.inf):
         assert math.isnan(limits.times_bound(True, bad, 1.0)) and math.isnan(limits.times_bound(False, 1.0, bad))
+
+
+def test_vllm_runs_in_each_configuration_that_can_suit_it():
+    from compare_vllm.variants import choose
+
+    with_bf16, without = {"flags": ["avx512f", "avx512_bf16"]}, {"flags": []}  # Zen 4; Zen 3 (AVX2 only)
+    both = ("offline", "serve")
+
+    def names(requested, cpu, threads=2, groups=both):
+        return [(v.name, v.dtype, v.row_groups) for v in choose(requested, cpu, threads, list(groups))]
+
+    assert names("auto", with_bf16) == [("vllm", "bfloat16", both), ("vllm_reserved", "bfloat16", ("serve",))]
+    assert names("auto", without) == [
+        ("vllm", "bfloat16", both),
+        ("vllm_fp32", "float32", both),
+        ("vllm_reserved", "bfloat16", ("serve",)),
+        ("vllm_fp32_reserved", "float32", ("serve",)),
+    ]
+    assert names("auto", with_bf16, threads=1) == [("vllm", "bfloat16", both)]  # no core to spare
+    assert names("auto", without, groups=("offline",)) == [
+        ("vllm", "bfloat16", ("offline",)),
+        ("vllm_fp32", "float32", ("offline",)),
+    ]
+    assert names("none", without) == [("vllm", "bfloat16", both)]
+    assert names("vllm_fp32", with_bf16) == [("vllm", "bfloat16", both), ("vllm_fp32", "float32", both)]
+    assert names("vllm_reserved", with_bf16, groups=("offline",)) == [("vllm", "bfloat16", ("offline",))]
+    with pytest.raises(ValueError, match="unknown vLLM configuration"):
+        choose("vllm_fp16", with_bf16, 2, list(both))
+    with pytest.raises(ValueError, match="needs --threads 2"):
+        choose("vllm_reserved", with_bf16, 1, list(both))
+    reserved = choose("vllm_reserved", with_bf16, 4, list(both))[1]
+    assert reserved.env(4) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-2"}
+    with pytest.raises(SystemExit):
+        parse_args(["--vllm-configs", "vllm_bf8"])
+
+
+def test_each_configuration_gets_its_dtype_placement_and_turn(tmp_path):
+    from compare_vllm.__main__ import Runner, run_round
+
+    args = parse_args(["--no-preload", "--output-dir", str(tmp_path), "--vllm-configs", "vllm_fp32,vllm_fp32_reserved"])
+    runner = Runner(args, TINY)
+    runner.prepare()
+    assert runner.engines(0) == ["vllm", "vllm_fp32", "vllm_fp32_reserved", "prefixkv"]
+    assert runner.engines(1) == ["prefixkv", "vllm_fp32_reserved", "vllm_fp32", "vllm"]
+    assert runner.env["vllm"]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert runner.env["vllm_fp32_reserved"]["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
+    assert runner.env["vllm_fp32_reserved"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    served = runner.server("vllm_fp32_reserved", 0)
+    assert " --dtype float32 " in " ".join(served.argv) and served.env is runner.env["vllm_fp32_reserved"]
+    assert " --dtype bfloat16 " in " ".join(runner.server("prefixkv", 0).argv)
+
+    ran = []
+
+    def fake_run(engine, argv, log_name, what):  # what the part would have written
+        ran.append((engine, argv))
+        with open(argv[argv.index("--out") + 1], "w") as f:
+            value = {"vllm": 2.0, "vllm_fp32": 1.5, "prefixkv": 1.0}[engine]
+            json.dump({"rows": {"cold_ttft_s": value, "detail": {}}, "engine": {}}, f)
+        return log_name
+
+    runner._run = fake_run
+    args.row_groups = ["offline"]
+    config: dict = {}
+    record = run_round(runner, args, 1, config)
+    assert record["order"] == ["prefixkv", "vllm_fp32_reserved", "vllm_fp32", "vllm"]
+    assert [e for e, _ in ran] == ["prefixkv", "vllm_fp32", "vllm"]  # the reserved core serves only
+    fp32_argv = dict(ran)["vllm_fp32"]
+    assert fp32_argv[fp32_argv.index("--dtype") + 1] == "float32"
+    per_round = {e: [record.get(e, {}).get("rows", {})] for e in runner.engines(0)}
+    (cold,) = report.summarize([r for r in report.rows_for(TINY) if r.key == "cold_ttft_s"], per_round)
+    assert cold["vllm_variant"] == "vllm_fp32" and cold["median"]["vllm"] == 1.5 and cold["ratio"] == 1.5

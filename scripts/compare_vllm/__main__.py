@@ -3,10 +3,12 @@
 `bash scripts/compare_vllm.sh` creates both venvs, tcmalloc and the model export, then runs this. First a child
 process measures the machine's limits (compare_vllm.limits: memory bandwidth and bf16 GEMM rate, with the
 comparison's thread count). Round k then runs every selected row for one engine, then for the other (vLLM first
-on even rounds, prefixkv first on odd ones), so slow drift on a shared machine hits both alike; each engine part is
-a fresh process (offline rows) or a fresh server (serving rows), so every round starts cold. Medians over rounds,
-their ratios, each row's lower bound and each engine's distance to it, the table, JSON and a plot go to
---output-dir (by default one folder per CPU family); every process's log goes to its logs/ folder.
+on even rounds, prefixkv first on odd ones), so slow drift on a shared machine hits both alike; vLLM runs in each
+of its configurations that can suit it here (compare_vllm.variants: float32 where the CPU has no bf16 instructions,
+a core reserved for its API server on the served rows), one after the other, and per row its better one is kept.
+Each part is a fresh process (offline rows) or a fresh server (serving rows), so every round starts cold.
+Medians over rounds, their ratios, each row's lower bound and each engine's distance to it, the table, JSON and a
+plot go to --output-dir (by default one folder per CPU family); every process's log goes to its logs/ folder.
 
 Every vLLM process (offline runs, server, the `vllm bench serve` client too) runs with the LD_PRELOAD vLLM's CPU
 install docs ask for: Debian's libtcmalloc_minimal.so.4, then the vLLM venv's own lib/libiomp5.so (from the
@@ -38,6 +40,7 @@ LAUNCH_ENV = dict(os.environ)
 
 from compare_vllm import limits as machine_limits  # noqa: E402
 from compare_vllm import report  # noqa: E402
+from compare_vllm import variants as vllm_variants  # noqa: E402
 from compare_vllm.servers import (  # noqa: E402
     SERVED_MODEL_NAME,
     Server,
@@ -199,6 +202,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "intel_xeon, amd_epyc, amd_epyc_avx2 or other (with --quick: bench_results/vllm_side_by_side_quick/)",
     )
     p.add_argument(
+        "--vllm-configs",
+        default="auto",
+        help="vLLM's configurations besides plain bf16 (compare_vllm.variants; per row the better one is kept): "
+        "auto (float32 too where the CPU has no bf16 instructions; the served rows also with one core reserved "
+        f"for vLLM's API server), none, or a comma-separated list of {', '.join(vllm_variants.NAMES[1:])}",
+    )
+    p.add_argument(
         "--skip-vllm-install",
         action="store_true",
         help="(read by compare_vllm.sh) never create the vLLM venv; fail if it is missing",
@@ -214,6 +224,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--rounds must be >= 1")
     if args.no_preload and args.prefixkv_preload != "tcmalloc":
         p.error("--no-preload already leaves prefixkv without LD_PRELOAD; drop --prefixkv-preload")
+    try:
+        args.vllm_variants = vllm_variants.choose(
+            args.vllm_configs, cpu_features.describe(), args.threads, args.row_groups
+        )
+    except ValueError as exc:
+        p.error(str(exc))
     if args.output_dir is None:
         if args.quick:
             args.output_dir = os.path.join(REPO, "bench_results", "vllm_side_by_side_quick")
@@ -234,7 +250,19 @@ class Runner:
         self.log_dir = os.path.join(args.output_dir, "logs")
         self.preload: dict[str, str] = {}
         self.env: dict[str, dict[str, str]] = {}
-        self.python = {"vllm": self.vllm_python, "prefixkv": sys.executable}
+        self.variants = {v.name: v for v in args.vllm_variants}  # vLLM's configurations, "vllm" first
+        self.python = {**dict.fromkeys(self.variants, self.vllm_python), "prefixkv": sys.executable}
+
+    @staticmethod
+    def side(engine: str) -> str:
+        """The engine a configuration's name belongs to: "prefixkv", or "vllm" for each of vLLM's."""
+        return "prefixkv" if engine == "prefixkv" else "vllm"
+
+    def engines(self, round_index: int) -> list[str]:
+        """A round's parts in order: vLLM's configurations next to each other, prefixkv before them on odd
+        rounds and after them on even ones."""
+        order = [*self.variants, "prefixkv"]
+        return order if round_index % 2 == 0 else order[::-1]
 
     def prepare(self) -> None:
         """Resolves the preloads (PreloadMissing if one is not there), sets each side's environment, clears the
@@ -247,19 +275,13 @@ class Runner:
 
         self.env = {
             # vLLM's venv sees only the comparison modules; binding N cores gives it N OpenMP threads
-            "vllm": with_preload(
-                {
-                    **base,
-                    "PYTHONPATH": SCRIPTS_DIR,
-                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                    "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.args.threads - 1}",
-                    "HF_HUB_OFFLINE": "1",
-                },
-                "vllm",
-            ),
-            # this checkout's prefixkv first, whatever the venv's editable install points at
-            "prefixkv": with_preload({**base, "PYTHONPATH": os.pathsep.join([REPO, SCRIPTS_DIR])}, "prefixkv"),
+            name: with_preload(
+                {**base, "PYTHONPATH": SCRIPTS_DIR, **variant.env(self.args.threads), "HF_HUB_OFFLINE": "1"}, "vllm"
+            )
+            for name, variant in self.variants.items()
         }
+        # this checkout's prefixkv first, whatever the venv's editable install points at
+        self.env["prefixkv"] = with_preload({**base, "PYTHONPATH": os.pathsep.join([REPO, SCRIPTS_DIR])}, "prefixkv")
         shutil.rmtree(self.log_dir, ignore_errors=True)  # this run's logs only: no stale file to misread
         os.makedirs(self.log_dir)
 
@@ -307,21 +329,25 @@ class Runner:
     def offline(self, engine: str, round_index: int) -> dict:
         out = os.path.join(self.log_dir, f"{engine}-offline-round{round_index}.json")
         sizes = json.dumps(dataclasses.asdict(self.sizes))
-        argv = [self.python[engine], "-m", f"compare_vllm.side_{engine}", "offline", "--sizes", sizes]
+        argv = [self.python[engine], "-m", f"compare_vllm.side_{self.side(engine)}", "offline", "--sizes", sizes]
         argv += ["--out", out, "--seed", str(self.args.seed)]
-        argv += ["--model-dir", self.model_dir] if engine == "vllm" else ["--threads", str(self.args.threads)]
+        if engine == "prefixkv":
+            argv += ["--threads", str(self.args.threads)]
+        else:
+            argv += ["--model-dir", self.model_dir, "--dtype", self.variants[engine].dtype]
         self._run(engine, argv, f"{engine}-offline-round{round_index}.log", "the offline rows")
         with open(out) as f:
             return json.load(f)
 
     def server(self, engine: str, round_index: int) -> Server:
         s, port = self.sizes, free_port()
+        dtype = "bfloat16" if engine == "prefixkv" else self.variants[engine].dtype
         limits = (
             f"--max-num-seqs {s.serve_max_num_seqs} --max-model-len {s.max_model_len} --max-num-batched-tokens "
-            f"{s.max_num_batched_tokens} --kv-cache-memory-bytes {s.kv_cache_bytes} --dtype bfloat16 "
+            f"{s.max_num_batched_tokens} --kv-cache-memory-bytes {s.kv_cache_bytes} --dtype {dtype} "
             f"--served-model-name {SERVED_MODEL_NAME} --host 127.0.0.1 --port {port} --seed {self.args.seed}"
         ).split()
-        if engine == "vllm":
+        if engine != "prefixkv":
             argv = [self.vllm_python, "-m", "compare_vllm.side_vllm", "cli", "serve", self.model_dir, *limits]
             argv += ["--enable-prefix-caching", "--disable-uvicorn-access-log"]
         else:
@@ -335,7 +361,7 @@ class Runner:
         server.warm_up(self.sizes)
         server.check_stream_usage()
         values, detail = {}, {}
-        counters = PREFIX_CACHE_COUNTERS[engine]
+        counters = PREFIX_CACHE_COUNTERS[self.side(engine)]
         for row in served_rows(self.sizes):
             name = row.name
             before = parse_prometheus(server.metrics())
@@ -388,24 +414,26 @@ def machine() -> dict:
 
 
 def run_round(runner: Runner, args: argparse.Namespace, k: int, config: dict) -> dict:
-    order = list(report.ENGINES) if k % 2 == 0 else list(reversed(report.ENGINES))
+    order = runner.engines(k)
     record: dict = {"round": k, "order": order}
     for engine in order:
         start = time.monotonic()
         values: dict = {}
         detail: dict = {}
-        if "offline" in args.row_groups:
+        groups = [g for g in args.row_groups if engine == "prefixkv" or g in runner.variants[engine].row_groups]
+        mine = config.setdefault(engine, {})
+        if "offline" in groups:
             print(f"round {k + 1}/{args.rounds}: {engine} offline rows ...", flush=True)
             res = runner.offline(engine, k)
             values.update({key: v for key, v in res["rows"].items() if key != "detail"})
             detail["offline"] = res["rows"]["detail"]
-            config[engine].setdefault("offline_engine", res["engine"])
-        if "serve" in args.row_groups:
+            mine.setdefault("offline_engine", res["engine"])
+        if "serve" in groups:
             print(f"round {k + 1}/{args.rounds}: {engine} server + vllm bench serve ...", flush=True)
             with running(runner.server(engine, k)) as server:
                 vals, det = runner.bench_serve(engine, server, k)
-                if engine == "vllm":
-                    config["vllm"].setdefault("server_cache_config", _vllm_cache_config(server.metrics()))
+                if engine != "prefixkv":
+                    mine.setdefault("server_cache_config", _vllm_cache_config(server.metrics()))
             values.update(vals)
             detail["serve"] = det
         record[engine] = {"rows": values, "detail": detail, "wall_s": time.monotonic() - start}
@@ -438,6 +466,15 @@ def header(config: dict) -> str:
         f"LD_PRELOAD={preload['prefixkv'] or none} | bf16, {config['threads']} threads each, "
         f"{config['rounds']} round(s), {cpu.get('model')} x {config['machine']['cpu_count']} ({flags})"
     )
+    others = {name: d for name, d in config.get("vllm_configs", {}).items() if name != "vllm"}
+    if others:
+        text += (
+            " | vLLM also as: "
+            + "; ".join(
+                f"{report.VLLM_VARIANTS.get(name, name)} ({', '.join(d['rows'])})" for name, d in others.items()
+            )
+            + " (per row the better is kept)"
+        )
     if config.get("limits"):
         text += " | " + machine_limits.describe(config["limits"])
     return text
@@ -482,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         "model_dir": runner.model_dir,
         "machine": machine(),
         "vllm_env": {k: runner.env["vllm"][k] for k in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND")},
+        # each vLLM configuration measured (compare_vllm.variants), with its placement
+        "vllm_configs": {name: {**v.describe(), **v.env(args.threads)} for name, v in runner.variants.items()},
         # each side's LD_PRELOAD ("": none). Without libiomp5 or libgomp in it, vLLM 0.32 puts torch's libgomp into
         # its workers' LD_PRELOAD itself (vllm/platforms/cpu.py)
         "ld_preload": {
@@ -504,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     config["machine"]["load_average_at_end"] = os.getloadavg()
     config["wall_s"] = time.monotonic() - started
 
-    per_round = {e: [r[e]["rows"] for r in rounds] for e in report.ENGINES}
+    engines = [*runner.variants, "prefixkv"]
+    per_round = {e: [r.get(e, {}).get("rows", {}) for r in rounds] for e in engines}
     summary = report.summarize(report.rows_for(sizes), per_round, machine_limits.row_bounds(sizes, config["limits"]))
     table = report.format_table(summary)
     title = header(config)
