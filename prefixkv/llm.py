@@ -29,6 +29,7 @@ from prefixkv.model.loader import LoadedModel
 from prefixkv.model.options import KernelOptions
 from prefixkv.model.runner import ModelRunner
 from prefixkv.outputs import RequestOutput
+from prefixkv.request_options import RequestOptions, Retention
 from prefixkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the model package (and torch) load only when an engine is built
@@ -228,7 +229,7 @@ class LLM:
         params = self._params_per_prompt(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
-        return self._run(prompts, params, use_tqdm, priority, retention_seconds, retention_priority)
+        return self._run(prompts, params, use_tqdm, priority, Retention(retention_seconds, retention_priority))
 
     def chat(
         self,
@@ -264,7 +265,7 @@ class LLM:
                 prompt["cache_salt"] = cache_salt
             prompts.append(prompt)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm, None, retention_seconds, retention_priority)
+        return self._run(prompts, params, use_tqdm, None, Retention(retention_seconds, retention_priority))
 
     def prewarm(
         self,
@@ -293,8 +294,7 @@ class LLM:
             engine,
             prompts,
             cache_salt=cache_salt,
-            retention_seconds=retention_seconds,
-            retention_priority=retention_priority,
+            retention=Retention(retention_seconds, retention_priority),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -323,23 +323,14 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
 
-    def _run(
-        self, prompts, params, use_tqdm, priority, retention_seconds=None, retention_priority=0
-    ) -> list[RequestOutput]:
+    def _run(self, prompts, params, use_tqdm, priority, retention: Retention) -> list[RequestOutput]:
+        """The Python API's door: each prompt's RequestOptions, built here once, then the engine loop."""
         engine = self.llm_engine
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                ids.append(
-                    engine.add_request(
-                        None,
-                        prompt,
-                        p,
-                        priority=0 if priority is None else priority[i],
-                        retention_seconds=retention_seconds,
-                        retention_priority=retention_priority,
-                    )
-                )
+                options = RequestOptions(p, priority=0 if priority is None else priority[i], retention=retention)
+                ids.append(engine.add_request(None, prompt, options))
         except ValueError:
             for rid in ids:  # all or nothing: a bad prompt leaves no half-queued batch behind
                 engine.abort(rid)

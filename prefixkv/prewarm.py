@@ -16,6 +16,7 @@ from typing import Any
 
 from prefixkv.engine.engine import Engine
 from prefixkv.kvcache.retention import PROMPT_CACHE_RETENTION
+from prefixkv.request_options import NO_RETENTION, RequestOptions, Retention
 from prefixkv.sampling_params import SamplingParams
 
 # what a prewarm request asks of the sampler: nothing is sampled, but add_request checks one token would fit
@@ -40,26 +41,16 @@ def prewarm(
     prompts: Sequence[str | list[int] | dict],
     *,
     cache_salt: str | None = None,
-    retention_seconds: float | None = None,
-    retention_priority: int = 0,
+    retention: Retention = NO_RETENTION,
 ) -> list[int]:
     """Compute and cache each prompt; returns, per prompt, its tokens now cached (whole pages). All or nothing
     on bad input: a ValueError leaves no request queued. Drives engine.step() itself: call it on an engine no
     other loop is stepping (offline, or before a server starts)."""
+    options = RequestOptions(PREWARM_PARAMS, cache_salt=cache_salt, retention=retention, prefill_only=True)
     ids: list[str] = []
     try:
         for prompt in prompts:
-            ids.append(
-                engine.add_request(
-                    None,
-                    prompt,
-                    PREWARM_PARAMS,
-                    cache_salt=cache_salt,
-                    retention_seconds=retention_seconds,
-                    retention_priority=retention_priority,
-                    prefill_only=True,
-                )
-            )
+            ids.append(engine.add_request(None, prompt, options))
     except ValueError:
         for rid in ids:
             engine.abort(rid)
@@ -122,7 +113,7 @@ def prewarm_from_file(engine: Engine, path: str) -> tuple[int, int]:
         prompt = engine_prompt(engine, item["messages"] if "messages" in item else item["prompt"])
         retention = PROMPT_CACHE_RETENTION[item.get("prompt_cache_retention", "in_memory")]
         try:
-            (cached,) = prewarm(engine, [prompt], cache_salt=item.get("cache_salt"), **retention)
+            (cached,) = prewarm(engine, [prompt], cache_salt=item.get("cache_salt"), retention=retention)
         except ValueError as exc:
             raise ValueError(f"{path}:{lineno}: {exc}") from None
         total += cached

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from prefixkv.cache_miss import CacheMiss
+from prefixkv.request_options import RequestOptions
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.session_hint import SessionHint
 
@@ -92,22 +93,12 @@ class CacheWrites:
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    # what the client asked for, as its door built it (request_options.py); a bare SamplingParams stands for
+    # RequestOptions(sampling) (the simulator's and the tests' short form)
+    options: RequestOptions
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
-    priority: int = 0  # lower runs first, like vLLM
-    cache_salt: str | None = None
-    lora_id: str | None = None  # adapter id: part of the cache key
     mm_hashes: tuple[MultiModalHash, ...] = ()
-    retention_seconds: float | None = None  # keep the pages it computes or hits cached this long (retention.py)
-    retention_priority: int = 0  # among retained pages, the lowest priority is evicted first
-    # (prefix tokens, seconds): keep the pages wholly inside each prefix cached that long (cache breakpoints)
-    retention_spans: tuple[tuple[int, float], ...] = ()
-    prefill_only: bool = False  # prewarm: compute and cache the prompt, sample nothing, finish
-    prompt_cache_key: str | None = None  # the client's grouping hint (OpenAI's field), recorded only
-    session: SessionHint | None = None  # the agent session it is a turn of (engine/agent_sessions.py)
-    # leading prompt tokens another replica holds, by the router's index: this one's misses there are `routed`
-    held_elsewhere_tokens: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + generated, the sequence whose KV we hold
@@ -123,13 +114,60 @@ class Request:
     max_tokens: int = 0  # resolved by the engine against max_model_len
 
     def __post_init__(self) -> None:
+        if isinstance(self.options, SamplingParams):
+            self.options = RequestOptions(self.options)
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
+    # -- the options, read where the scheduler, the caches and the policies need them -------------------------
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.options.sampling
+
+    @property
+    def priority(self) -> int:
+        return self.options.priority
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.options.cache_salt
+
+    @property
+    def lora_id(self) -> str | None:
+        return self.options.lora_id
+
+    @property
+    def retention_seconds(self) -> float | None:
+        return self.options.retention.seconds
+
+    @property
+    def retention_priority(self) -> int:
+        return self.options.retention.priority
+
+    @property
+    def retention_spans(self) -> tuple[tuple[int, float], ...]:
+        return self.options.retention.spans
+
     @property
     def retains(self) -> bool:
-        """Whether it asked to keep any of its pages cached (retention_seconds or retention_spans)."""
-        return bool(self.retention_seconds or self.retention_spans)
+        """Whether it asked to keep any of its pages cached (retention seconds or spans)."""
+        return self.options.retention.retains
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.options.prefill_only
+
+    @property
+    def prompt_cache_key(self) -> str | None:
+        return self.options.prompt_cache_key
+
+    @property
+    def session(self) -> SessionHint | None:
+        return self.options.session
+
+    @property
+    def held_elsewhere_tokens(self) -> int:
+        return self.options.held_elsewhere_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

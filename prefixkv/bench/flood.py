@@ -253,6 +253,7 @@ def run_on_model(
     """The arrivals on the real engine, in order, each added when the engine has run its arrival's share of
     steps (one request per step); retention in wall-clock seconds. llm: an LLM to use (tests pass a small one),
     else one from llm_factory (default: the options')."""
+    from prefixkv.request_options import RequestOptions, Retention
     from prefixkv.sampling_params import SamplingParams
 
     if llm is None:
@@ -272,9 +273,7 @@ def run_on_model(
             engine.add_request(
                 f"{spec.group}{i}",
                 {"prompt_token_ids": spec.prompt},
-                params,
-                retention_seconds=spec.retention_s,
-                retention_priority=spec.retention_priority,
+                RequestOptions(params, retention=Retention(spec.retention_s, spec.retention_priority)),
             )
             if spec.group == HOT and deadline is None:
                 deadline = time.monotonic() + args.retention_s

@@ -23,7 +23,7 @@ from prefixkv.engine.scheduler import admit_request
 from prefixkv.kvcache.eviction import EVICTION_POLICIES
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.request import Request
-from prefixkv.sampling_params import SamplingParams
+from prefixkv.request_options import RequestOptions
 from prefixkv.sim.simulator import make_policy
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "bounded-lpm", "k-lpm")
@@ -36,7 +36,7 @@ def build(cache: str, n: int, num_prefixes: int, prefix_len: int, suffix_len: in
     kv = create_kv_cache_manager(cache, (num_prefixes + 2) * (prefix_len + 64) // ps + 64, ps)
     prefixes = [[rng.randrange(1, 32000) for _ in range(prefix_len)] for _ in range(num_prefixes)]
     for i, p in enumerate(prefixes):
-        warm = Request(f"warm{i}", p + [0], SamplingParams())
+        warm = Request(f"warm{i}", p + [0], RequestOptions())
         kv.allocate(warm, warm.num_tokens, 0)
         warm.num_computed_tokens = warm.num_tokens
         kv.commit(warm)
@@ -45,7 +45,7 @@ def build(cache: str, n: int, num_prefixes: int, prefix_len: int, suffix_len: in
     for i in range(n):
         p = prefixes[rng.randrange(num_prefixes)]
         cut = rng.choice((prefix_len, prefix_len // 2, 0))
-        req = Request(f"w{i}", p[:cut] + [rng.randrange(1, 32000) for _ in range(suffix_len)], SamplingParams())
+        req = Request(f"w{i}", p[:cut] + [rng.randrange(1, 32000) for _ in range(suffix_len)], RequestOptions())
         req.arrival_step = i // 8
         waiting.append(req)
     return kv, waiting
@@ -53,7 +53,7 @@ def build(cache: str, n: int, num_prefixes: int, prefix_len: int, suffix_len: in
 
 def change_cache(kv, k: int) -> None:
     """One commit, as every engine step makes: new pages enter the cache (radix lookups memoised before are stale)."""
-    req = Request(f"change{k}", [40_000 + k] * 40, SamplingParams())
+    req = Request(f"change{k}", [40_000 + k] * 40, RequestOptions())
     kv.allocate(req, req.num_tokens, 0)
     req.num_computed_tokens = req.num_tokens
     kv.commit(req)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from prefixkv.engine.prompts import shared_prefix
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.request import Request
+from prefixkv.request_options import RequestOptions
 from prefixkv.sampling_params import SamplingParams
 
 SESSION_POLICIES = ("none", "ttl", "pause", "session")
@@ -279,9 +280,7 @@ class SessionPins:
         return Request(
             f"session-pin-{self._probes}",
             [*tokens, 0],  # the sequence's own last page counts too
-            SamplingParams(max_tokens=1),
-            cache_salt=key[0],
-            lora_id=key[1],
+            RequestOptions(SamplingParams(max_tokens=1), cache_salt=key[0], lora_id=key[1]),
         )
 
     def _head(self, key: tuple, tokens: list[int]) -> tuple:

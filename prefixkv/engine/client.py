@@ -8,7 +8,7 @@ the engine package needs the Engine class or reaches past this protocol into the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -16,8 +16,8 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.metrics import EngineStats
 from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.outputs import RequestOutput, RequestOutputKind
+from prefixkv.request_options import RequestOptions
 from prefixkv.sampling_params import SamplingParams
-from prefixkv.session_hint import SessionHint
 
 Prompt = str | list[int] | dict  # text, token ids, or {"prompt" | "prompt_token_ids", "cache_salt", ...}
 
@@ -73,23 +73,12 @@ class EngineClient(Protocol):
         self,
         request_id: str | None,
         prompt: Prompt,
-        sampling_params: SamplingParams | None = None,
+        options: RequestOptions | SamplingParams | None = None,
         *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_id: str | None = None,
-        mm_hashes=None,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
-        retention_seconds: float | None = None,
-        retention_priority: int = 0,
-        retention_spans: Sequence[tuple[int, float]] | None = None,
-        prefill_only: bool = False,
-        prompt_cache_key: str | None = None,
-        session: SessionHint | None = None,
-        held_elsewhere_tokens: int = 0,
     ) -> str:
-        """Queue a request (ValueError, nothing queued, when it is bad); its id."""
+        """Queue a request with the options its door built (ValueError, nothing queued, when it is bad); its id."""
         ...
 
     def abort(self, request_id: str) -> None: ...

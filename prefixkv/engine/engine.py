@@ -32,12 +32,11 @@ from prefixkv.engine.prompts import max_tokens_for, parse_prompt
 from prefixkv.engine.scheduler import Scheduler, SchedulerOutput
 from prefixkv.engine.sequences import ParentRequest, SequenceState, build_output
 from prefixkv.kvcache.manager import KVCacheManager
-from prefixkv.kvcache.retention import validate_retention, validate_retention_spans
 from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.outputs import RequestOutput, RequestOutputKind
 from prefixkv.request import Request, RequestStatus
+from prefixkv.request_options import RequestOptions
 from prefixkv.sampling_params import SamplingParams
-from prefixkv.session_hint import SessionHint
 
 
 class ModelExecutor(Protocol):
@@ -143,34 +142,18 @@ class Engine:
         self,
         request_id: str | None,
         prompt: Prompt,
-        sampling_params: SamplingParams | None = None,
+        options: RequestOptions | SamplingParams | None = None,
         *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_id: str | None = None,
-        mm_hashes=None,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE,
-        retention_seconds: float | None = None,
-        retention_priority: int = 0,
-        retention_spans: Sequence[tuple[int, float]] | None = None,
-        prefill_only: bool = False,
-        prompt_cache_key: str | None = None,
-        session: SessionHint | None = None,
-        held_elsewhere_tokens: int = 0,
     ) -> str:
         """Validate and queue a request; raise ValueError (and queue nothing) when it is bad.
 
-        retention_seconds / retention_priority: keep the pages this request computes or hits cached that long
-        (kvcache/retention.py; bounded by retained_pool_fraction); retention_spans: (prefix tokens, seconds) pairs,
-        each keeping the pages wholly inside its prefix that long (cache breakpoints). prefill_only (prewarm):
-        compute and cache the prompt's KV, sample nothing; the request finishes ("length", no tokens) once its
-        prompt is computed.
-        prompt_cache_key: the client's grouping hint (OpenAI's field), recorded on the Request.
-        session: the agent session the request is a turn of (session_hint.py): what config.session_policy pins
-        between its turns (engine/agent_sessions.py); with n > 1, the first completion's sequence is pinned.
-        held_elsewhere_tokens: how many leading prompt tokens another replica holds, as a router's index says
-        (serve_ray passes it on): the prompt's misses within them are the router's (cache miss cause `routed`).
+        options: what its door built (request_options.py: sampling, priority, namespace, retention, session,
+        prewarm); a bare SamplingParams stands for RequestOptions(sampling), None for the defaults. A prompt
+        dict's cache_salt / lora_id name the request's namespace (they win over the options', as a vLLM prompt's
+        cache_salt does). With n > 1, the n completions are n sibling requests, each with its own seed (seed + i)
+        when one is set; the first completion's sequence is the session's turn.
 
         output_kind (vLLM's RequestOutputKind): "cumulative" outputs carry everything generated so far, "delta"
         outputs only what is new since the request's previous output (memory linear in the output length),
@@ -179,54 +162,30 @@ class Engine:
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         kind = RequestOutputKind.parse(output_kind)
-        params = sampling_params or SamplingParams()
-        params.validate()
-        parsed = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, cache_salt, lora_id, mm_hashes)
+        if options is None or isinstance(options, SamplingParams):
+            options = RequestOptions(options or SamplingParams())
+        elif not isinstance(options, RequestOptions):
+            raise ValueError(f"options must be RequestOptions or SamplingParams, got {type(options).__name__}")
+        parsed = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, options.cache_salt, options.lora_id)
+        if (parsed.cache_salt, parsed.lora_id) != (options.cache_salt, options.lora_id):
+            options = replace(options, cache_salt=parsed.cache_salt, lora_id=parsed.lora_id)
+        params = options.sampling
         token_ids = parsed.token_ids
         max_tokens = max_tokens_for(len(token_ids), params, self.max_model_len, self.kv.num_pages * self.kv.page_size)
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        retention_seconds = validate_retention(retention_seconds, retention_priority)
-        spans = validate_retention_spans(retention_spans)
-        if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
-            raise ValueError(f"prompt_cache_key must be a string, got {prompt_cache_key!r}")
-        if session is not None and not isinstance(session, SessionHint):
-            raise ValueError(f"session must be a SessionHint, got {type(session).__name__}")
-        if (
-            isinstance(held_elsewhere_tokens, bool)
-            or not isinstance(held_elsewhere_tokens, int)
-            or held_elsewhere_tokens < 0
-        ):
-            raise ValueError(f"held_elsewhere_tokens must be an integer >= 0, got {held_elsewhere_tokens!r}")
-        if prefill_only and params.n != 1:
-            raise ValueError("a prefill-only (prewarm) request computes one prompt: n must be 1")
 
         arrival = time.monotonic() if arrival_time is None else arrival_time
         sequences = []
         for i in range(params.n):
-            child_params = (
-                params if params.n == 1 else replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            )
+            mine = options
+            if params.n > 1:
+                child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                mine = replace(options, sampling=child, session=options.session if i == 0 else None)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
-                rid,
-                list(token_ids),
-                child_params,
-                arrival_time=arrival,
-                prompt=parsed.text,
-                priority=priority,
-                cache_salt=parsed.cache_salt,
-                lora_id=parsed.lora_id,
-                mm_hashes=parsed.mm_hashes,
-                max_tokens=max_tokens,
-                retention_seconds=retention_seconds,
-                retention_priority=retention_priority,
-                retention_spans=spans,
-                prefill_only=prefill_only,
-                prompt_cache_key=prompt_cache_key,
-                session=session if i == 0 else None,
-                held_elsewhere_tokens=held_elsewhere_tokens,
+                rid, list(token_ids), mine, arrival_time=arrival, prompt=parsed.text, mm_hashes=parsed.mm_hashes
             )
+            req.max_tokens = max_tokens
+            child_params = mine.sampling
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 child_params.stop or (),
@@ -365,9 +324,7 @@ class Engine:
         probe = Request(
             f"cache-probe-{next(self._ids)}",
             [*parsed.token_ids, 0],  # one more token: a lookup never covers a request's own last token
-            SamplingParams(max_tokens=1),
-            cache_salt=parsed.cache_salt,
-            lora_id=parsed.lora_id,
+            RequestOptions(SamplingParams(max_tokens=1), cache_salt=parsed.cache_salt, lora_id=parsed.lora_id),
             mm_hashes=parsed.mm_hashes,
         )
         try:
@@ -383,9 +340,7 @@ class Engine:
         probe = Request(
             f"cache-probe-{next(self._ids)}",
             [*parsed.token_ids, 0],  # as cached_prompt_tokens: the prompt's own last token's page counts too
-            SamplingParams(max_tokens=1),
-            cache_salt=parsed.cache_salt,
-            lora_id=parsed.lora_id,
+            RequestOptions(SamplingParams(max_tokens=1), cache_salt=parsed.cache_salt, lora_id=parsed.lora_id),
             mm_hashes=parsed.mm_hashes,
         )
         try:

@@ -26,16 +26,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prefixkv.request_options import NO_RETENTION, Retention
+
 if TYPE_CHECKING:
     from prefixkv.request import Request
 
-# OpenAI's prompt_cache_retention values -> add_request's retention arguments. "in_memory" is the default
+# OpenAI's prompt_cache_retention values -> a request's Retention (request_options.py). "in_memory" is the default
 # behaviour (pages stay while the pool's eviction order keeps them); "24h" retains the request's pages for a day at
 # priority 1, within retained_pool_fraction. With a KV offload (disk) tier, written-through pages also persist
 # there, so such a prefix outlives its eviction from the pool and a restart.
-PROMPT_CACHE_RETENTION: dict[str, dict] = {
-    "in_memory": {},
-    "24h": {"retention_seconds": 86400.0, "retention_priority": 1},
+PROMPT_CACHE_RETENTION: dict[str, Retention] = {
+    "in_memory": NO_RETENTION,
+    "24h": Retention(86400.0, 1),
 }
 
 
@@ -210,42 +212,3 @@ def retain_request_pages(
         inside = prefix_tokens // page_size - first_depth
         if inside > 0:
             table.retain(pages[:inside], first_depth, priority, seconds)
-
-
-def validate_retention_spans(spans: object) -> tuple[tuple[int, float], ...]:
-    """(prefix tokens >= 1, seconds > 0) pairs, checked once (Python API: ValueError naming the field)."""
-    if spans is None:
-        return ()
-    if not isinstance(spans, (list, tuple)):
-        raise ValueError(f"retention_spans must be a list of (prefix tokens, seconds) pairs, got {spans!r}")
-    out: list[tuple[int, float]] = []
-    for span in spans:
-        tokens, seconds = span if isinstance(span, (list, tuple)) and len(span) == 2 else (None, None)
-        if (
-            not isinstance(tokens, int)
-            or isinstance(tokens, bool)
-            or tokens < 1
-            or not isinstance(seconds, (int, float))
-            or isinstance(seconds, bool)
-            or not math.isfinite(seconds)
-            or seconds <= 0
-        ):
-            raise ValueError(f"retention_spans: each span is (prefix tokens >= 1, seconds > 0), got {span!r}")
-        out.append((tokens, float(seconds)))
-    return tuple(out)
-
-
-def validate_retention(retention_seconds: object, retention_priority: object) -> float | None:
-    """The request fields checked once (Python API: ValueError naming the field); returns the seconds to use."""
-    if retention_seconds is not None:
-        if (
-            isinstance(retention_seconds, bool)
-            or not isinstance(retention_seconds, (int, float))
-            or not math.isfinite(retention_seconds)
-            or retention_seconds < 0
-        ):
-            raise ValueError(f"retention_seconds must be a finite number >= 0, got {retention_seconds!r}")
-        retention_seconds = float(retention_seconds) or None
-    if isinstance(retention_priority, bool) or not isinstance(retention_priority, int):
-        raise ValueError(f"retention_priority must be an integer, got {retention_priority!r}")
-    return retention_seconds

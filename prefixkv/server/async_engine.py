@@ -24,13 +24,13 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from prefixkv.engine.client import EngineClient, Prompt
 from prefixkv.engine.metrics import EngineStats
 from prefixkv.kvcache.summary import CacheSummary
 from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
-from prefixkv.sampling_params import SamplingParams
+from prefixkv.request_options import RequestOptions
 
 logger = logging.getLogger(__name__)
 
@@ -262,13 +262,15 @@ class AsyncEngine:
         self,
         request_ids: list[str],
         prompts: Sequence[str | list[int] | dict],
-        params: SamplingParams,
+        options: Sequence[RequestOptions],
         *,
         stream: bool,
-        **kwargs: Any,
     ) -> RequestGroup:
-        """Add one engine request per prompt, atomically: if any is rejected (ValueError), none stays.
-        stream: the group yields each step's delta; else only each request's final output."""
+        """Add one engine request per prompt, with its options (server/request_options.py built them),
+        atomically: if any is rejected (ValueError), none stays. stream: the group yields each step's delta; else
+        only each request's final output."""
+        if not len(request_ids) == len(prompts) == len(options):
+            raise ValueError(f"{len(request_ids)} ids, {len(prompts)} prompts and {len(options)} options")
         loop = asyncio.get_running_loop()
         group = RequestGroup(self, list(request_ids), self.max_backlog)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
@@ -276,8 +278,8 @@ class AsyncEngine:
         def add(engine: EngineClient) -> None:
             added: list[str] = []
             try:
-                for index, (rid, prompt) in enumerate(zip(request_ids, prompts)):
-                    engine.add_request(rid, prompt, params, output_kind=kind, **kwargs)
+                for index, (rid, prompt, mine) in enumerate(zip(request_ids, prompts, options)):
+                    engine.add_request(rid, prompt, mine, output_kind=kind)
                     added.append(rid)
                     self._sinks[rid] = _Sink(loop, group, index)
             except BaseException:

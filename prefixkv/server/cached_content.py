@@ -12,11 +12,11 @@ Another owner's name, an unknown or expired one, the wrong kind or another cache
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from fastapi import Request
 
 from prefixkv.engine.prompts import shared_prefix
+from prefixkv.request_options import Retention
 from prefixkv.server.auth import cache_salt_for, principal_of, request_api_key, tenant_owner
 from prefixkv.server.cache_store import CacheEntry, entry_id_of
 from prefixkv.server.errors import APIError
@@ -78,17 +78,17 @@ def prefixed_conversation(entry: CacheEntry, conversation: Conversation) -> Conv
     return Conversation([*entry.messages, *conversation.messages], breakpoints)
 
 
-def use_retention(entry: CacheEntry | None, retention: dict[str, Any], prompt: list[int] | None = None) -> dict:
-    """The engine's retention arguments for a request on top of `entry`: its own, plus the entry's prefix (the
-    tokens the prompt shares with it) retained until the entry expires."""
+def use_retention(entry: CacheEntry | None, retention: Retention, prompt: list[int] | None = None) -> Retention:
+    """The retention of a request on top of `entry`: its own, plus the entry's prefix (the tokens the prompt
+    shares with it) retained until the entry expires."""
     if entry is None:
         return retention
     prefix = len(entry.token_ids) if prompt is None else shared_prefix(entry.token_ids, prompt)
     seconds = entry.seconds_left()
     if prefix < 1 or seconds <= 0:
         return retention
-    return {
-        **retention,
-        "retention_spans": [*retention.get("retention_spans", ()), (prefix, seconds)],
-        "retention_priority": max(retention.get("retention_priority", 0), ENTRY_RETENTION_PRIORITY),
-    }
+    return Retention(
+        retention.seconds,
+        max(retention.priority, ENTRY_RETENTION_PRIORITY),
+        (*retention.spans, (prefix, seconds)),
+    )

@@ -26,11 +26,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from prefixkv.request_options import Retention
 from prefixkv.server.auth import cache_salt_for, principal_of
 from prefixkv.server.cache_store import ID_PREFIX, PAGE_TOKENS_HEADER, CacheEntry, CacheStoreFull, entry_id_of
 from prefixkv.server.cached_content import ENTRY_RETENTION_PRIORITY, owner_of
 from prefixkv.server.errors import APIError
-from prefixkv.server.prewarm import warm
+from prefixkv.server.prewarm import warm, warm_options
 from prefixkv.server.protocol import template_messages
 from prefixkv.server.state import ServerState, server_state
 
@@ -125,7 +126,7 @@ async def add_entry(state: ServerState, entry: CacheEntry, param: str) -> None:
             param=param,
             code="cache_too_large",
         )
-    await warm(state, f"prewarm-{entry.id}", token_ids, entry.cache_salt, **_retention(entry.expire_time))
+    await warm(state, f"prewarm-{entry.id}", token_ids, warm_options(entry.cache_salt, _retention(entry.expire_time)))
     try:
         state.caches.add(entry)
     except CacheStoreFull as exc:  # filled up while this one was computed: let its pages go again
@@ -187,8 +188,7 @@ async def change_expiry(state: ServerState, entry: CacheEntry, expire_time: floa
         state,
         f"prewarm-{entry.id}-{uuid.uuid4().hex[:8]}",
         list(entry.token_ids),
-        entry.cache_salt,
-        **_retention(expire_time),
+        warm_options(entry.cache_salt, _retention(expire_time)),
     )
     if state.caches.set_expiry(entry.id, expire_time) is None:  # deleted meanwhile: its retention goes too
         await state.engine.release_retention(list(entry.token_ids), entry.cache_salt, state.caches.kept_prefix(entry))
@@ -248,8 +248,8 @@ def check_room(state: ServerState, owner: str | None) -> None:
         raise APIError(str(exc), code="too_many_caches") from None
 
 
-def _retention(expire_time: float) -> dict[str, Any]:
-    return {"retention_seconds": expire_time - time.time(), "retention_priority": ENTRY_RETENTION_PRIORITY}
+def _retention(expire_time: float) -> Retention:
+    return Retention(max(expire_time - time.time(), 0.0), ENTRY_RETENTION_PRIORITY)
 
 
 def expiry(

@@ -18,6 +18,7 @@ from prefixkv.server.cached_content import entry_for, use_retention
 from prefixkv.server.deltas import choice_deltas
 from prefixkv.server.logprobs import chat_logprobs
 from prefixkv.server.protocol import ChatCompletionRequest
+from prefixkv.server.request_options import body_options
 from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state, submit
 from prefixkv.server.usage import UsageTally, usage
@@ -36,7 +37,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
         messages = [*entry.messages, *messages]
     prompt = await state.tokenize_chat(messages)  # templated and tokenized in a worker thread
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    group = await submit(state, raw, request_id, [prompt], params, body, use_retention(entry, body.retention(), prompt))
+    options = body_options(state, raw, body, params, use_retention(entry, body.retention(), prompt))
+    group = await submit(state, request_id, [prompt], options, body.stream)
     created = int(time.time())
     events = _stream(state, body, group, request_id, model, created) if body.stream else None
     return await answer(

@@ -14,6 +14,7 @@ from prefixkv.server.cached_content import entry_for, prefixed_prompts, use_rete
 from prefixkv.server.deltas import choice_deltas
 from prefixkv.server.logprobs import completion_logprobs
 from prefixkv.server.protocol import CompletionRequest
+from prefixkv.server.request_options import body_options
 from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state, submit
 from prefixkv.server.usage import UsageTally, usage
@@ -31,7 +32,8 @@ async def create_completion(body: CompletionRequest, raw: Request):
     entry = entry_for(state, raw, body.cached_content, "prompt", body.user, body.cache_salt)
     if entry is not None:  # served on top of a /v1/caches entry: its tokens, then each prompt's
         prompts = await prefixed_prompts(state, entry, prompts)
-    group = await submit(state, raw, request_id, prompts, params, body, use_retention(entry, body.retention()))
+    options = body_options(state, raw, body, params, use_retention(entry, body.retention()))
+    group = await submit(state, request_id, prompts, options, body.stream)
     created = int(time.time())
     events = _stream(state, body, group, request_id, model, created) if body.stream else None
     return await answer(raw, group, events, lambda finals: _response(state, body, finals, request_id, model, created))

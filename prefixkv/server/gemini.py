@@ -28,6 +28,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from prefixkv.outputs import RequestOutput
+from prefixkv.request_options import NO_RETENTION
 from prefixkv.server.auth import cache_salt_for, principal_of
 from prefixkv.server.cache_store import GEMINI_NAME_PREFIX, ID_PREFIX, PAGE_TOKENS_HEADER, CacheEntry, rfc3339
 from prefixkv.server.cached_content import entry_for, owner_of, use_retention
@@ -43,7 +44,7 @@ from prefixkv.server.caches import (
     remove_entry,
     visible_entry,
 )
-from prefixkv.server.errors import APIError, from_value_error
+from prefixkv.server.errors import APIError
 from prefixkv.server.gemini_protocol import (
     MODEL_PREFIX,
     CountTokensRequest,
@@ -52,9 +53,9 @@ from prefixkv.server.gemini_protocol import (
     UpdateCachedContentRequest,
     model_name,
 )
-from prefixkv.server.router_hints import held_elsewhere_tokens
+from prefixkv.server.request_options import request_options
 from prefixkv.server.sse import answer, sse
-from prefixkv.server.state import ServerState, server_state
+from prefixkv.server.state import ServerState, server_state, submit
 
 router = APIRouter()
 
@@ -128,19 +129,8 @@ async def _generate(model: str, body: GenerateContentRequest, raw: Request, stre
         messages = [*entry.messages, *messages]
     prompt = await state.tokenize_chat(messages)
     response_id = uuid.uuid4().hex
-    salt = cache_salt_for(state.tenant_isolation, raw, None, None)
-    try:
-        group = await state.engine.submit(
-            [f"gemini-{response_id}"],
-            [prompt],
-            params,
-            stream=stream,
-            cache_salt=salt,
-            held_elsewhere_tokens=held_elsewhere_tokens(raw),
-            **use_retention(entry, {}, prompt),
-        )
-    except ValueError as exc:
-        raise from_value_error(exc) from None
+    options = request_options(state, raw, params, retention=use_retention(entry, NO_RETENTION, prompt))
+    group = await submit(state, f"gemini-{response_id}", [prompt], options, stream)
     meta = {"modelVersion": served, "responseId": response_id}
     if stream:
         events = _stream(group, len(prompt), meta)

@@ -27,18 +27,17 @@ from fastapi import APIRouter, Request
 from prefixkv.cache_miss import CacheMiss
 from prefixkv.outputs import RequestOutput
 from prefixkv.request import CacheWrites
-from prefixkv.server.auth import cache_salt_for
+from prefixkv.request_options import Retention
 from prefixkv.server.cached_content import entry_for, prefixed_conversation, use_retention
-from prefixkv.server.errors import APIError, from_value_error
+from prefixkv.server.errors import APIError
 from prefixkv.server.messages_protocol import (
     CACHE_TTL_SECONDS,
     CountTokensRequest,
     MessagesRequest,
 )
-from prefixkv.server.router_hints import held_elsewhere_tokens
-from prefixkv.server.session_hints import session_hint
+from prefixkv.server.request_options import body_options
 from prefixkv.server.sse import answer, sse
-from prefixkv.server.state import ServerState, server_state
+from prefixkv.server.state import ServerState, server_state, submit
 
 router = APIRouter()
 
@@ -57,22 +56,9 @@ async def create_message(body: MessagesRequest, raw: Request):
         (pos, CACHE_TTL_SECONDS[bp.ttl]) for bp, pos in zip(conversation.breakpoints, positions, strict=True) if pos
     ]
     message_id = f"msg_{uuid.uuid4().hex}"
-    salt = cache_salt_for(state.tenant_isolation, raw, body.user, body.cache_salt)
-    try:
-        group = await state.engine.submit(
-            [message_id],
-            [prompt],
-            params,
-            stream=body.stream,
-            priority=body.priority,
-            cache_salt=salt,
-            prefill_only=body.max_tokens == 0,
-            session=session_hint(raw),
-            held_elsewhere_tokens=held_elsewhere_tokens(raw),
-            **use_retention(entry, {"retention_spans": spans}, prompt),
-        )
-    except ValueError as exc:
-        raise from_value_error(exc) from None
+    retention = use_retention(entry, Retention(spans=tuple(spans)), prompt)
+    options = body_options(state, raw, body, params, retention, prefill_only=body.max_tokens == 0)
+    group = await submit(state, message_id, [prompt], options, body.stream)
     accounting = _Accounting(state, len(prompt), spans)
     accounting.explain_cache_miss = body.explain_cache_miss
     if body.stream:

@@ -16,9 +16,10 @@ from pydantic import Field
 
 from prefixkv.outputs import RequestOutput
 from prefixkv.prewarm import PREWARM_PARAMS
-from prefixkv.server.auth import cache_salt_for
+from prefixkv.request_options import RequestOptions, Retention
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.protocol import PromptCacheFields, template_messages
+from prefixkv.server.request_options import request_options
 from prefixkv.server.state import ServerState, record_prompt_cache_key, server_state
 
 router = APIRouter()
@@ -44,11 +45,20 @@ async def prewarm_cache(body: PrewarmRequest, raw: Request) -> dict:
         if not body.prompt:
             raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
         (prompt,) = await state.tokenize([body.prompt])
-    salt = cache_salt_for(state.tenant_isolation, raw, body.user, body.cache_salt)
+    options = request_options(
+        state,
+        raw,
+        PREWARM_PARAMS,
+        user=body.user,
+        cache_salt=body.cache_salt,
+        prompt_cache_key=body.prompt_cache_key,
+        retention=body.retention(),
+        prefill_only=True,
+    )
     request_id = f"prewarm-{uuid.uuid4().hex}"
     record_prompt_cache_key(state, request_id, body.prompt_cache_key)
-    final = await warm(state, request_id, prompt, salt, **body.retention())
-    cached = await state.engine.cached_prompt_tokens(prompt, salt)
+    final = await warm(state, request_id, prompt, options)
+    cached = await state.engine.cached_prompt_tokens(prompt, options.cache_salt)
     return {
         "id": request_id,
         "object": "cache.prewarm",
@@ -59,13 +69,16 @@ async def prewarm_cache(body: PrewarmRequest, raw: Request) -> dict:
     }
 
 
-async def warm(state: ServerState, request_id: str, prompt: Any, salt: str | None, **retention: Any) -> RequestOutput:
-    """Compute and cache `prompt` (a prefill-only request) with the engine's retention arguments; its final
-    output. Engine rejections (bad ids, too long) become 400s. /v1/caches creates and extends entries with it."""
+def warm_options(cache_salt: str | None, retention: Retention) -> RequestOptions:
+    """A prefill-only request's options in a namespace already derived (a /v1/caches entry's)."""
+    return RequestOptions(PREWARM_PARAMS, cache_salt=cache_salt, retention=retention, prefill_only=True)
+
+
+async def warm(state: ServerState, request_id: str, prompt: Any, options: RequestOptions) -> RequestOutput:
+    """Compute and cache `prompt` as a prefill-only request with these options; its final output. Engine
+    rejections (bad ids, too long) become 400s. /v1/caches creates and extends entries with it."""
     try:
-        group = await state.engine.submit(
-            [request_id], [prompt], PREWARM_PARAMS, stream=False, cache_salt=salt, prefill_only=True, **retention
-        )
+        group = await state.engine.submit([request_id], [prompt], [options], stream=False)
     except ValueError as exc:
         raise from_value_error(exc) from None
     try:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixkv.kvcache.retention import PROMPT_CACHE_RETENTION
+from prefixkv.request_options import Retention
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
 
@@ -48,9 +49,9 @@ class PromptCacheFields(BaseModel):
         None, description="24h: keep this request's prompt KV cached for a day (bounded by the server's cap)"
     )
 
-    def retention(self) -> dict[str, Any]:
-        """The engine's add_request keyword arguments for prompt_cache_retention (see retention.py)."""
-        return dict(PROMPT_CACHE_RETENTION[self.prompt_cache_retention or "in_memory"])
+    def retention(self) -> Retention:
+        """The request's retention for prompt_cache_retention (see retention.py)."""
+        return PROMPT_CACHE_RETENTION[self.prompt_cache_retention or "in_memory"]
 
 
 class _GenerationRequest(PromptCacheFields):

@@ -21,6 +21,7 @@ from prefixkv.outputs import RequestOutput
 from prefixkv.server.auth import principal_of, request_api_key, tenant_owner
 from prefixkv.server.cached_content import entry_for, use_retention
 from prefixkv.server.errors import APIError
+from prefixkv.server.request_options import body_options
 from prefixkv.server.response_store import StoredResponse
 from prefixkv.server.responses_protocol import ResponsesRequest
 from prefixkv.server.sse import answer, sse
@@ -50,8 +51,8 @@ async def create_response(body: ResponsesRequest, raw: Request):
     cached = list(entry.messages) if entry is not None else []  # a /v1/caches entry's messages come first
     prompt = await state.tokenize_chat(cached + instructions + turn)
     response_id = f"resp_{uuid.uuid4().hex}"
-    retention = use_retention(entry, body.retention(), prompt)
-    group = await submit(state, raw, response_id, [prompt], body.sampling_params(), body, retention)
+    options = body_options(state, raw, body, body.sampling_params(), use_retention(entry, body.retention(), prompt))
+    group = await submit(state, response_id, [prompt], options, body.stream)
     made = _Made(state, owner, body, response_id, model, turn)
     if body.stream:
         return await answer(raw, group, _stream(group, made), error_event=_error_event, done=None)

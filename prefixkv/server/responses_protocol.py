@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixkv.kvcache.retention import PROMPT_CACHE_RETENTION
+from prefixkv.request_options import Retention
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.protocol import CACHED_CONTENT, MAX_CACHED_CONTENT_CHARS, MAX_PROMPT_CACHE_KEY_CHARS
@@ -44,8 +45,8 @@ class ResponsesRequest(BaseModel):
     cached_content: str | None = Field(None, max_length=MAX_CACHED_CONTENT_CHARS, description=CACHED_CONTENT)
     explain_cache_miss: bool = False  # usage.input_tokens_details.cache_miss: why the input missed the cache
 
-    def retention(self) -> dict[str, Any]:
-        return dict(PROMPT_CACHE_RETENTION[self.prompt_cache_retention or "in_memory"])
+    def retention(self) -> Retention:
+        return PROMPT_CACHE_RETENTION[self.prompt_cache_retention or "in_memory"]
 
     def sampling_params(self) -> SamplingParams:
         """No max_output_tokens: up to the end of the context, as chat completions."""

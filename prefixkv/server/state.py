@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jinja2
@@ -19,16 +19,15 @@ from fastapi import Request
 
 from prefixkv.engine.client import EngineTokenizer
 from prefixkv.engine.prompts import shared_prefix
+from prefixkv.request_options import RequestOptions
 from prefixkv.server.async_engine import AsyncEngine, RequestGroup
-from prefixkv.server.auth import KeyRing, cache_salt_for
+from prefixkv.server.auth import KeyRing
 from prefixkv.server.cache_store import CacheStore
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.messages_protocol import Conversation
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from prefixkv.server.response_store import ResponseStore
-from prefixkv.server.router_hints import held_elsewhere_tokens
-from prefixkv.server.session_hints import session_hint
 
 logger = logging.getLogger(__name__)
 
@@ -184,35 +183,18 @@ def _conversation_prompt(
 
 
 async def submit(
-    state: ServerState,
-    raw: Request,
-    request_id: str,
-    prompts: list,
-    params: Any,
-    body: Any,
-    retention: dict[str, Any] | None = None,
+    state: ServerState, request_id: str, prompts: list, options: RequestOptions, stream: bool
 ) -> RequestGroup:
-    """Add one engine request per prompt; engine rejections (too long, bad ids, ...) become 400s.
-    Text prompts are tokenized here, off the engine thread; chat handlers pass state.tokenize_chat's result.
-    retention: the engine's retention arguments when not just the body's (a cached_content entry adds its own)."""
-    salt = cache_salt_for(state.tenant_isolation, raw, body.user, body.cache_salt)
+    """Add one engine request per prompt with the route's options (server/request_options.py); engine
+    rejections (too long, bad ids, ...) become 400s. Text prompts are tokenized here, off the engine thread; chat
+    handlers pass state.tokenize_chat's result. A router routes on the first prompt: its held-elsewhere hint says
+    nothing of the others."""
     prompts = await state.tokenize(prompts)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    record_prompt_cache_key(state, request_id, body.prompt_cache_key)
-    held = held_elsewhere_tokens(raw)  # a router routes on the first prompt: it says nothing of the others
+    record_prompt_cache_key(state, request_id, options.prompt_cache_key)
+    rest = replace(options, held_elsewhere_tokens=0) if options.held_elsewhere_tokens else options
     try:
-        return await state.engine.submit(
-            ids,
-            prompts,
-            params,
-            stream=bool(body.stream),
-            priority=body.priority,
-            cache_salt=salt,
-            prompt_cache_key=body.prompt_cache_key,
-            session=session_hint(raw),
-            held_elsewhere_tokens=held if len(prompts) == 1 else 0,
-            **(body.retention() if retention is None else retention),
-        )
+        return await state.engine.submit(ids, prompts, [options] + [rest] * (len(prompts) - 1), stream=stream)
     except ValueError as exc:
         raise from_value_error(exc) from None
 

@@ -25,6 +25,7 @@ from prefixkv.engine.agent_sessions import SessionPins
 from prefixkv.engine.policy_factory import create_policy
 from prefixkv.kvcache.manager import KVCacheManager
 from prefixkv.request import Request
+from prefixkv.request_options import RequestOptions
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.session_hint import SessionHint
 from prefixkv.sim.agent_traces import (
@@ -226,9 +227,7 @@ class SessionReplay:
         probe = Request(
             f"prefetch-{request.request_id}",
             list(request.token_ids),
-            SamplingParams(max_tokens=1),
-            cache_salt=request.cache_salt,
-            lora_id=request.lora_id,
+            RequestOptions(SamplingParams(max_tokens=1), cache_salt=request.cache_salt, lora_id=request.lora_id),
         )
         try:
             self.copier.read_ahead(probe)

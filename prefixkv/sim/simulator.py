@@ -31,8 +31,8 @@ from prefixkv.engine.policy_factory import create_policy
 from prefixkv.engine.scheduler import Scheduler, SchedulerOutput
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.manager import KVCacheManager
-from prefixkv.kvcache.retention import validate_retention
 from prefixkv.request import Request, RequestStatus
+from prefixkv.request_options import RequestOptions, Retention
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.session_hint import SessionHint
 from prefixkv.sim.cost_model import BatchShape, StepCostModel
@@ -268,13 +268,14 @@ class Simulation:
         request = Request(
             arrival.request_id,
             arrival.make_prompt(),
-            SamplingParams(max_tokens=arrival.output_len),
+            RequestOptions(
+                SamplingParams(max_tokens=arrival.output_len),
+                cache_salt=arrival.cache_salt,
+                lora_id=arrival.lora_id,
+                retention=Retention(arrival.retention_seconds, arrival.retention_priority),
+                session=arrival.session,
+            ),
             arrival_time=arrival_s,
-            lora_id=arrival.lora_id,
-            cache_salt=arrival.cache_salt,
-            retention_seconds=arrival.retention_seconds,
-            retention_priority=arrival.retention_priority,
-            session=arrival.session,
         )
         request.max_tokens = arrival.output_len
         if arrival.retention_seconds is not None and self.kv.retention.clock != self.sim_clock.now:
@@ -414,7 +415,7 @@ class Tenancy:
     def __post_init__(self) -> None:
         if self.tenants < 1:
             raise ValueError(f"--tenants must be >= 1, got {self.tenants}")
-        validate_retention(self.retention_seconds, 0)
+        Retention(self.retention_seconds)  # a ValueError naming the field when it is bad
         if not 0 < self.retention_share <= 1:
             raise ValueError(f"--retention-share must be in (0, 1], got {self.retention_share}")
         if self.retention_share < 1 and not self.retention_seconds:

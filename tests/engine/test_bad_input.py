@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from prefixkv.request_options import RequestOptions
 from prefixkv.sampling_params import SamplingParams
 
 
@@ -41,7 +42,7 @@ def test_bad_requests_fail_alone(llm_factory):
         engine.add_request(None, {"prompt_token_ids": []}, SamplingParams())
     for held in (-1, True, "16"):  # a router's count of tokens another replica holds
         with pytest.raises(ValueError, match="held_elsewhere_tokens"):
-            engine.add_request(None, "hello", SamplingParams(max_tokens=4), held_elsewhere_tokens=held)
+            engine.add_request(None, "hello", RequestOptions(SamplingParams(max_tokens=4), held_elsewhere_tokens=held))
     with pytest.raises(ValueError):
         llm.generate(["fine", {"prompt_token_ids": [5] * 999}], SamplingParams(max_tokens=2), use_tqdm=False)
     done = {}

@@ -23,6 +23,7 @@ from prefixkv.request import MultiModalHash, Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.sim.simulator import SimRequest, make_policy, simulate
 from tests import kernels
+from tests.kvcache.helpers import request_of
 
 POLICIES = ["fcfs", "priority", "lpm", "dfs-weight", "bounded-lpm"]
 S = list(range(1000, 1256))  # a 256-token shared prefix: 16 pages of 16
@@ -31,7 +32,7 @@ _fresh = itertools.count(10_000_000)  # sampled tokens never collide with prompt
 
 
 def req(tokens, max_tokens=4, **kw) -> Request:
-    r = Request(f"q{next(_ids)}", list(tokens), SamplingParams(max_tokens=max_tokens), **kw)
+    r = request_of(f"q{next(_ids)}", tokens, SamplingParams(max_tokens=max_tokens), **kw)
     r.max_tokens = max_tokens
     return r
 

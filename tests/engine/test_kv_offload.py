@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from prefixkv.kvcache.hashing import hash_prompt_blocks
+from prefixkv.request_options import RequestOptions
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.metrics import ServerMetrics
 
@@ -103,7 +104,9 @@ def test_a_write_back_tier_takes_an_agent_turn_when_its_pause_starts(new_llm, ex
     llm = new_llm(prefix_cache="hash", **POOL, **TIER, kv_offload_write_policy="write_back")
     engine = llm.llm_engine
     a, b = prompts(llm.get_tokenizer())
-    engine.add_request("turn-1", {"prompt_token_ids": a}, GREEDY, session=SessionHint("agent-1", None, 30.0))
+    engine.add_request(
+        "turn-1", {"prompt_token_ids": a}, RequestOptions(GREEDY, session=SessionHint("agent-1", None, 30.0))
+    )
     while engine.has_unfinished_requests():
         engine.step()
     engine.flush()
@@ -129,7 +132,9 @@ def test_a_session_turn_is_read_back_from_disk_before_its_pause_ends(new_llm, re
     a, b = prompts(llm.get_tokenizer())
 
     def turn(request_id: str, prompt: list[int]):
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, GREEDY, session=SessionHint("agent", None, 30.0))
+        engine.add_request(
+            request_id, {"prompt_token_ids": prompt}, RequestOptions(GREEDY, session=SessionHint("agent", None, 30.0))
+        )
         outputs = []
         while engine.has_unfinished_requests():
             outputs += engine.step()

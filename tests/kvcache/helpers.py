@@ -6,13 +6,26 @@ import itertools
 
 from prefixkv.engine.scheduler import admit_request
 from prefixkv.request import Request
+from prefixkv.request_options import RequestOptions, Retention
 from prefixkv.sampling_params import SamplingParams
 
 _ids = itertools.count()
 
 
+def request_of(request_id: str, tokens, sampling: SamplingParams, mm_hashes=(), **options) -> Request:
+    """A Request with RequestOptions from keywords: its fields, and retention_seconds / retention_priority /
+    retention_spans for its Retention (the tests' short form)."""
+    retention = {k.removeprefix("retention_"): options.pop(k) for k in list(options) if k.startswith("retention_")}
+    return Request(
+        request_id,
+        list(tokens),
+        RequestOptions(sampling, retention=Retention(**retention), **options),
+        mm_hashes=mm_hashes,
+    )
+
+
 def make_request(tokens, **kw) -> Request:
-    return Request(f"r{next(_ids)}", list(tokens), SamplingParams(max_tokens=8), **kw)
+    return request_of(f"r{next(_ids)}", tokens, SamplingParams(max_tokens=8), **kw)
 
 
 def admit(kv, req, budget=10**9) -> bool:

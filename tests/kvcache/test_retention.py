@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from prefixkv.kvcache.hash_cache import HashPrefixCache
 from prefixkv.kvcache.radix_cache import RadixPrefixCache
-from prefixkv.kvcache.retention import RetentionTable, validate_retention, validate_retention_spans
+from prefixkv.kvcache.retention import RetentionTable
+from prefixkv.request_options import Retention
 from tests.kvcache.helpers import admit, compute, make_request, run_to_completion
 
 PAGE = 4
@@ -136,20 +137,20 @@ def test_a_1h_breakpoint_keeps_every_hit_through_5000_unrelated_requests(kind):
 
 
 def test_bad_retention_spans_are_value_errors():
-    assert validate_retention_spans(None) == () and validate_retention_spans([(8, 300)]) == ((8, 300.0),)
+    assert Retention(spans=None).spans == () and Retention(spans=[(8, 300)]).spans == ((8, 300.0),)  # type: ignore[arg-type]
     for spans in ([(0, 300)], [(8, 0)], [(8, float("nan"))], [(True, 5)], [(8,)], "8:300", [(8.0, 5)]):
         with pytest.raises(ValueError, match="retention_spans"):
-            validate_retention_spans(spans)
+            Retention(spans=spans)
 
 
 def test_bad_retention_values_are_value_errors():
     for seconds in (-1.0, float("nan"), float("inf"), "10", True):
         with pytest.raises(ValueError, match="retention_seconds"):
-            validate_retention(seconds, 0)
+            Retention(seconds)
     for priority in (1.5, "1", None, False):
         with pytest.raises(ValueError, match="retention_priority"):
-            validate_retention(10.0, priority)
-    assert validate_retention(0, 0) is None and validate_retention(5, 2) == 5.0
+            Retention(10.0, priority)
+    assert Retention(0, 0).seconds is None and Retention(5, 2).seconds == 5.0
     with pytest.raises(ValueError, match="retained_pool_fraction"):
         RetentionTable(10, 1.5)
 

@@ -12,6 +12,7 @@ import anthropic
 import openai
 import pytest
 
+from prefixkv.request_options import RequestOptions
 from tests.server.live_server import running_server
 
 PAGE = 16
@@ -29,9 +30,9 @@ def served(new_engine):
         finals.extend(o for o in outputs if o.finished)
         return outputs
 
-    def recording_add(request_id, prompt, params=None, **kw):
-        spans.append(kw.get("retention_spans") or ())
-        return add(request_id, prompt, params, **kw)
+    def recording_add(request_id, prompt, options=None, **kw):
+        spans.append(options.retention.spans if isinstance(options, RequestOptions) else ())
+        return add(request_id, prompt, options, **kw)
 
     engine.step, engine.add_request = recording_step, recording_add
     with running_server(engine) as (base, engine, _):

@@ -90,12 +90,12 @@ def test_multi_prompt_and_n(client, engine, reference):
 def test_tenant_salt_and_extensions_reach_engine(server, client, engine, monkeypatch):
     """With tenant isolation on, the engine gets a salt bound to the API key (never the client's raw one);
     the vLLM extensions arrive as given; and the salt really partitions the prefix cache."""
-    received: list[dict] = []
+    received: list = []
     real_add = engine.add_request
 
-    def add_request(request_id, prompt, sampling_params=None, **kwargs):  # records, then the real thing runs
-        received.append({"params": sampling_params, **kwargs})
-        return real_add(request_id, prompt, sampling_params, **kwargs)
+    def add_request(request_id, prompt, options=None, **kwargs):  # records, then the real thing runs
+        received.append(options)
+        return real_add(request_id, prompt, options, **kwargs)
 
     monkeypatch.setattr(engine, "add_request", add_request)
 
@@ -106,18 +106,18 @@ def test_tenant_salt_and_extensions_reach_engine(server, client, engine, monkeyp
 
     first = ask(cache_salt="s1", priority=3, top_k=5, ignore_eos=True, stop_token_ids=[7])
     got = received[-1]
-    assert got["priority"] == 3
-    assert (got["params"].top_k, got["params"].ignore_eos, got["params"].stop_token_ids) == (5, True, [7])
-    salted = got["cache_salt"]
+    assert got.priority == 3
+    assert (got.sampling.top_k, got.sampling.ignore_eos, got.sampling.stop_token_ids) == (5, True, [7])
+    salted = got.cache_salt
     assert re.fullmatch(r"[0-9a-f]{32}", salted) and salted != "s1"  # the tenant's hash, not the client's salt
 
     again = ask(cache_salt="s1")
-    assert received[-1]["cache_salt"] == salted and received[-1]["priority"] == 0
+    assert received[-1].cache_salt == salted and received[-1].priority == 0
     assert again.usage.prompt_tokens_details.cached_tokens >= 32  # same tenant and salt: the pages are shared
     assert first.usage.prompt_tokens == again.usage.prompt_tokens
 
     unsalted = ask()
-    tenant_only = received[-1]["cache_salt"]
+    tenant_only = received[-1].cache_salt
     assert tenant_only is not None and tenant_only != salted  # no client salt: still the tenant's own salt
     assert unsalted.usage.prompt_tokens_details.cached_tokens == 0  # another salt never finds those pages
     _wait_no_pages_held(server)
