@@ -19,6 +19,9 @@ class BatchItem:
     sample: bool  # True when the last token's logits are needed (prompt complete)
     sampling_params: SamplingParams
     num_output_tokens: int = 0  # tokens generated so far (seeded sampling draws stay reproducible)
+    # structured outputs: the tokens the grammar allows next, a packed bitmask (bit t of the little-endian 32-bit
+    # words is token t; engine/constraints.py); the runner masks every other token's logit before sampling
+    allowed: bytes | None = None
 
 
 @dataclass(slots=True)

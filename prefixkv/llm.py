@@ -16,6 +16,7 @@ from prefixkv.config import EngineConfig
 from prefixkv.engine.client import TierDirectory
 from prefixkv.engine.core import StepComponent
 from prefixkv.engine.engine import Engine
+from prefixkv.grammar.llguidance_backend import LLGuidanceGrammars
 from prefixkv.kv_events.relay import EventRelay
 from prefixkv.kvcache.factory import create_kv_cache_manager
 from prefixkv.kvcache.manager import KVCacheManager
@@ -87,6 +88,8 @@ def build_engine(
     if hint:
         logger.warning("%s", hint)
     kv, components, tier = _kv_and_components(config, runner, loaded, kernels, clock)
+    tokenizer = loaded.tokenizer
+    grammars = LLGuidanceGrammars(tokenizer.hf, loaded.config.vocab_size, tokenizer.eos_token_ids)
     return Engine(
         config,
         runner,
@@ -97,6 +100,7 @@ def build_engine(
         model_name=loaded.name,
         kernels=kernels,
         tier_directory=_tier_directory(tier),
+        grammars=grammars,
     )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from prefixkv.structured_outputs import StructuredOutputs
+
 # Temperatures below this are greedy (vLLM's threshold): dividing logits by a denormal or a 1e-39 overflows
 # them to inf and the softmax to NaN, and the limit of sampling as temperature -> 0 is the argmax anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -42,6 +44,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None  # what the output must match (grammar-constrained)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +83,8 @@ class SamplingParams:
         for t in self.stop_token_ids or ():
             if not _is_int(t) or t < 0:
                 raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise bad("structured_outputs", f"must be StructuredOutputs, got {type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,7 @@ outputs made of it, in sequences.py.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -24,6 +25,7 @@ from prefixkv.batch import BatchItem, Sample
 from prefixkv.config import EngineConfig
 from prefixkv.engine.agent_sessions import SessionPins
 from prefixkv.engine.client import EngineTokenizer, ModelShape, Prompt, TierDirectory
+from prefixkv.engine.constraints import Grammars
 from prefixkv.engine.core import EngineCore, StepComponent
 from prefixkv.engine.detokenizer import IncrementalDetokenizer
 from prefixkv.engine.metrics import EngineStats
@@ -37,6 +39,8 @@ from prefixkv.outputs import RequestOutput, RequestOutputKind
 from prefixkv.request import Request, RequestStatus
 from prefixkv.request_options import RequestOptions
 from prefixkv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class ModelExecutor(Protocol):
@@ -53,8 +57,9 @@ class RunnerExecutor:
     """The engine core's Executor over a model runner: each scheduled chunk as a BatchItem with its page table;
     the runner's time is counted (what an engine does besides is its overhead, which prefix caching adds to)."""
 
-    def __init__(self, runner: ModelExecutor, kv: KVCacheManager) -> None:
-        self.runner, self.kv = runner, kv
+    def __init__(self, runner: ModelExecutor, kv: KVCacheManager, allowed: Callable[[Request], bytes | None]) -> None:
+        """allowed: the grammar's token mask for a request about to sample (None: unconstrained)."""
+        self.runner, self.kv, self.allowed = runner, kv, allowed
         self.seconds = 0.0
 
     def execute(self, scheduled: SchedulerOutput) -> Sequence[Sample | None]:
@@ -63,15 +68,17 @@ class RunnerExecutor:
         items = []
         for req, n in scheduled.scheduled:
             start = req.num_computed_tokens
+            sample = start + n == req.num_tokens and not req.prefill_only
             items.append(
                 BatchItem(
                     req.request_id,
                     req.token_ids[start : start + n],
                     start,
                     self.kv.page_table(req),
-                    start + n == req.num_tokens and not req.prefill_only,
+                    sample,
                     req.sampling_params,
                     req.num_output_tokens,
+                    self.allowed(req) if sample else None,
                 )
             )
         started = time.perf_counter()
@@ -92,13 +99,16 @@ class Engine:
         model_name: str = "",
         kernels: dict[str, str] | None = None,
         tier_directory: TierDirectory | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         """runner: a model runner over a pool of runner.num_pages pages of config.page_size tokens, and kv the KV
         manager over the same pool (prefixkv.kvcache.factory; a TieredKVCache with a second tier); components: what
         else takes part in every step (engine/core.py: a tier's copier, the KV event relay), which the engine
         closes in close(). tokenizer and model_config: the model's. kernels: labels of the hardware and kernel
         paths the runner computes with (ModelRunner.kernel_report), passed through to /metrics and benchmarks.
-        tier_directory: the disk tier's directory and manifest when one is in use (client.TierDirectory)."""
+        tier_directory: the disk tier's directory and manifest when one is in use (client.TierDirectory).
+        grammars: the grammar engine that constrains structured outputs (engine/constraints.py; None: requests
+        with structured_outputs are refused)."""
         if runner.page_size != config.page_size:
             raise ValueError(f"the runner's page size {runner.page_size} differs from page_size={config.page_size}")
         if (kv.num_pages, kv.page_size) != (runner.num_pages, runner.page_size):
@@ -123,7 +133,8 @@ class Engine:
         # with +prefetch, read back from it before the session is due)
         demote = config.kv_offload and config.kv_offload_write_policy == "write_back"
         self.sessions = SessionPins(self.kv, config.session_policy, demote=demote)
-        self._executor = RunnerExecutor(runner, kv)
+        self.grammars = grammars
+        self._executor = RunnerExecutor(runner, kv, self._allowed)
         self.core = EngineCore(self.scheduler, self._executor, components)
         self._parents: dict[str, ParentRequest] = {}
         self._seqs: dict[str, SequenceState] = {}  # by the scheduled request's id
@@ -193,6 +204,10 @@ class Engine:
                 child_params.skip_special_tokens,
             )
             seq = SequenceState(req, request_id, i, detok, logprobs=[] if params.logprobs is not None else None)
+            if params.structured_outputs is not None:  # compiled before anything is queued: a bad one adds nothing
+                if self.grammars is None:
+                    raise ValueError("structured_outputs: this engine has no grammar engine")
+                seq.constraint = self.grammars.start(params.structured_outputs)
             sequences.append(seq)
         parent = ParentRequest(request_id, parsed.text, list(token_ids), sequences, arrival, kind)
         self._parents[request_id] = parent
@@ -273,6 +288,9 @@ class Engine:
             seq.cumulative_logprob += sample.logprob or 0.0
         params = req.sampling_params
         stop_str = seq.detok.add(token)
+        constraint = seq.constraint
+        if constraint is not None:
+            constraint.accept(token)
         if stop_str is not None:
             seq.stop_reason = stop_str
             self._finish(seq, RequestStatus.FINISHED_STOPPED)
@@ -282,8 +300,18 @@ class Engine:
         elif token in (params.stop_token_ids or ()):
             seq.stop_reason = token
             self._finish(seq, RequestStatus.FINISHED_STOPPED)
+        elif constraint is not None and (constraint.finished or constraint.error is not None):
+            # the grammar is complete (or its matcher failed): nothing more may follow
+            if constraint.error is not None:
+                logger.warning("request %s: structured output matcher failed: %s", req.request_id, constraint.error)
+            seq.stop_reason = None
+            self._finish(seq, RequestStatus.FINISHED_STOPPED)
         elif req.num_output_tokens >= req.max_tokens:
             self._finish(seq, RequestStatus.FINISHED_LENGTH)
+
+    def _allowed(self, request: Request) -> bytes | None:
+        seq = self._seqs.get(request.request_id)
+        return seq.constraint.allowed() if seq is not None and seq.constraint is not None else None
 
     def _finish(self, seq: SequenceState, status: RequestStatus) -> None:
         self.scheduler.finish(seq.request, status)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefixkv.batch import Sample
+from prefixkv.engine.constraints import ConstrainedOutput
 from prefixkv.engine.detokenizer import IncrementalDetokenizer
 from prefixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from prefixkv.request import Request
@@ -28,6 +29,7 @@ class SequenceState:
     stop_reason: str | int | None = None
     logprobs: list[Sample] | None = None
     cumulative_logprob: float = 0.0
+    constraint: ConstrainedOutput | None = None  # structured outputs: its grammar's matcher (engine/constraints.py)
     # what earlier outputs carried (output_kind="delta" sends only what came after)
     sent_tokens: int = 0
     sent_text: int = 0

@@ -180,6 +180,9 @@ class ModelRunner:
                 "never written or was freed (a page the cache handed out, evicted or freed uncached)"
             )
         chosen = [ordered[k] for k in sample_at]
+        constrained = [(row, it.allowed) for row, it in enumerate(chosen) if it.allowed is not None]
+        if constrained:
+            logits = _mask_disallowed(logits, constrained)
         samples = self.sampler(logits, [it.sampling_params for it in chosen], [it.num_output_tokens for it in chosen])
         for k, sample in zip(sample_at, samples):
             results[order[k]] = sample
@@ -195,3 +198,19 @@ class ModelRunner:
                 f"request {it.request_id}: page_table has {len(it.page_table)} pages, "
                 f"positions up to {it.start_pos + n} need {needed}"
             )
+
+
+def _mask_disallowed(logits: torch.Tensor, constrained: list[tuple[int, bytes]]) -> torch.Tensor:
+    """Structured outputs: each constrained row's logits with every token its grammar does not allow at -inf
+    (allowed: bit t of the little-endian 32-bit words is token t; words past the vocabulary are ignored)."""
+    vocab = logits.shape[-1]
+    rows = torch.tensor([row for row, _ in constrained], device=logits.device)
+    bits = np.stack(
+        [np.unpackbits(np.frombuffer(allowed, dtype=np.uint8), bitorder="little")[:vocab] for _, allowed in constrained]
+    )
+    if bits.shape[1] < vocab:  # a mask narrower than the logits: the tokens past it are not allowed
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    blocked = torch.from_numpy(bits == 0).to(logits.device)
+    masked = logits.clone()
+    masked[rows] = logits[rows].masked_fill(blocked, float("-inf"))
+    return masked

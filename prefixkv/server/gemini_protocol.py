@@ -17,6 +17,7 @@ from pydantic.alias_generators import to_camel
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.protocol import MAX_CACHED_CONTENT_CHARS
+from prefixkv.server.structured import from_gemini
 
 MODEL_PREFIX = "models/"
 MAX_STOP_SEQUENCES = 5  # Gemini's cap
@@ -61,7 +62,7 @@ class GenerationConfig(BaseModel):
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     candidate_count: int | None = Field(None, ge=1, le=INT32_MAX, description="1: one candidate per request")
     seed: int | None = Field(None, ge=-(2**31), le=INT32_MAX)
-    response_mime_type: str | None = Field(None, max_length=128, description="text/plain only")
+    response_mime_type: str | None = Field(None, max_length=128, description="text/plain or application/json")
     response_schema: dict[str, Any] | None = None
     response_json_schema: Any = None
 
@@ -88,10 +89,7 @@ class GenerateContentRequest(BaseModel):
         config = self.generation_config or GenerationConfig.model_validate({})
         if config.candidate_count not in (None, 1):
             raise APIError(f"candidateCount must be 1 on this server, got {config.candidate_count}")
-        if config.response_mime_type not in (None, "text/plain") or config.response_schema is not None:
-            raise APIError("structured output (responseMimeType, responseSchema) is not supported: text/plain only")
-        if config.response_json_schema is not None:
-            raise APIError("structured output (responseJsonSchema) is not supported: text/plain only")
+        constraint = from_gemini(config.response_mime_type, config.response_schema, config.response_json_schema)
         if config.top_k is not None and not config.top_k.is_integer():
             raise APIError(f"generationConfig.topK must be an integer, got {config.top_k}")
         try:
@@ -102,6 +100,7 @@ class GenerateContentRequest(BaseModel):
                 top_k=-1 if config.top_k is None else int(config.top_k),
                 seed=config.seed,
                 stop=config.stop_sequences,
+                structured_outputs=constraint,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None

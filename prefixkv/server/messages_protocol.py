@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.protocol import CACHED_CONTENT, MAX_CACHED_CONTENT_CHARS
+from prefixkv.server.structured import from_anthropic
 
 CACHE_TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 MAX_BREAKPOINTS = 4  # Anthropic's cap, the top-level one included
@@ -75,6 +76,9 @@ class MessagesRequest(BaseModel):
     metadata: Metadata | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    # structured output: output_config.format (and the beta's output_format): {"type": "json_schema", "schema"}
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
     cache_control: CacheControl | None = None
     # prefixkv / vLLM extensions, as on the OpenAI routes
     cache_salt: str | None = None
@@ -96,6 +100,7 @@ class MessagesRequest(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=-1 if not self.top_k else self.top_k,
                 stop=self.stop_sequences,
+                structured_outputs=from_anthropic(self.output_config, self.output_format),
             )
         except ValueError as exc:
             raise from_value_error(exc) from None

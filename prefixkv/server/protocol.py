@@ -17,6 +17,7 @@ from prefixkv.kvcache.retention import PROMPT_CACHE_RETENTION
 from prefixkv.request_options import Retention
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
+from prefixkv.server.structured import REMOVED_GUIDED, from_openai, refuse_removed_guided
 
 # OpenAI's limits where it has them; the server's own caps (n, prompts per request) are options, so the
 # published schema gets them from the running server (see openapi.py).
@@ -81,6 +82,16 @@ class _GenerationRequest(PromptCacheFields):
     cached_content: str | None = Field(None, max_length=MAX_CACHED_CONTENT_CHARS, description=CACHED_CONTENT)
     # prefixkv extension: usage.prompt_tokens_details.cache_miss says why the prompt was not all served from cache
     explain_cache_miss: bool = False
+    # structured outputs (server/structured.py): OpenAI's response_format, vLLM's structured_outputs
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # vLLM's removed guided decoding fields: a 400 naming the replacement
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -92,6 +103,8 @@ class _GenerationRequest(PromptCacheFields):
             raise APIError(f"n must be at most {max_n} on this server, got {self.n}", param="n", code="invalid_value")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        refuse_removed_guided({name: getattr(self, name) for name in REMOVED_GUIDED})
+        constraint = from_openai(self.response_format, self.structured_outputs)
         try:
             return SamplingParams(
                 n=self.n,
@@ -107,6 +120,7 @@ class _GenerationRequest(PromptCacheFields):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                structured_outputs=constraint,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None

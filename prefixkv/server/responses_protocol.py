@@ -16,6 +16,7 @@ from prefixkv.request_options import Retention
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.protocol import CACHED_CONTENT, MAX_CACHED_CONTENT_CHARS, MAX_PROMPT_CACHE_KEY_CHARS
+from prefixkv.server.structured import from_responses_text
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 _ROLES = ("user", "assistant", "system", "developer")
@@ -39,6 +40,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     metadata: dict[str, str] | None = None
     tools: list[dict[str, Any]] | None = None
+    text: dict[str, Any] | None = None  # text.format: structured output (server/structured.py)
     # prefixkv / vLLM extensions, as on the other OpenAI routes
     cache_salt: str | None = None
     priority: int = 0
@@ -55,6 +57,7 @@ class ResponsesRequest(BaseModel):
                 max_tokens=self.max_output_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
+                structured_outputs=from_responses_text(self.text),
             )
         except ValueError as exc:
             raise from_value_error(exc) from None

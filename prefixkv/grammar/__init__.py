@@ -1,0 +1,1 @@
+"""Grammar-constrained decoding: a request's StructuredOutputs as a token mask per step (llguidance)."""
