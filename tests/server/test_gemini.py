@@ -169,7 +169,8 @@ def test_bad_input_gets_gemini_errors_while_another_request_finishes(served):
         (dict(contents=[image]), "only text parts"),
         (dict(contents="Hi", config=config(candidate_count=2)), "candidateCount"),
         (dict(contents="Hi", config=config(cached_content="cachedContents/cache_none")), "not found"),
-        (dict(contents="Hi", config=config(response_mime_type="application/json")), "structured output"),
+        (dict(contents="Hi", config=config(response_mime_type="text/csv")), "responseMimeType"),
+        (dict(contents="Hi", config=config(response_json_schema={"type": "nonsense"})), "responseJsonSchema"),
     ]
     for kwargs, message in bad:
         with pytest.raises(errors.ClientError, match=message) as info:
