@@ -190,7 +190,8 @@ class HashPrefixCache(PagedKVCache):
             self._evict(b, self.eviction.name)
             b.ref_cnt = 1
             blocks.append(b)
-        self._invalidated([b.block_id for b in blocks[len(blocks) - max(0, num_new_blocks) :]])
+        if self._on_invalid_pages is not None and num_new_blocks > 0:  # debug_nan_kv only: no list otherwise
+            self._invalidated([b.block_id for b in blocks[len(blocks) - num_new_blocks :]])
         held.page_ids.extend(b.block_id for b in blocks[len(held.page_ids) :])
         if self.keys_in_flight_pages:
             end = min(request.num_computed_tokens + num_cached_tokens + num_new_tokens, request.num_tokens)
@@ -276,20 +277,22 @@ class HashPrefixCache(PagedKVCache):
         tails = self._tails
         if tails is not None:
             self._release_clock += 1
-        uncached: list[int] = []
+        uncached: list[int] | None = [] if self._on_invalid_pages is not None else None
         for b in reversed(held.blocks):  # tail first: chain ends are evicted before shared beginnings
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 if b.block_hash is None:
                     self.free_queue.appendleft(b)  # holds nothing reusable: hand it out before any cached block
-                    uncached.append(b.block_id)
+                    if uncached is not None:
+                        uncached.append(b.block_id)
                 else:
                     self.free_queue.append(b)
                     if tails is not None:
                         b.last_access, b.release_age = self._release_clock, self.eviction.age
                         if b.block_hash not in self._num_children:
                             self._push_tail(b)
-        self._invalidated(uncached)
+        if uncached:
+            self._invalidated(uncached)
 
     # -- eviction ------------------------------------------------------------------------------------------
     def _take_free_block(self) -> Block:
