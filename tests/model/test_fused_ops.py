@@ -64,7 +64,9 @@ def test_smollm2_bf16_same_tokens_with_and_without_kernels(smol_bf16, smol_promp
     runner = ModelRunner(smol_bf16, num_pages=64, page_size=16)
     # the attention path stays torch's on both sides: with the native attention kernel, this prompt's first token
     # is an exact bf16 tie (tokens 60 and 504 both at logit 25.375), which the fused ops' last-bit changes flip
-    torch_attention = dict(native_attention=False, shared_prefill=False, cache_invariant=False, fused_decode=False)
+    torch_attention = dict(
+        native_attention=False, amx_attention=False, shared_prefill=False, cache_invariant=False, fused_decode=False
+    )
     options = replace(runner.options, **torch_attention)
     runner = ModelRunner(smol_bf16, num_pages=64, page_size=16, options=options)
     assert runner.options.fused_ops and runner.model.layers[0].mlp.fused is kernels
