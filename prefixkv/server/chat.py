@@ -16,12 +16,15 @@ from fastapi import APIRouter, Request
 from prefixkv.outputs import RequestOutput
 from prefixkv.server.cached_content import entry_for, use_retention
 from prefixkv.server.deltas import choice_deltas
+from prefixkv.server.errors import APIError
 from prefixkv.server.logprobs import chat_logprobs
+from prefixkv.server.openai_tools import chat_call
 from prefixkv.server.protocol import ChatCompletionRequest
 from prefixkv.server.request_options import body_options
 from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state, submit
 from prefixkv.server.usage import UsageTally, usage
+from prefixkv.tools.parse import CallStream, StreamEvent, split_answer
 
 router = APIRouter()
 
@@ -33,6 +36,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     params = body.sampling_params(state.max_n)
     messages = body.template_messages()
     entry = entry_for(state, raw, body.cached_content, "messages", body.user, body.cache_salt)
+    if entry is not None and body.tool_spec[0]:
+        raise APIError("tools cannot be combined with cached_content", param="tools", code="unsupported")
     if entry is not None:  # served on top of a /v1/caches entry: its messages, then the request's
         messages = [*entry.messages, *messages]
     prompt = await state.tokenize_chat(messages)  # templated and tokenized in a worker thread
@@ -52,12 +57,19 @@ def _response(
     choices = []
     for c in sorted(final.outputs, key=lambda c: c.index):
         logprobs = chat_logprobs(state.tokenizer, list(c.logprobs or [])) if body.logprobs else None
+        message: dict = {"role": "assistant", "content": c.text}
+        finish_reason = c.finish_reason
+        if body.reads_calls:
+            text, calls = split_answer(c.text, call_id)
+            if calls:
+                message = {"role": "assistant", "content": text or None, "tool_calls": [chat_call(x) for x in calls]}
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         choices.append(
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             }
         )
@@ -90,22 +102,50 @@ async def _stream(
                 ],
             }
         )
+    readers = {index: CallStream(call_id) for index in range(body.n)} if body.reads_calls else {}
+    called: set[int] = set()
     async for d in choice_deltas(group, body.n, tally):
-        delta = {"content": d.text} if d.text else {}
         logprobs = chat_logprobs(state.tokenizer, d.logprobs) if body.logprobs else None
-        yield sse(
-            {
-                **base,
-                "choices": [
-                    {
-                        "index": d.index,
-                        "delta": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": d.finish_reason,
-                        "stop_reason": d.stop_reason,
-                    }
-                ],
-            }
-        )
+        finish_reason = d.finish_reason
+        if d.index in readers:
+            reader = readers[d.index]
+            events = reader.feed(d.text) + (reader.finish() if finish_reason else [])
+            if reader.calls:
+                called.add(d.index)
+            if finish_reason == "stop" and d.index in called:
+                finish_reason = "tool_calls"
+            deltas = [_call_delta(e) for e in events] or [{}]
+        else:
+            deltas = [{"content": d.text} if d.text else {}]
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            yield sse(
+                {
+                    **base,
+                    "choices": [
+                        {
+                            "index": d.index,
+                            "delta": delta,
+                            "logprobs": logprobs if last else None,
+                            "finish_reason": finish_reason if last else None,
+                            "stop_reason": d.stop_reason if last else None,
+                        }
+                    ],
+                }
+            )
     if body.include_usage:
         yield sse({**base, "choices": [], "usage": tally.usage()})
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_delta(event: StreamEvent) -> dict:
+    """A stream event as Chat Completions' delta: content, or a tool call's opening (id, name) or arguments."""
+    if event.kind == "text":
+        return {"content": event.text}
+    if event.kind == "call":
+        opening = {"name": event.text, "arguments": ""}
+        return {"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function", "function": opening}]}
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}

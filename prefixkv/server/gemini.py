@@ -20,9 +20,10 @@ them (auth.py).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -56,6 +57,8 @@ from prefixkv.server.gemini_protocol import (
 from prefixkv.server.request_options import request_options
 from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state, submit
+from prefixkv.tools.parse import CallStream, split_answer
+from prefixkv.tools.spec import ToolCall
 
 router = APIRouter()
 
@@ -132,10 +135,11 @@ async def _generate(model: str, body: GenerateContentRequest, raw: Request, stre
     options = request_options(state, raw, params, retention=use_retention(entry, NO_RETENTION, prompt))
     group = await submit(state, f"gemini-{response_id}", [prompt], options, stream)
     meta = {"modelVersion": served, "responseId": response_id}
+    calls = body.reads_calls
     if stream:
-        events = _stream(group, len(prompt), meta)
+        events = _stream(group, len(prompt), meta, calls)
         return await answer(raw, group, events, error_event=_error_event, done=None)
-    return await answer(raw, group, None, lambda finals: _response(finals[0], meta))
+    return await answer(raw, group, None, lambda finals: _response(finals[0], meta, calls))
 
 
 def _check_model(state: ServerState, model: str, raw: Request) -> str:
@@ -183,8 +187,11 @@ def _entry(state: ServerState, raw: Request, body: GenerateContentRequest, messa
     return entry_for(state, raw, body.cached_content, "messages", None, None)
 
 
-def _candidate(text: str, finish: str | None = None) -> dict:
-    candidate: dict = {"content": {"role": "model", "parts": [{"text": text}]}, "index": 0}
+def _candidate(text: str, finish: str | None = None, calls: Sequence[ToolCall] = ()) -> dict:
+    """A candidate's text part (unless the answer is calls alone), then a functionCall part per call."""
+    parts: list[dict] = [{"text": text}] if text or not calls else []
+    parts += [{"functionCall": {"name": c.name, "args": json.loads(c.arguments)}} for c in calls]
+    candidate: dict = {"content": {"role": "model", "parts": parts}, "index": 0}
     if finish is not None:
         candidate["finishReason"] = finish
     return candidate
@@ -199,10 +206,11 @@ def _usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
     }
 
 
-def _response(final: RequestOutput, meta: dict) -> dict:
+def _response(final: RequestOutput, meta: dict, reads_calls: bool) -> dict:
     completion = final.outputs[0]
+    text, calls = split_answer(completion.text, _no_id) if reads_calls else (completion.text, [])
     return {
-        "candidates": [_candidate(completion.text, _FINISH.get(completion.finish_reason or "", "STOP"))],
+        "candidates": [_candidate(text, _FINISH.get(completion.finish_reason or "", "STOP"), calls)],
         "usageMetadata": _usage(len(final.prompt_token_ids), final.num_cached_tokens, len(completion.token_ids)),
         **meta,
     }
@@ -212,20 +220,38 @@ def _error_event(err: APIError) -> str:
     return sse(err.gemini_body())
 
 
-async def _stream(group, prompt_tokens: int, meta: dict) -> AsyncIterator[str]:
-    """One chunk per output with new text; the final one with finishReason and usageMetadata, text or not."""
+def _no_id() -> str:
+    return ""  # Gemini's functionCall parts carry no id here (a call is matched to its response by name)
+
+
+async def _stream(group, prompt_tokens: int, meta: dict, reads_calls: bool) -> AsyncIterator[str]:
+    """One chunk per output with new text; the final one with finishReason and usageMetadata, text or not. A
+    function call comes whole (as Gemini streams them), in the final chunk."""
     output_tokens = 0
+    reader = CallStream(_no_id) if reads_calls else None
+    calls: list[ToolCall] = []
     async for _, output in group:
         completion = output.outputs[0] if output.outputs else None
         if completion is None:
             continue
         output_tokens += len(completion.token_ids)
+        text = completion.text
+        if reader is not None:
+            text = ""
+            for e in reader.feed(completion.text) + (reader.finish() if output.finished else []):
+                if e.kind == "text":
+                    text += e.text
+                elif e.kind == "call":
+                    calls.append(ToolCall("", e.text, ""))
+                else:
+                    calls[-1] = ToolCall("", calls[-1].name, calls[-1].arguments + e.text)
         if output.finished:
+            calls = calls[: reader.complete] if reader is not None else calls  # a call cut short is dropped
             finish = _FINISH.get(completion.finish_reason or "", "STOP")
             usage = _usage(prompt_tokens, output.num_cached_tokens, output_tokens)
-            yield sse({"candidates": [_candidate(completion.text, finish)], "usageMetadata": usage, **meta})
-        elif completion.text:
-            yield sse({"candidates": [_candidate(completion.text)], **meta})
+            yield sse({"candidates": [_candidate(text, finish, calls)], "usageMetadata": usage, **meta})
+        elif text:
+            yield sse({"candidates": [_candidate(text)], **meta})
 
 
 # -- cachedContents -----------------------------------------------------------------------------------------

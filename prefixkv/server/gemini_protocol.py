@@ -3,12 +3,14 @@ chat messages the model's template renders.
 
 Field names are Gemini's JSON (camelCase, what google-genai sends); snake_case is accepted too, as Google's
 protobuf JSON parser does. A content is a role ("user", or "model", which becomes "assistant") and text parts,
-joined; a systemInstruction becomes a system message first. Other part kinds (inline data, files, function
-calls), tools and structured output are 400s that say so: this server generates text only.
+joined, with functionCall and functionResponse parts and the function declarations written in as
+gemini_tools.py says; a systemInstruction becomes a system message first. Other part kinds (inline data, files,
+executable code) are 400s that say so.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,8 +18,11 @@ from pydantic.alias_generators import to_camel
 
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
+from prefixkv.server.gemini_tools import ToolSpec, part_text, read_tools
 from prefixkv.server.protocol import MAX_CACHED_CONTENT_CHARS
 from prefixkv.server.structured import from_gemini
+from prefixkv.tools.grammar import tool_constraint
+from prefixkv.tools.prompt import render_messages
 
 MODEL_PREFIX = "models/"
 MAX_STOP_SEQUENCES = 5  # Gemini's cap
@@ -78,11 +83,18 @@ class GenerateContentRequest(BaseModel):
     tool_config: dict[str, Any] | None = None
     safety_settings: list[dict[str, Any]] | None = None  # accepted and ignored: this server filters nothing
 
+    @cached_property
+    def tool_spec(self) -> ToolSpec:
+        return read_tools(self.tools, self.tool_config)
+
+    @property
+    def reads_calls(self) -> bool:
+        return bool(self.tool_spec.tools) and self.tool_spec.choice.mode != "none"
+
     def messages(self) -> list[dict[str, str]]:
-        """The chat messages to template; 400 for what this server cannot render."""
-        if self.tools or self.tool_config:
-            raise APIError("tools are not supported: this server's chat template renders no tool definitions")
-        return chat_messages(self.contents, self.system_instruction)
+        """The chat messages to template (the function declarations written in); 400 for what this server
+        cannot render."""
+        return render_messages(chat_messages(self.contents, self.system_instruction), self.tool_spec.tools)
 
     def sampling_params(self) -> SamplingParams:
         """Gemini's knobs; without maxOutputTokens the answer may run to the end of the context (as chat's)."""
@@ -90,6 +102,10 @@ class GenerateContentRequest(BaseModel):
         if config.candidate_count not in (None, 1):
             raise APIError(f"candidateCount must be 1 on this server, got {config.candidate_count}")
         constraint = from_gemini(config.response_mime_type, config.response_schema, config.response_json_schema)
+        try:
+            constraint = tool_constraint(self.tool_spec.allowed, self.tool_spec.choice, constraint)
+        except ValueError as exc:
+            raise APIError(str(exc), param="tools") from None
         if config.top_k is not None and not config.top_k.is_integer():
             raise APIError(f"generationConfig.topK must be an integer, got {config.top_k}")
         try:
@@ -135,9 +151,9 @@ class CreateCachedContentRequest(BaseModel):
     tool_config: dict[str, Any] | None = None
 
     def messages(self) -> list[dict[str, str]]:
-        if self.tools or self.tool_config:
-            raise APIError("tools are not supported: this server's chat template renders no tool definitions")
-        messages = chat_messages(self.contents or [], self.system_instruction)
+        """The entry's messages, its function declarations written in (a request on it inherits them)."""
+        tools = read_tools(self.tools, self.tool_config).tools
+        messages = render_messages(chat_messages(self.contents or [], self.system_instruction), tools)
         if not messages:
             raise APIError("a cached content needs contents or a systemInstruction")
         return messages
@@ -166,12 +182,22 @@ def chat_messages(contents: list[Content], system_instruction: Content | None) -
 
 def _text(parts: list[Part], where: str) -> str:
     text = ""
+    after_result = False
     for j, part in enumerate(parts):
-        other = [k for k, v in (part.model_extra or {}).items() if v is not None and k not in _PART_METADATA]
-        if other:
-            raise APIError(f"{where}.parts[{j}]: only text parts are supported, got {other[0]!r}")
+        extra = {k: v for k, v in (part.model_extra or {}).items() if v is not None and k not in _PART_METADATA}
+        function_text = part_text(extra, f"{where}.parts[{j}]", text) if extra else None
+        if function_text is not None:
+            text += function_text
+            after_result = "functionResponse" in extra or "function_response" in extra
+            continue
+        if extra:
+            raise APIError(
+                f"{where}.parts[{j}]: only text, functionCall and functionResponse parts are supported, "
+                f"got {next(iter(extra))!r}"
+            )
         if part.text is None:
-            raise APIError(f"{where}.parts[{j}] has no text: only text parts are supported")
+            raise APIError(f"{where}.parts[{j}] has no text")
         if not part.thought:
-            text += part.text
+            text += ("\n" if after_result else "") + part.text
+            after_result = False
     return text

@@ -19,6 +19,7 @@ from the engine's counts, never from a formula over the prompt's length:
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -38,6 +39,7 @@ from prefixkv.server.messages_protocol import (
 from prefixkv.server.request_options import body_options
 from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state, submit
+from prefixkv.tools.parse import CallStream, StreamEvent, split_answer
 
 router = APIRouter()
 
@@ -61,10 +63,11 @@ async def create_message(body: MessagesRequest, raw: Request):
     group = await submit(state, message_id, [prompt], options, body.stream)
     accounting = _Accounting(state, len(prompt), spans)
     accounting.explain_cache_miss = body.explain_cache_miss
+    calls = body.reads_calls
     if body.stream:
-        events = _stream(group, message_id, model, accounting)
+        events = _stream(group, message_id, model, accounting, calls)
         return await answer(raw, group, events, error_event=_error_event, done=None)
-    return await answer(raw, group, None, lambda finals: _message(finals[0], message_id, model, accounting))
+    return await answer(raw, group, None, lambda finals: _message(finals[0], message_id, model, accounting, calls))
 
 
 @router.post("/v1/messages/count_tokens")
@@ -113,9 +116,15 @@ class _Accounting:
         return out
 
 
-def _stop(output: RequestOutput) -> tuple[str, str | None]:
-    """Anthropic's stop_reason (and stop_sequence) from the engine's finish."""
+def tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def _stop(output: RequestOutput, called: bool = False) -> tuple[str, str | None]:
+    """Anthropic's stop_reason (and stop_sequence) from the engine's finish; tool_use when it ended on calls."""
     completion = output.outputs[0]
+    if completion.finish_reason == "stop" and called:
+        return "tool_use", None
     if completion.finish_reason == "stop":
         if isinstance(completion.stop_reason, str):
             return "stop_sequence", completion.stop_reason
@@ -123,15 +132,18 @@ def _stop(output: RequestOutput) -> tuple[str, str | None]:
     return "max_tokens", None
 
 
-def _message(final: RequestOutput, message_id: str, model: str, accounting: _Accounting) -> dict:
+def _message(final: RequestOutput, message_id: str, model: str, accounting: _Accounting, reads_calls: bool) -> dict:
     completion = final.outputs[0]
-    stop_reason, stop_sequence = _stop(final)
+    text, calls = split_answer(completion.text, tool_use_id) if reads_calls else (completion.text, [])
+    content: list[dict] = [{"type": "text", "text": text}] if text or (completion.token_ids and not calls) else []
+    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in calls]
+    stop_reason, stop_sequence = _stop(final, bool(calls))
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": completion.text}] if completion.token_ids else [],
+        "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
         "usage": accounting.usage(
@@ -144,13 +156,15 @@ def _error_event(err: APIError) -> str:
     return sse(err.anthropic_body(), event="error")
 
 
-async def _stream(group, message_id: str, model: str, accounting: _Accounting) -> AsyncIterator[str]:
-    """Anthropic's event sequence: message_start, one text block (start, deltas, stop), message_delta with the
-    stop reason and the usage, message_stop. message_start waits for the engine's first output, which comes once
-    the prompt is computed and brings the cache hit, the prompt's writes (and the miss's cause), so its usage is
-    already exact; when asked, both usages carry
-    cache_miss, as the plain answer's does (the SDK's final message keeps message_start's)."""
-    started = block_open = False
+async def _stream(group, message_id: str, model: str, accounting: _Accounting, reads_calls: bool) -> AsyncIterator[str]:
+    """Anthropic's event sequence: message_start; each content block (a text block, then one tool_use block per
+    call: start, deltas (text_delta, input_json_delta), stop); message_delta with the stop reason and the usage;
+    message_stop. message_start waits for the engine's first output, which comes once the prompt is computed and
+    brings the cache hit, the prompt's writes (and the miss's cause), so its usage is already exact; when asked,
+    both usages carry cache_miss, as the plain answer's does (the SDK's final message keeps message_start's)."""
+    started = False
+    blocks = _Blocks()
+    reader = CallStream(tool_use_id) if reads_calls else None
     output_tokens = 0
     cached, writes = 0, CacheWrites()
     miss: CacheMiss | None = None
@@ -175,22 +189,19 @@ async def _stream(group, message_id: str, model: str, accounting: _Accounting) -
         if completion is None:
             continue
         output_tokens += len(completion.token_ids)
-        if completion.text:
-            if not block_open:
-                block_open = True
-                start = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
-                yield sse(start, event="content_block_start")
-            delta = {
-                "type": "content_block_delta",
-                "index": 0,
-                "delta": {"type": "text_delta", "text": completion.text},
-            }
-            yield sse(delta, event="content_block_delta")
         if output.finished:
             final = output
-    if block_open:
-        yield sse({"type": "content_block_stop", "index": 0}, event="content_block_stop")
-    stop_reason, stop_sequence = _stop(final) if final is not None and final.outputs else ("max_tokens", None)
+        if reader is None:
+            events = [StreamEvent("text", text=completion.text)] if completion.text else []
+        else:
+            events = reader.feed(completion.text) + (reader.finish() if output.finished else [])
+        for event in events:
+            for chunk in blocks.write(event):
+                yield chunk
+    for chunk in blocks.close():
+        yield chunk
+    called = reader is not None and reader.calls > 0
+    stop_reason, stop_sequence = _stop(final, called) if final is not None and final.outputs else ("max_tokens", None)
     delta = {
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
@@ -198,3 +209,44 @@ async def _stream(group, message_id: str, model: str, accounting: _Accounting) -
     }
     yield sse(delta, event="message_delta")
     yield sse({"type": "message_stop"}, event="message_stop")
+
+
+class _Blocks:
+    """The open content block of a streamed message: text goes into a text block, each call into a tool_use
+    block of its own, numbered in order."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "text" or "tool_use"
+
+    def write(self, event: StreamEvent) -> list[str]:
+        out = []
+        wanted = "text" if event.kind == "text" else "tool_use"
+        if event.kind == "call" or self.open != wanted:
+            out += self.close()
+            self.index += 1
+            self.open = wanted
+            block = (
+                {"type": "text", "text": ""}
+                if wanted == "text"
+                else {"type": "tool_use", "id": event.call_id, "name": event.text, "input": {}}
+            )
+            start = {"type": "content_block_start", "index": self.index, "content_block": block}
+            out.append(sse(start, event="content_block_start"))
+        if event.kind == "call":
+            return out
+        delta = (
+            {"type": "text_delta", "text": event.text}
+            if wanted == "text"
+            else {"type": "input_json_delta", "partial_json": event.text}
+        )
+        out.append(
+            sse({"type": "content_block_delta", "index": self.index, "delta": delta}, event="content_block_delta")
+        )
+        return out
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse({"type": "content_block_stop", "index": self.index}, event="content_block_stop")]

@@ -1,24 +1,30 @@
 """Request bodies of Anthropic's Messages API (POST /v1/messages and /v1/messages/count_tokens), and where their
 cache breakpoints fall.
 
-Content is text blocks (a string is one); other block types, tools and a final assistant message (a prefill to
-continue) get a 400 that says so. `cache_control` ({"type": "ephemeral", "ttl": "5m" | "1h"}) on system and
-message blocks, and once at the top level (automatic caching: the breakpoint is the end of the conversation), as
-Anthropic takes it: at most 4 breakpoints, and a 1h one never after a 5m one. Each breakpoint becomes a retention
-span of the engine request: the prompt's tokens up to the breakpoint stay cached for the TTL, refreshed on hits.
+Content is text blocks (a string is one) and tool_use / tool_result blocks; tools, tool_choice and those blocks
+are read by anthropic_tools.py and written into the prompt as prefixkv/tools/prompt.py says. Other block types
+and a final assistant message (a prefill to continue) get a 400 that says so. `cache_control` ({"type":
+"ephemeral", "ttl": "5m" | "1h"}) on tool definitions, system and message blocks, and once at the top level
+(automatic caching: the breakpoint is the end of the conversation), as Anthropic takes it: at most 4
+breakpoints, and a 1h one never after a 5m one. Each breakpoint becomes a retention span of the engine request:
+the prompt's tokens up to the breakpoint stay cached for the TTL, refreshed on hits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.server.anthropic_tools import ToolSpec, block_text, read_tools
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.protocol import CACHED_CONTENT, MAX_CACHED_CONTENT_CHARS
 from prefixkv.server.structured import from_anthropic
+from prefixkv.tools.grammar import tool_constraint
+from prefixkv.tools.prompt import tool_block, tool_block_through
 
 CACHE_TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 MAX_BREAKPOINTS = 4  # Anthropic's cap, the top-level one included
@@ -91,40 +97,53 @@ class MessagesRequest(BaseModel):
         """metadata.user_id: the tenant key of --tenant-isolation user (as OpenAI's `user`)."""
         return self.metadata.user_id if self.metadata else None
 
+    @cached_property
+    def tool_spec(self) -> ToolSpec:
+        return read_tools(self.tools, self.tool_choice)
+
+    @property
+    def reads_calls(self) -> bool:
+        return bool(self.tool_spec.tools) and self.tool_spec.choice.mode != "none"
+
     def sampling_params(self) -> SamplingParams:
         """Anthropic's defaults: temperature 1, every token (top_p 1, no top_k)."""
+        spec = self.tool_spec
         try:
+            constraint = tool_constraint(
+                spec.tools, spec.choice, from_anthropic(self.output_config, self.output_format)
+            )
             return SamplingParams(
                 max_tokens=max(self.max_tokens, 1),
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=-1 if not self.top_k else self.top_k,
                 stop=self.stop_sequences,
-                structured_outputs=from_anthropic(self.output_config, self.output_format),
+                structured_outputs=constraint,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None
 
     def conversation(self) -> Conversation:
-        return conversation_of(self.messages, self.system, self.cache_control, self.tools, self.tool_choice)
+        return conversation_of(self.messages, self.system, self.cache_control, self.tool_spec)
 
 
 def conversation_of(
     messages: list[dict[str, Any]],
     system: str | list[dict[str, Any]] | None,
     cache_control: CacheControl | None,
-    tools: list[dict[str, Any]] | None,
-    tool_choice: dict[str, Any] | None,
+    tools: ToolSpec,
 ) -> Conversation:
-    """The messages for the chat template and the cache breakpoints in prompt order; 400 when unsupported."""
-    if tools or tool_choice:
-        raise APIError(
-            "tools are not supported: this server's chat template renders no tool definitions", param="tools"
-        )
+    """The messages for the chat template and the cache breakpoints in prompt order; 400 when unsupported.
+    With tools, the tool block opens the system message (Anthropic's order: tools, system, messages)."""
     rendered: list[dict[str, str]] = []
     breakpoints: list[Breakpoint] = []
-    if system is not None:
-        text = _blocks_text(system, "system", 0, breakpoints)
+    head = ""
+    if tools.tools:
+        for i, control in tools.cache_controls:
+            breakpoints.append(_breakpoint(control, f"tools[{i}]", 0, tool_block_through(tools.tools, i)))
+        head = tool_block(tools.tools) + ("\n\n" if system else "")
+    if system is not None or head:
+        text = _blocks_text(system or "", "system", 0, breakpoints, head)
         rendered.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
         role = m.get("role")
@@ -146,27 +165,44 @@ def conversation_of(
     return Conversation(rendered, breakpoints)
 
 
-def _blocks_text(content: str | list[dict[str, Any]], where: str, message: int, out: list[Breakpoint]) -> str:
-    """The text of a string or of text blocks (joined as they come); each block's cache_control is added to out."""
+def _blocks_text(
+    content: str | list[dict[str, Any]], where: str, message: int, out: list[Breakpoint], head: str = ""
+) -> str:
+    """The text of a string or of blocks (text joined as it comes, tool blocks as anthropic_tools.py writes them),
+    after `head`; each block's cache_control is added to out."""
     if isinstance(content, str):
-        return content
-    text = ""
+        return head + content
+    text = head
+    after_result = False
     for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        tool_text = block_text(block, f"{where}[{j}]", text) if isinstance(block, dict) else None
+        if tool_text is not None:
+            text += tool_text
+            after_result = block.get("type") == "tool_result"
+        elif isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
+            text += ("\n" if after_result else "") + block["text"]
+            after_result = False
+        else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise APIError(f"{where}[{j}]: only text blocks are supported, got {kind!r}", param=where.split("[")[0])
-        text += block["text"]
+            raise APIError(
+                f"{where}[{j}]: only text, tool_use and tool_result blocks are supported, got {kind!r}",
+                param=where.split("[")[0],
+            )
         control = block.get("cache_control")
         if control is not None:
-            try:
-                ttl = CacheControl.model_validate(control).ttl
-            except ValueError:
-                raise APIError(
-                    f"{where}[{j}].cache_control must be {{'type': 'ephemeral', 'ttl': '5m' | '1h'}}, got {control!r}",
-                    param=where.split("[")[0],
-                ) from None
-            out.append(Breakpoint(f"{where}[{j}]", ttl, message, text))
+            out.append(_breakpoint(control, f"{where}[{j}]", message, text))
     return text
+
+
+def _breakpoint(control: Any, where: str, message: int, text: str) -> Breakpoint:
+    try:
+        ttl = CacheControl.model_validate(control).ttl
+    except ValueError:
+        raise APIError(
+            f"{where}.cache_control must be {{'type': 'ephemeral', 'ttl': '5m' | '1h'}}, got {control!r}",
+            param=where.split("[")[0],
+        ) from None
+    return Breakpoint(where, ttl, message, text)
 
 
 def _check_breakpoints(breakpoints: list[Breakpoint]) -> None:
@@ -205,4 +241,4 @@ class CountTokensRequest(BaseModel):
         return self.metadata.user_id if self.metadata else None
 
     def conversation(self) -> Conversation:
-        return conversation_of(self.messages, self.system, self.cache_control, self.tools, self.tool_choice)
+        return conversation_of(self.messages, self.system, self.cache_control, read_tools(self.tools, self.tool_choice))

@@ -9,6 +9,7 @@ names it.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,7 +18,12 @@ from prefixkv.kvcache.retention import PROMPT_CACHE_RETENTION
 from prefixkv.request_options import Retention
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
+from prefixkv.server.openai_tools import read_calls, read_tools, refuse_removed
 from prefixkv.server.structured import REMOVED_GUIDED, from_openai, refuse_removed_guided
+from prefixkv.structured_outputs import StructuredOutputs
+from prefixkv.tools.grammar import tool_constraint
+from prefixkv.tools.prompt import render_messages
+from prefixkv.tools.spec import Tool, ToolChoice
 
 # OpenAI's limits where it has them; the server's own caps (n, prompts per request) are options, so the
 # published schema gets them from the running server (see openapi.py).
@@ -102,9 +108,12 @@ class _GenerationRequest(PromptCacheFields):
         if self.n > max_n:
             raise APIError(f"n must be at most {max_n} on this server, got {self.n}", param="n", code="invalid_value")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def output_constraint(self) -> StructuredOutputs | None:
         refuse_removed_guided({name: getattr(self, name) for name in REMOVED_GUIDED})
-        constraint = from_openai(self.response_format, self.structured_outputs)
+        return from_openai(self.response_format, self.structured_outputs)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        constraint = self.output_constraint()
         try:
             return SamplingParams(
                 n=self.n,
@@ -182,6 +191,31 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # tool calls (prefixkv/tools/, server/openai_tools.py); functions / function_call: a 400 naming these
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: Any = None
+    function_call: Any = None
+
+    @cached_property
+    def tool_spec(self) -> tuple[list[Tool], ToolChoice]:
+        """The request's tools and tool choice, read and checked once."""
+        refuse_removed({"functions": self.functions, "function_call": self.function_call})
+        return read_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    @property
+    def reads_calls(self) -> bool:
+        """Whether calls are read out of the answer (tools offered and a choice other than none)."""
+        tools, choice = self.tool_spec
+        return bool(tools) and choice.mode != "none"
+
+    def output_constraint(self) -> StructuredOutputs | None:
+        tools, choice = self.tool_spec
+        try:
+            return tool_constraint(tools, choice, super().output_constraint())
+        except ValueError as exc:
+            raise APIError(str(exc), param="tools", code="invalid_value") from None
 
     def sampling_params(self, max_n: int) -> SamplingParams:
         """max_completion_tokens wins over the deprecated max_tokens; neither means "up to the context end"."""
@@ -193,13 +227,16 @@ class ChatCompletionRequest(_GenerationRequest):
         return self._sampling_params(max_tokens, logprobs)
 
     def template_messages(self) -> list[dict[str, str]]:
-        """Messages in the plain {role, content: str} shape chat templates expect; 400 when they are not."""
-        return template_messages(self.messages)
+        """Messages in the plain {role, content: str} shape chat templates expect, the tools and calls written
+        in (prefixkv/tools/prompt.py); 400 when they are not."""
+        return template_messages(self.messages, self.tool_spec[0])
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Messages in the plain {role, content: str} shape chat templates expect; 400 when they are not."""
-    out = []
+def template_messages(messages: list[dict[str, Any]], tools: list[Tool] | None = None) -> list[dict[str, str]]:
+    """Messages in the plain {role, content: str} shape chat templates expect (an assistant's tool_calls and the
+    tool messages written in as prompt.py says, with the tool block when tools are given); 400 when they are
+    not."""
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role = m.get("role")
         if not isinstance(role, str) or role not in ("system", "developer", "user", "assistant", "tool"):
@@ -229,5 +266,11 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
                 param="messages",
                 code="invalid_value",
             )
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
+        message: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = read_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        out.append(message)
+    try:
+        return render_messages(out, tools or [])
+    except ValueError as exc:
+        raise APIError(f"messages: {exc}", param="messages", code="invalid_value") from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_MAX_STORED_RESPONSES = 4096
 
@@ -19,7 +20,7 @@ DEFAULT_MAX_STORED_RESPONSES = 4096
 @dataclass(frozen=True)
 class StoredResponse:
     body: dict  # the response object as it was answered
-    messages: tuple[dict[str, str], ...]  # the conversation up to and including its answer
+    messages: tuple[dict[str, Any], ...]  # the conversation up to and including its answer (calls included)
 
 
 class ResponseStore:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 
@@ -26,6 +27,9 @@ from prefixkv.server.response_store import StoredResponse
 from prefixkv.server.responses_protocol import ResponsesRequest
 from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state, submit
+from prefixkv.tools.parse import CallStream, StreamEvent, split_answer
+from prefixkv.tools.prompt import render_messages
+from prefixkv.tools.spec import ToolCall
 
 router = APIRouter()
 
@@ -35,7 +39,7 @@ async def create_response(body: ResponsesRequest, raw: Request):
     state = server_state(raw)
     model = state.check_model(body.model)
     owner = _owner(state, raw, body.user)
-    history: tuple[dict[str, str], ...] = ()
+    history: tuple[dict[str, Any], ...] = ()
     if body.previous_response_id is not None:
         previous = state.responses.get(owner, body.previous_response_id)
         if previous is None:
@@ -48,8 +52,15 @@ async def create_response(body: ResponsesRequest, raw: Request):
     turn = [*history, *body.input_messages()]
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     entry = entry_for(state, raw, body.cached_content, "messages", body.user, body.cache_salt)
+    tools = body.tool_spec[0]
+    if entry is not None and tools:
+        raise APIError("tools cannot be combined with cached_content", param="tools", code="unsupported")
     cached = list(entry.messages) if entry is not None else []  # a /v1/caches entry's messages come first
-    prompt = await state.tokenize_chat(cached + instructions + turn)
+    try:
+        messages = render_messages(cached + instructions + turn, tools)
+    except ValueError as exc:
+        raise APIError(f"input: {exc}", param="input", code="invalid_value") from None
+    prompt = await state.tokenize_chat(messages)
     response_id = f"resp_{uuid.uuid4().hex}"
     options = body_options(state, raw, body, body.sampling_params(), use_retention(entry, body.retention(), prompt))
     group = await submit(state, response_id, [prompt], options, body.stream)
@@ -95,6 +106,11 @@ class _Made:
         content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
+    def output(self, text: str, calls: list[ToolCall]) -> list[dict]:
+        """The output items: the message (unless the answer is calls alone), then a function_call per call."""
+        items = [self.item(text, "completed")] if text or not calls else []
+        return items + [call_item(c, "completed") for c in calls]
+
     def response(self, status: str, output: list[dict], usage: dict | None, incomplete: bool = False) -> dict:
         b = self.body
         return {
@@ -116,18 +132,27 @@ class _Made:
             "metadata": b.metadata or {},
             "user": b.user,
             "output": output,
-            "parallel_tool_calls": False,
-            "tool_choice": "none",
-            "tools": [],
+            "parallel_tool_calls": True if b.parallel_tool_calls is None else b.parallel_tool_calls,
+            "tool_choice": b.tool_choice or ("auto" if b.tools else "none"),
+            "tools": b.tools or [],
             "text": {"format": {"type": "text"}},
             "truncation": "disabled",
             "usage": usage,
         }
 
-    def finish(self, final: RequestOutput, text: str | None = None, output_tokens: int | None = None) -> dict:
-        """The finished response (stored when asked). text / output_tokens: a stream's, which kept no final."""
+    def finish(
+        self,
+        final: RequestOutput,
+        text: str | None = None,
+        output_tokens: int | None = None,
+        calls: list[ToolCall] | None = None,
+    ) -> dict:
+        """The finished response (stored when asked). text / output_tokens / calls: a stream's, which kept no
+        final."""
         completion = final.outputs[0]
-        text = completion.text if text is None else text
+        if text is None:
+            text, calls = split_answer(completion.text, call_id) if self.body.reads_calls else (completion.text, [])
+        calls = calls or []
         output_tokens = len(completion.token_ids) if output_tokens is None else output_tokens
         prompt_tokens = len(final.prompt_token_ids)
         usage = {
@@ -138,11 +163,9 @@ class _Made:
             "total_tokens": prompt_tokens + output_tokens,
         }
         incomplete = completion.finish_reason == "length"
-        body = self.response(
-            "incomplete" if incomplete else "completed", [self.item(text, "completed")], usage, incomplete
-        )
+        body = self.response("incomplete" if incomplete else "completed", self.output(text, calls), usage, incomplete)
         if self.body.store:
-            messages = (*self.turn, {"role": "assistant", "content": text})
+            messages = (*self.turn, {"role": "assistant", "content": text, "tool_calls": calls})
             self.state.responses.put(self.owner, self.id, StoredResponse(body, messages))
         return body
 
@@ -159,9 +182,26 @@ def _error_event(err: APIError) -> str:
     return sse({"type": "error", "code": err.code, "message": err.message, "param": err.param}, event="error")
 
 
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def call_item(call: ToolCall, status: str) -> dict:
+    return {
+        "type": "function_call",
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
+
+
 async def _stream(group, made: _Made) -> AsyncIterator[str]:
-    """OpenAI's event sequence for one text message: response.created, .in_progress, output_item.added,
-    content_part.added, output_text.delta..., output_text.done, content_part.done, output_item.done, completed."""
+    """OpenAI's event sequence: response.created, .in_progress; the message item (output_item.added,
+    content_part.added, output_text.delta..., output_text.done, content_part.done, output_item.done), opened at
+    the first text (or at the end, empty, when the answer has neither text nor calls); a function_call item per
+    call (output_item.added, function_call_arguments.delta..., .done, output_item.done); response.completed."""
     seq = 0
 
     def event(kind: str, **fields) -> str:
@@ -169,27 +209,81 @@ async def _stream(group, made: _Made) -> AsyncIterator[str]:
         seq += 1
         return sse({"type": kind, "sequence_number": seq - 1, **fields}, event=kind)
 
-    where = {"item_id": made.item_id, "output_index": 0, "content_index": 0}
     yield event("response.created", response=made.response("in_progress", [], None))
     yield event("response.in_progress", response=made.response("in_progress", [], None))
-    yield event("response.output_item.added", output_index=0, item=made.item("", "in_progress"))
     part = {"type": "output_text", "text": "", "annotations": []}
-    yield event("response.content_part.added", **where, part=part)
+    reader = CallStream(call_id) if made.body.reads_calls else None
     text, output_tokens, final = "", 0, None
+    calls: list[ToolCall] = []
+    index = -1  # the open item's output_index
+    open_kind: str | None = None  # "message" or "function_call"
+
+    def close() -> list[str]:
+        nonlocal open_kind
+        out = []
+        if open_kind == "message":
+            where = {"item_id": made.item_id, "output_index": index, "content_index": 0}
+            out.append(event("response.output_text.done", **where, text=text, logprobs=[]))
+            out.append(event("response.content_part.done", **where, part={**part, "text": text}))
+            out.append(event("response.output_item.done", output_index=index, item=made.item(text, "completed")))
+        elif open_kind == "function_call":
+            item = call_item(calls[-1], "completed")
+            done = {"item_id": item["id"], "output_index": index, "name": item["name"], "arguments": item["arguments"]}
+            out.append(event("response.function_call_arguments.done", **done))
+            out.append(event("response.output_item.done", output_index=index, item=item))
+        open_kind = None
+        return out
+
+    def write(e: StreamEvent) -> list[str]:
+        nonlocal index, open_kind, text
+        out = []
+        if e.kind == "text":
+            if open_kind != "message":
+                out += close()
+                index, open_kind = index + 1, "message"
+                out.append(event("response.output_item.added", output_index=index, item=made.item("", "in_progress")))
+                where = {"item_id": made.item_id, "output_index": index, "content_index": 0}
+                out.append(event("response.content_part.added", **where, part=part))
+            text += e.text
+            where = {"item_id": made.item_id, "output_index": index, "content_index": 0}
+            if e.text:
+                out.append(event("response.output_text.delta", **where, delta=e.text, logprobs=[]))
+        elif e.kind == "call":
+            out += close()
+            index, open_kind = index + 1, "function_call"
+            calls.append(ToolCall(e.call_id, e.text, ""))
+            out.append(
+                event("response.output_item.added", output_index=index, item=call_item(calls[-1], "in_progress"))
+            )
+        else:
+            call = calls[-1]
+            calls[-1] = ToolCall(call.id, call.name, call.arguments + e.text)
+            item_id = "fc_" + call.id.removeprefix("call_")
+            out.append(
+                event("response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=e.text)
+            )
+        return out
+
     async for _, output in group:
         if not output.outputs:
             continue
         completion = output.outputs[0]
         output_tokens += len(completion.token_ids)
-        if completion.text:
-            text += completion.text
-            yield event("response.output_text.delta", **where, delta=completion.text, logprobs=[])
+        if reader is None:
+            events = [StreamEvent("text", text=completion.text)] if completion.text else []
+        else:
+            events = reader.feed(completion.text) + (reader.finish() if output.finished else [])
+        for e in events:
+            for chunk in write(e):
+                yield chunk
         if output.finished:
             final = output
     if final is None:
         return
-    yield event("response.output_text.done", **where, text=text, logprobs=[])
-    yield event("response.content_part.done", **where, part={**part, "text": text})
-    yield event("response.output_item.done", output_index=0, item=made.item(text, "completed"))
-    done = made.finish(final, text, output_tokens)
+    if index < 0:  # neither text nor calls: the empty message
+        for chunk in write(StreamEvent("text", text="")):
+            yield chunk
+    for chunk in close():
+        yield chunk
+    done = made.finish(final, text, output_tokens, calls)
     yield event("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)

@@ -1,12 +1,15 @@
 """Request bodies of OpenAI's Responses API (POST /v1/responses): the fields prefixkv honours.
 
-`input` is a string (one user message) or a list of message items ({"role", "content"} with content a string
-or input_text / output_text parts; `"type": "message"` optional); `instructions` becomes a system message
-before them. Other item types (function calls, images, files) and tools get a 400 that says so.
+`input` is a string (one user message) or a list of items: messages ({"role", "content"} with content a string
+or input_text / output_text parts; `"type": "message"` optional), `function_call` items (a call the model made:
+call_id, name, arguments) and `function_call_output` items (its result: call_id, output); `instructions` becomes
+a system message before them. `tools` are function tools (server/openai_tools.py), written into the prompt as
+prefixkv/tools/prompt.py says. Other item types (images, files, reasoning) get a 400 that says so.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,8 +18,11 @@ from prefixkv.kvcache.retention import PROMPT_CACHE_RETENTION
 from prefixkv.request_options import Retention
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
+from prefixkv.server.openai_tools import read_tools
 from prefixkv.server.protocol import CACHED_CONTENT, MAX_CACHED_CONTENT_CHARS, MAX_PROMPT_CACHE_KEY_CHARS
 from prefixkv.server.structured import from_responses_text
+from prefixkv.tools.grammar import tool_constraint
+from prefixkv.tools.spec import Tool, ToolCall, ToolChoice
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 _ROLES = ("user", "assistant", "system", "developer")
@@ -40,6 +46,8 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     metadata: dict[str, str] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None  # text.format: structured output (server/structured.py)
     # prefixkv / vLLM extensions, as on the other OpenAI routes
     cache_salt: str | None = None
@@ -50,34 +58,53 @@ class ResponsesRequest(BaseModel):
     def retention(self) -> Retention:
         return PROMPT_CACHE_RETENTION[self.prompt_cache_retention or "in_memory"]
 
+    @cached_property
+    def tool_spec(self) -> tuple[list[Tool], ToolChoice]:
+        return read_tools(self.tools, self.tool_choice, self.parallel_tool_calls, nested=False)
+
+    @property
+    def reads_calls(self) -> bool:
+        tools, choice = self.tool_spec
+        return bool(tools) and choice.mode != "none"
+
     def sampling_params(self) -> SamplingParams:
         """No max_output_tokens: up to the end of the context, as chat completions."""
+        tools, choice = self.tool_spec
         try:
+            constraint = tool_constraint(tools, choice, from_responses_text(self.text))
             return SamplingParams(
                 max_tokens=self.max_output_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
-                structured_outputs=from_responses_text(self.text),
+                structured_outputs=constraint,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None
 
-    def input_messages(self) -> list[dict[str, str]]:
-        """`input` as chat-template messages; 400 for what is not a text message."""
-        if self.tools:
-            raise APIError("tools are not supported on this server", param="tools", code="unsupported")
+    def input_messages(self) -> list[dict[str, Any]]:
+        """`input` as messages (prompt.py's render_messages writes their calls and results); 400 for an item
+        that is not a text message, a function call or a call's output."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         if not self.input:
             raise APIError("input must not be empty", param="input", code="invalid_value")
-        out = []
+        out: list[dict[str, Any]] = []
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
             role = item.get("role")
+            if kind == "function_call":
+                out = with_call(out, _call(item, i))
+                continue
+            if kind == "function_call_output":
+                output = item.get("output")
+                if not isinstance(output, str):
+                    output = _text(output, i)
+                out.append({"role": "tool", "content": output})
+                continue
             if kind != "message" or role not in _ROLES:
                 raise APIError(
-                    f"input[{i}]: only message items with a role of {', '.join(_ROLES)} are supported "
-                    f"(got type {kind!r}, role {role!r})",
+                    f"input[{i}]: only function_call, function_call_output and message items with a role of "
+                    f"{', '.join(_ROLES)} are supported (got type {kind!r}, role {role!r})",
                     param="input",
                     code="unsupported",
                 )
@@ -105,3 +132,19 @@ def _text(content: Any, i: int) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise APIError(f"input[{i}].content must be a string or a list of text parts", param="input")
+
+
+def _call(item: dict[str, Any], i: int) -> ToolCall:
+    name, arguments = item.get("name"), item.get("arguments")
+    if not isinstance(name, str) or not isinstance(arguments, str):
+        raise APIError(f"input[{i}]: a function_call item needs a name and an arguments string", param="input")
+    return ToolCall(str(item.get("call_id") or ""), name, arguments)
+
+
+def with_call(messages: list[dict[str, Any]], call: ToolCall) -> list[dict[str, Any]]:
+    """The messages with a call the model made: on its last assistant message when that is the last message
+    (the text and the calls of one answer), else on a new one."""
+    if messages and messages[-1]["role"] == "assistant":
+        last = messages[-1]
+        return [*messages[:-1], {**last, "tool_calls": [*last.get("tool_calls", []), call]}]
+    return [*messages, {"role": "assistant", "content": "", "tool_calls": [call]}]

@@ -113,26 +113,39 @@ def from_anthropic(
     return _schema(output_format.get("schema"), "output_format.schema")
 
 
-def _openapi_to_json_schema(schema: Any) -> Any:
+def _camel(key: str) -> str:
+    head, *rest = key.split("_")
+    return head + "".join(w[:1].upper() + w[1:] for w in rest)
+
+
+_INT64_KEYWORDS = {"maxLength", "minLength", "maxItems", "minItems", "maxProperties", "minProperties"}
+
+
+def openapi_to_json_schema(schema: Any) -> Any:
     """Gemini's responseSchema (OpenAPI 3.0 subset: "OBJECT", "STRING", nullable, ...) as JSON Schema."""
     if isinstance(schema, list):
-        return [_openapi_to_json_schema(s) for s in schema]
+        return [openapi_to_json_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
+        key = _camel(key)  # google-genai sends the schema's own keywords snake_case (max_length, any_of)
         if key == "type" and isinstance(value, str):
             out["type"] = value.lower()
         elif key in ("properties",) and isinstance(value, dict):
-            out[key] = {name: _openapi_to_json_schema(v) for name, v in value.items()}
+            out[key] = {name: openapi_to_json_schema(v) for name, v in value.items()}
         elif key in ("items", "anyOf"):
-            out[key] = _openapi_to_json_schema(value)
+            out[key] = openapi_to_json_schema(value)
         elif key == "propertyOrdering":
             continue  # the grammar keeps the properties' order as given
         elif key == "nullable":
             continue
+        elif key in _INT64_KEYWORDS and isinstance(value, str) and value.isdigit():
+            out[key] = int(value)  # protobuf JSON writes int64 as a string (google-genai sends "20")
         else:
             out[key] = value
+    if out.get("type") == "object" and "properties" in out:
+        out.setdefault("additionalProperties", False)  # the subset has no extra properties: only those declared
     if schema.get("nullable") and "type" in out:
         out["type"] = [out["type"], "null"]
     return out
@@ -154,7 +167,7 @@ def from_gemini(mime: str | None, openapi: Any, json_schema: Any) -> StructuredO
     if json_schema is not None:
         return _schema(json_schema, "generationConfig.responseJsonSchema")
     if openapi is not None:
-        return _schema(_openapi_to_json_schema(openapi), "generationConfig.responseSchema")
+        return _schema(openapi_to_json_schema(openapi), "generationConfig.responseSchema")
     if mime == "application/json":
         return StructuredOutputs(json_object=True)
     if mime not in ("text/plain", "text/x.enum"):

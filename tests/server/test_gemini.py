@@ -166,7 +166,7 @@ def test_bad_input_gets_gemini_errors_while_another_request_finishes(served):
     in_flight.start()
     image = types.Part.from_bytes(data=b"\x89PNG", mime_type="image/png")
     bad = [
-        (dict(contents=[image]), "only text parts"),
+        (dict(contents=[image]), "got 'inlineData'"),
         (dict(contents="Hi", config=config(candidate_count=2)), "candidateCount"),
         (dict(contents="Hi", config=config(cached_content="cachedContents/cache_none")), "not found"),
         (dict(contents="Hi", config=config(response_mime_type="text/csv")), "responseMimeType"),

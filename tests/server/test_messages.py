@@ -159,9 +159,16 @@ def test_anthropic_400s_lose_nothing(served):
             ),
             "maximum of 4",
         ),
-        (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), "only text blocks"),
+        (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), "got 'image'"),
         (dict(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "pre"}]), "last message"),
-        (dict(messages=[{"role": "user", "content": "hi"}], tools=[{"name": "t", "input_schema": {}}]), "tools"),
+        (
+            dict(
+                messages=[{"role": "user", "content": "hi"}],
+                tools=[{"name": "t", "input_schema": {"type": "object"}}],
+                tool_choice={"type": "tool", "name": "u"},
+            ),
+            "not among the tools",
+        ),
     ]
     for kwargs, message in cases:
         with pytest.raises(anthropic.BadRequestError, match=message) as info:

@@ -121,7 +121,7 @@ def test_stored_responses_and_errors_stay_with_their_tenant(served):
     with pytest.raises(openai.BadRequestError, match="not found"):
         bob.responses.create(model=served[1], previous_response_id=mine.id, input="Go on.", max_output_tokens=2)
     unsupported = [
-        ([{"type": "function_call_output", "call_id": "x", "output": "y"}], "only message items"),
+        ([{"type": "reasoning", "summary": []}], "got type 'reasoning'"),
         ([{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}], "only text parts"),
     ]
     for given, message in unsupported:
