@@ -59,10 +59,11 @@ def _response(
         logprobs = chat_logprobs(state.tokenizer, list(c.logprobs or [])) if body.logprobs else None
         message: dict = {"role": "assistant", "content": c.text}
         finish_reason = c.finish_reason
-        if body.reads_calls:
+        if body.reads_calls:  # a call cut short by max_tokens is dropped, as the stream drops it
             text, calls = split_answer(c.text, call_id)
+            message = {"role": "assistant", "content": text or None}
             if calls:
-                message = {"role": "assistant", "content": text or None, "tool_calls": [chat_call(x) for x in calls]}
+                message["tool_calls"] = [chat_call(x) for x in calls]
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         choices.append(
             {
