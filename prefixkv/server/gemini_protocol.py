@@ -89,7 +89,7 @@ class GenerateContentRequest(BaseModel):
 
     @property
     def reads_calls(self) -> bool:
-        return bool(self.tool_spec.tools) and self.tool_spec.choice.mode != "none"
+        return self.tool_spec.choice.reads_calls(self.tool_spec.tools)
 
     def messages(self) -> list[dict[str, str]]:
         """The chat messages to template (the function declarations written in); 400 for what this server

@@ -103,7 +103,7 @@ class MessagesRequest(BaseModel):
 
     @property
     def reads_calls(self) -> bool:
-        return bool(self.tool_spec.tools) and self.tool_spec.choice.mode != "none"
+        return self.tool_spec.choice.reads_calls(self.tool_spec.tools)
 
     def sampling_params(self) -> SamplingParams:
         """Anthropic's defaults: temperature 1, every token (top_p 1, no top_k)."""

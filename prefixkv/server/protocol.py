@@ -206,9 +206,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
     @property
     def reads_calls(self) -> bool:
-        """Whether calls are read out of the answer (tools offered and a choice other than none)."""
         tools, choice = self.tool_spec
-        return bool(tools) and choice.mode != "none"
+        return choice.reads_calls(tools)
 
     def output_constraint(self) -> StructuredOutputs | None:
         tools, choice = self.tool_spec

@@ -65,7 +65,7 @@ class ResponsesRequest(BaseModel):
     @property
     def reads_calls(self) -> bool:
         tools, choice = self.tool_spec
-        return bool(tools) and choice.mode != "none"
+        return choice.reads_calls(tools)
 
     def sampling_params(self) -> SamplingParams:
         """No max_output_tokens: up to the end of the context, as chat completions."""

@@ -45,6 +45,10 @@ class ToolChoice:
     name: str | None = None  # with mode "required": this function only
     parallel: bool = True
 
+    def reads_calls(self, tools: list[Tool]) -> bool:
+        """Whether calls are read out of the answer: tools offered and a choice other than none."""
+        return bool(tools) and self.mode != "none"
+
 
 @dataclass(frozen=True)
 class ToolCall:
