@@ -22,6 +22,10 @@ class BatchItem:
     # structured outputs: the tokens the grammar allows next, a packed bitmask (bit t of the little-endian 32-bit
     # words is token t; engine/constraints.py); the runner masks every other token's logit before sampling
     allowed: bytes | None = None
+    # penalties (SamplingParams.penalized): the request's tokens so far, prompt then output, and how many are the
+    # prompt's; None when no penalty is set, so an unpenalized step copies nothing
+    history: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -45,6 +45,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None  # what the output must match (grammar-constrained)
+    # penalties, as vLLM and OpenAI define them: presence and frequency subtract from the logits of tokens the
+    # output already holds (once, and once per occurrence); repetition (1.0: none) divides a positive logit of a
+    # token in the prompt or the output and multiplies a negative one; logit_bias adds to the named tokens' logits
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,9 +90,34 @@ class SamplingParams:
         for t in self.stop_token_ids or ():
             if not _is_int(t) or t < 0:
                 raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise bad(name, f"must be a finite number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be a finite number > 0 (1 is none), got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", f"must map token ids to numbers, got {type(self.logit_bias).__name__}")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise bad("logit_bias", f"keys must be token ids (non-negative integers), got {token!r}")
+                if not _is_number(bias) or not -100 <= bias <= 100:
+                    raise bad("logit_bias", f"values must be finite numbers in [-100, 100], got {bias!r} for {token}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise bad("structured_outputs", f"must be StructuredOutputs, got {type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler must see the request's tokens so far (any penalty set)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """logit_bias names tokens of this model only: checked when the request is added, as vLLM does."""
+        for token in self.logit_bias or ():
+            if token >= vocab_size:
+                raise ValueError(f"logit_bias: token id {token} is out of range for a vocabulary of {vocab_size}")

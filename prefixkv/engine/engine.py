@@ -79,12 +79,20 @@ class RunnerExecutor:
                     req.sampling_params,
                     req.num_output_tokens,
                     self.allowed(req) if sample else None,
+                    *_history(req, sample),
                 )
             )
         started = time.perf_counter()
         samples = self.runner.execute(items)
         self.seconds += time.perf_counter() - started
         return samples
+
+
+def _history(req: Request, sample: bool) -> tuple[list[int] | None, int]:
+    """What a penalized request's sampler reads: its tokens so far and how many are the prompt's."""
+    if not sample or not req.sampling_params.penalized:
+        return None, 0
+    return list(req.token_ids), req.num_prompt_tokens
 
 
 class Engine:
@@ -181,6 +189,7 @@ class Engine:
         if (parsed.cache_salt, parsed.lora_id) != (options.cache_salt, options.lora_id):
             options = replace(options, cache_salt=parsed.cache_salt, lora_id=parsed.lora_id)
         params = options.sampling
+        params.check_vocab(self.model_config.vocab_size)
         token_ids = parsed.token_ids
         max_tokens = max_tokens_for(len(token_ids), params, self.max_model_len, self.kv.num_pages * self.kv.page_size)
 

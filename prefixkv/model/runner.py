@@ -183,7 +183,12 @@ class ModelRunner:
         constrained = [(row, it.allowed) for row, it in enumerate(chosen) if it.allowed is not None]
         if constrained:
             logits = _mask_disallowed(logits, constrained)
-        samples = self.sampler(logits, [it.sampling_params for it in chosen], [it.num_output_tokens for it in chosen])
+        samples = self.sampler(
+            logits,
+            [it.sampling_params for it in chosen],
+            [it.num_output_tokens for it in chosen],
+            [None if it.history is None else (it.history, it.num_prompt_tokens) for it in chosen],
+        )
         for k, sample in zip(sample_at, samples):
             results[order[k]] = sample
         return results

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from prefixkv.batch import Sample
+from prefixkv.model.penalties import apply_penalties
 from prefixkv.sampling_params import SamplingParams
 
 _MASK_SEED = (1 << 63) - 1
@@ -31,10 +32,17 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        num_output_tokens: list[int],
+        histories: list[tuple[list[int], int] | None] | None = None,
     ) -> list[Sample]:
-        """logits: fp32 [N, vocab], one row per sampling request."""
+        """logits: fp32 [N, vocab], one row per sampling request; histories: each penalized row's tokens so far
+        and its prompt's length (penalties.py). Logprobs are of the logits after the grammar mask, logit_bias and
+        the penalties, before temperature (vLLM's "processed_logprobs")."""
         n = logits.shape[0]
+        logits = apply_penalties(logits, params, histories or [None] * n)
         greedy = [p.temperature == 0 for p in params]
         if all(greedy):
             token_ids = logits.argmax(dim=-1)

@@ -69,9 +69,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Same ids as `hf(text).input_ids` (the tokenizer's default special-token handling)."""
-        return list(self.hf(text).input_ids)
+        return list(self.hf(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def token_strings(self, ids: Iterable[int]) -> list[str]:
+        """Each id's vocabulary entry as the vocabulary spells it (byte-level BPE: a space is "Ġ")."""
+        return list(self.hf.convert_ids_to_tokens(list(ids)))
 
     def max_token_chars(self) -> int:
         """The most characters of text one token can stand for: the longest vocabulary entry. Byte-level BPE

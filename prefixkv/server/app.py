@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 
 from prefixkv.engine.client import EngineClient
-from prefixkv.server import admin, caches, chat, completions, gemini, messages, prewarm, responses
+from prefixkv.server import admin, caches, chat, completions, gemini, messages, prewarm, responses, tokenize
 from prefixkv.server.async_engine import AsyncEngine
 from prefixkv.server.auth import KeyRing, authenticate, isolation_mode, require_admin
 from prefixkv.server.cache_store_file import open_cache_store
@@ -85,6 +85,7 @@ def build_app(engine: EngineClient, options: ServingOptions | None = None) -> Fa
         prewarm.router,
         caches.router,
         gemini.router,
+        tokenize.router,
     )
     for router in routers:
         app.include_router(router, dependencies=[Depends(authenticate)])

@@ -32,7 +32,7 @@ from prefixkv.server.cache_store import ID_PREFIX, PAGE_TOKENS_HEADER, CacheEntr
 from prefixkv.server.cached_content import ENTRY_RETENTION_PRIORITY, owner_of
 from prefixkv.server.errors import APIError
 from prefixkv.server.prewarm import warm, warm_options
-from prefixkv.server.protocol import template_messages
+from prefixkv.server.protocol import MAX_PROMPT_CACHE_KEY_CHARS, template_messages
 from prefixkv.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -41,7 +41,7 @@ DEFAULT_TTL_SECONDS = 3600.0  # Gemini's default
 MAX_TTL_SECONDS = 365 * 86400.0
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
-_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)s\s*$")  # protobuf's JSON Duration: "300s", "1.5s"
 _TTL = "a duration as Gemini writes it ('300s', '1.5s') or a number of seconds; > 0, at most a year"
 _EXPIRE = "an RFC 3339 time with a zone ('2026-12-01T12:00:00Z'), in the future, within a year"
@@ -63,6 +63,11 @@ class CreateCacheRequest(BaseModel):
     display_name: str | None = Field(None, max_length=128)
     cache_salt: str | None = None
     user: str | None = None
+    prompt_cache_key: str | None = Field(
+        None,
+        max_length=MAX_PROMPT_CACHE_KEY_CHARS,
+        description="with --replicas, the session key the ingress places the entry by; one server only accepts it",
+    )
 
 
 class UpdateCacheRequest(BaseModel):

@@ -146,6 +146,10 @@ _PARAMS = {
     "top_logprobs",
     "priority",
     "cache_salt",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
 }
 
 
@@ -171,8 +175,22 @@ _OUT_OF_RANGE = {
 }
 
 
-def from_validation_error(exc: RequestValidationError) -> APIError:
-    """Turn pydantic's first complaint into one readable sentence that names the field."""
+def unknown_field(name: str, path: str) -> APIError:
+    """A field the API does not know, refused in that API's own words (the SDKs and users know them)."""
+    if is_gemini_path(path):
+        message = f'Invalid JSON payload received. Unknown name "{name}": Cannot find field.'
+    elif path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        message = f"{name}: Extra inputs are not permitted"
+    elif path.startswith("/v1/responses"):
+        message = f"Unknown parameter: '{name}'."
+    else:
+        message = f"Unrecognized request argument supplied: {name}"
+    return APIError(message, param=name, code="unknown_parameter")
+
+
+def from_validation_error(exc: RequestValidationError, path: str = "") -> APIError:
+    """Turn pydantic's first complaint into one readable sentence that names the field (path: the route, which
+    picks the API's wording for an unknown field)."""
     errors = exc.errors()
     if not errors:
         return APIError("invalid request body")
@@ -187,6 +205,8 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
         return APIError(f"Malformed JSON body: {detail}".rstrip(": "), param=None, code="invalid_json")
     if not loc:
         return APIError("Request body must be a JSON object", code="invalid_body")
+    if kind == "extra_forbidden":
+        return unknown_field(".".join(loc), path)
     if kind == "missing":
         return APIError(f"Missing required field '{param}'", param=param, code="missing_field")
     if sum(1 for e in errors if tuple(e.get("loc", ()))[1:2] == (param,)) > 1:  # no member of a union fits
@@ -204,7 +224,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_error(exc).response_for(request)
+        return from_validation_error(exc, request.url.path).response_for(request)
 
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, exc: ValueError) -> JSONResponse:

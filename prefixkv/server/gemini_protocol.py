@@ -20,6 +20,7 @@ from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.gemini_tools import ToolSpec, part_text, read_tools
 from prefixkv.server.protocol import MAX_CACHED_CONTENT_CHARS
+from prefixkv.server.request_fields import GEMINI_GENERATION_CONFIG, GEMINI_REQUEST, TableFields
 from prefixkv.server.structured import from_gemini
 from prefixkv.tools.grammar import tool_constraint
 from prefixkv.tools.prompt import render_messages
@@ -30,7 +31,7 @@ INT32_MAX = 2**31 - 1  # topK, seed and counts are int32 in Gemini's protos
 _ROLES = {"user": "user", "model": "assistant"}
 _PART_METADATA = {"thoughtSignature", "thought_signature", "partMetadata", "part_metadata"}  # ride along with text
 _CONFIG = ConfigDict(
-    extra="ignore",
+    extra="forbid",
     strict=True,
     allow_inf_nan=False,
     alias_generator=to_camel,
@@ -58,8 +59,9 @@ class Content(BaseModel):
     parts: list[Part] = Field(min_length=1)
 
 
-class GenerationConfig(BaseModel):
+class GenerationConfig(TableFields):
     model_config = _CONFIG
+    FIELDS = GEMINI_GENERATION_CONFIG
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: float | None = Field(None, ge=1, le=INT32_MAX, description="an integer (google-genai sends 5.0)")
@@ -67,13 +69,16 @@ class GenerationConfig(BaseModel):
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     candidate_count: int | None = Field(None, ge=1, le=INT32_MAX, description="1: one candidate per request")
     seed: int | None = Field(None, ge=-(2**31), le=INT32_MAX)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     response_mime_type: str | None = Field(None, max_length=128, description="text/plain or application/json")
     response_schema: dict[str, Any] | None = None
     response_json_schema: Any = None
 
 
-class GenerateContentRequest(BaseModel):
+class GenerateContentRequest(TableFields):
     model_config = _CONFIG
+    FIELDS = GEMINI_REQUEST
     model: str | None = Field(None, max_length=256, description="ignored: the URL names the model")
     contents: list[Content] = Field(min_length=1)
     system_instruction: Content | None = None
@@ -81,7 +86,6 @@ class GenerateContentRequest(BaseModel):
     cached_content: str | None = Field(None, max_length=MAX_CACHED_CONTENT_CHARS, description="cachedContents/ID")
     tools: list[dict[str, Any]] | None = None
     tool_config: dict[str, Any] | None = None
-    safety_settings: list[dict[str, Any]] | None = None  # accepted and ignored: this server filters nothing
 
     @cached_property
     def tool_spec(self) -> ToolSpec:
@@ -117,6 +121,8 @@ class GenerateContentRequest(BaseModel):
                 seed=config.seed,
                 stop=config.stop_sequences,
                 structured_outputs=constraint,
+                presence_penalty=config.presence_penalty or 0.0,
+                frequency_penalty=config.frequency_penalty or 0.0,
             )
         except ValueError as exc:
             raise from_value_error(exc) from None
@@ -160,9 +166,10 @@ class CreateCachedContentRequest(BaseModel):
 
 
 class UpdateCachedContentRequest(BaseModel):
-    """PATCH: only the expiry changes (as on Gemini); the rest of the resource may come along and is ignored."""
+    """PATCH: only the expiry changes (as on Gemini); the rest of the resource may come along and is ignored
+    (Gemini's clients send the whole resource with an update mask)."""
 
-    model_config = _CONFIG
+    model_config = ConfigDict(**{**_CONFIG, "extra": "ignore"})
     ttl: str | None = Field(None, max_length=64, description="a duration, '300s'; exactly one of ttl, expireTime")
     expire_time: str | None = Field(None, max_length=64, description="RFC 3339 with a zone")
 

@@ -22,13 +22,14 @@ from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.anthropic_tools import ToolSpec, block_text, read_tools
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.protocol import CACHED_CONTENT, MAX_CACHED_CONTENT_CHARS
+from prefixkv.server.request_fields import COUNT_TOKENS, MESSAGES, TableFields
 from prefixkv.server.structured import from_anthropic
 from prefixkv.tools.grammar import tool_constraint
 from prefixkv.tools.prompt import tool_block, tool_block_through
 
 CACHE_TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 MAX_BREAKPOINTS = 4  # Anthropic's cap, the top-level one included
-_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class CacheControl(BaseModel):
@@ -67,8 +68,9 @@ class Conversation:
         return [*self.messages[: bp.message], {**self.messages[bp.message], "content": bp.text}]
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(TableFields):
     model_config = _STRICT
+    FIELDS = MESSAGES
 
     model: str
     max_tokens: int = Field(ge=0, description="0 prewarms: the prompt is computed and cached, nothing generated")
@@ -220,11 +222,12 @@ def _check_breakpoints(breakpoints: list[Breakpoint]) -> None:
             )
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(TableFields):
     """POST /v1/messages/count_tokens: the fields that make the prompt. cached_content (prefixkv's extension)
     comes with the fields /v1/messages finds the entry by (metadata.user_id, cache_salt), so both count alike."""
 
     model_config = _STRICT
+    FIELDS = COUNT_TOKENS
 
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)

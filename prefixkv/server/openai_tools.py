@@ -25,12 +25,6 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(message, param=param, code="invalid_value")
 
 
-def refuse_removed(fields: dict[str, Any]) -> None:
-    for name, replacement in REMOVED.items():
-        if fields.get(name) is not None:
-            raise APIError(f"{name} is deprecated and not served; use {replacement}", param=name, code="unsupported")
-
-
 def _tool(spec: Any, param: str, nested: bool) -> Tool:
     if not isinstance(spec, dict) or spec.get("type") != "function":
         kind = spec.get("type") if isinstance(spec, dict) else None

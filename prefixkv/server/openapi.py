@@ -80,7 +80,14 @@ _GEMINI_MODEL_PATHS = (  # the model is in the path: another one is a 404
     *_GEMINI_STREAM_PATHS,
     "/v1beta/models/{model}",
 )
-_MODEL_PATHS = (*_GENERATION_PATHS, "/v1/messages/count_tokens", "/v1/cache/prewarm", *_GEMINI_MODEL_PATHS)
+_MODEL_PATHS = (
+    *_GENERATION_PATHS,
+    "/v1/messages/count_tokens",
+    "/v1/cache/prewarm",
+    "/tokenize",
+    "/detokenize",
+    *_GEMINI_MODEL_PATHS,
+)
 # what ChatCompletionRequest.template_messages accepts (the model keeps it a plain dict, so a bad message
 # gets that method's 400 naming messages[i])
 _MESSAGE = {

@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI API (the fields prefixkv honours), plus vLLM's extensions.
 
-Unknown fields are ignored, as OpenAI-compatible servers usually do. Types are strict where OpenAI's are
+Every field is honoured, accepted with no effect, or refused with a 400 naming it (request_fields.py); an
+unknown field is a 400 as OpenAI answers one. Types are strict where OpenAI's are
 ("2" is not an integer, "yes" is not a boolean; an integer is a valid float), and floats must be finite
 (Python's JSON parser accepts NaN and Infinity). The ranges are declared on the fields, so /openapi.json tells
 a client what is accepted; SamplingParams checks them again for the Python API. Each bad field gets a 400 that
@@ -18,8 +19,9 @@ from prefixkv.kvcache.retention import PROMPT_CACHE_RETENTION
 from prefixkv.request_options import Retention
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
-from prefixkv.server.openai_tools import read_calls, read_tools, refuse_removed
-from prefixkv.server.structured import REMOVED_GUIDED, from_openai, refuse_removed_guided
+from prefixkv.server.openai_tools import read_calls, read_tools
+from prefixkv.server.request_fields import CHAT, COMPLETIONS, TableFields
+from prefixkv.server.structured import from_openai
 from prefixkv.structured_outputs import StructuredOutputs
 from prefixkv.tools.grammar import tool_constraint
 from prefixkv.tools.prompt import render_messages
@@ -34,7 +36,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's, also when a client sends max_tok
 MAX_PROMPT_CACHE_KEY_CHARS = 1024
 MAX_CACHED_CONTENT_CHARS = 256  # a /v1/caches entry's name
 CACHED_CONTENT = "a /v1/caches entry (id or name) to serve the request on top of (as Gemini's cachedContent)"
-_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -42,7 +44,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class PromptCacheFields(BaseModel):
+class PromptCacheFields(TableFields):
     """OpenAI's prompt-cache fields, on every request that fills the cache."""
 
     model_config = _STRICT
@@ -76,9 +78,15 @@ class _GenerationRequest(PromptCacheFields):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit; ids come from /tokenize"
+    )
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, description="1 is none; > 1 discourages repeating")
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
@@ -91,13 +99,6 @@ class _GenerationRequest(PromptCacheFields):
     # structured outputs (server/structured.py): OpenAI's response_format, vLLM's structured_outputs
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
-    # vLLM's removed guided decoding fields: a 400 naming the replacement
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -109,7 +110,6 @@ class _GenerationRequest(PromptCacheFields):
             raise APIError(f"n must be at most {max_n} on this server, got {self.n}", param="n", code="invalid_value")
 
     def output_constraint(self) -> StructuredOutputs | None:
-        refuse_removed_guided({name: getattr(self, name) for name in REMOVED_GUIDED})
         return from_openai(self.response_format, self.structured_outputs)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -130,12 +130,27 @@ class _GenerationRequest(PromptCacheFields):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 structured_outputs=constraint,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=_token_biases(self.logit_bias),
             )
         except ValueError as exc:
             raise from_value_error(exc) from None
 
 
+def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings (JSON object keys): "50256" -> 50256."""
+    if not logit_bias:
+        return None
+    bad = next((k for k in logit_bias if not k.isdigit()), None)
+    if bad is not None:
+        raise APIError(f"logit_bias keys must be token ids, got {bad!r}", param="logit_bias", code="invalid_value")
+    return {int(k): v for k, v in logit_bias.items()}
+
+
 class CompletionRequest(_GenerationRequest):
+    FIELDS = COMPLETIONS
     prompt: str | list[int] | list[str | list[int]] = Field(
         description="a string, a list of token ids, or a list of either; at most the server's "
         "--max-prompts-per-request prompts (default 1024)"
@@ -144,7 +159,6 @@ class CompletionRequest(_GenerationRequest):
         DEFAULT_COMPLETION_MAX_TOKENS, ge=1, description="null means OpenAI's default for completions, 16"
     )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
 
     def prompts(self, max_prompts: int, max_n: int) -> list[str | list[int]]:
         """The prompt field as a list of prompts (a string, a token-id list, or a list of either), within the
@@ -176,8 +190,6 @@ class CompletionRequest(_GenerationRequest):
         for x in prompts:
             if len(x) == 0:
                 raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
-        if self.echo:
-            raise APIError("echo is not supported", param="echo", code="unsupported")
         return prompts
 
     def sampling_params(self) -> SamplingParams:
@@ -187,21 +199,20 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    FIELDS = CHAT
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # tool calls (prefixkv/tools/, server/openai_tools.py); functions / function_call: a 400 naming these
+    modalities: list[Literal["text"]] | None = Field(None, description="text is the only output")
+    # tool calls (prefixkv/tools/, server/openai_tools.py)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    functions: Any = None
-    function_call: Any = None
 
     @cached_property
     def tool_spec(self) -> tuple[list[Tool], ToolChoice]:
         """The request's tools and tool choice, read and checked once."""
-        refuse_removed({"functions": self.functions, "function_call": self.function_call})
         return read_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @property

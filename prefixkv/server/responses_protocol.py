@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from prefixkv.kvcache.retention import PROMPT_CACHE_RETENTION
 from prefixkv.request_options import Retention
@@ -20,17 +20,19 @@ from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.openai_tools import read_tools
 from prefixkv.server.protocol import CACHED_CONTENT, MAX_CACHED_CONTENT_CHARS, MAX_PROMPT_CACHE_KEY_CHARS
+from prefixkv.server.request_fields import RESPONSES, TableFields
 from prefixkv.server.structured import from_responses_text
 from prefixkv.tools.grammar import tool_constraint
 from prefixkv.tools.spec import Tool, ToolCall, ToolChoice
 
-_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(TableFields):
     model_config = _STRICT
+    FIELDS = RESPONSES
 
     model: str | None = None
     input: str | list[dict[str, Any]]

@@ -96,6 +96,13 @@ class ServerState:
                 out.append(p)
         return out
 
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """One text's token ids, in the tokenizer worker; refused as a prompt is when it cannot fit the context."""
+        self.check_prompt_chars(len(text), "prompt")
+        ids = await self._in_worker(_encode, self.tokenizer, text, add_special_tokens)
+        self.check_prompt_tokens(len(ids), "prompt")
+        return ids
+
     async def tokenize_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """The engine prompt for chat messages (already checked by ChatCompletionRequest.template_messages);
         without the generation prompt: a conversation's prefix, as a /v1/caches entry holds it."""
@@ -145,6 +152,10 @@ class ServerState:
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.server
+
+
+def _encode(tokenizer: EngineTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens)
 
 
 def _chat_prompt(

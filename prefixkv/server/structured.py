@@ -45,12 +45,6 @@ def _schema(value: Any, param: str) -> StructuredOutputs:
     return _structured(param, json=value)
 
 
-def refuse_removed_guided(body: dict[str, Any] | None) -> None:
-    for name, replacement in REMOVED_GUIDED.items():
-        if body and body.get(name) is not None:
-            raise APIError(f"{name} was removed (as in vLLM); use {replacement}", param=name, code="unsupported")
-
-
 def from_openai(
     response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
 ) -> StructuredOutputs | None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from prefixkv.model.penalties import apply_penalties
 from prefixkv.model.sampler import Sampler
 from prefixkv.sampling_params import SamplingParams
 
@@ -62,3 +64,55 @@ def test_logprobs():
     assert out[0].top_logprobs[0][0] == out[0].token_id
     assert math.isclose(out[1].logprob, ref[1, out[1].token_id].item(), rel_tol=1e-5)
     assert [v for _, v in out[0].top_logprobs] == sorted((v for _, v in out[0].top_logprobs), reverse=True)
+
+
+def test_logit_bias_and_penalties_follow_their_definitions():
+    """logit_bias adds; frequency subtracts per output occurrence, presence once; repetition divides a positive
+    logit and multiplies a negative one of any token in the prompt or the output (vLLM's definitions)."""
+    x = torch.zeros(1, V)
+    x[0, 1], x[0, 2], x[0, 3] = 4.0, -2.0, 1.0
+    history = ([1, 2, 3, 3], 2)  # prompt [1, 2], output [3, 3]
+    cases = [
+        (SamplingParams(temperature=0, logit_bias={5: 10.0}), {5: 10.0, 1: 4.0}),
+        (SamplingParams(temperature=0, frequency_penalty=0.5), {3: 0.0, 1: 4.0}),
+        (SamplingParams(temperature=0, presence_penalty=0.5), {3: 0.5, 1: 4.0}),
+        (SamplingParams(temperature=0, repetition_penalty=2.0), {1: 2.0, 2: -4.0, 3: 0.5, 4: 0.0}),
+    ]
+    for params, expected in cases:
+        changed = _processed(x, params, history)
+        for token, value in expected.items():
+            assert changed[token] == value, (params, token)
+
+
+def _processed(x: torch.Tensor, params: SamplingParams, history) -> torch.Tensor:
+    return apply_penalties(x, [params], [history if params.penalized else None])[0]
+
+
+def test_a_penalized_row_is_the_same_alone_or_batched_and_masked_tokens_stay_masked():
+    x = logits(3)
+    x[1, 7] = float("-inf")  # a token the grammar blocked
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, frequency_penalty=2.0, repetition_penalty=1.3, logit_bias={7: 100.0}),
+        SamplingParams(temperature=0.7, seed=3, presence_penalty=-1.0),
+    ]
+    histories = [None, ([4, 7, 9, 9], 1), ([x[2].argmax().item()], 0)]
+    batched = Sampler(0)(x, params, [0, 3, 1], histories)
+    alone = [Sampler(0)(x[i : i + 1], [params[i]], [[0, 3, 1][i]], [histories[i]])[0] for i in range(3)]
+    assert [s.token_id for s in batched] == [s.token_id for s in alone]
+    assert batched[1].token_id != 7
+    assert apply_penalties(x, params, histories)[1, 7] == float("-inf")
+
+
+def test_bad_penalties_are_value_errors_that_name_the_field():
+    for kwargs, field in [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {3: 101.0}}, "logit_bias"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match="logit_bias: token id 5000"):
+        SamplingParams(logit_bias={5000: 1.0}).check_vocab(V)
