@@ -52,6 +52,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # a max_tokens past what the context (and the KV pool) leaves is lowered to what fits instead of refused; the
+    # answer then ends with finish_reason "length" there (clients that always ask for their own maximum)
+    clamp_max_tokens: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

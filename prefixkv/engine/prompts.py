@@ -71,8 +71,9 @@ def parse_prompt(
 
 
 def max_tokens_for(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, pool_tokens: int) -> int:
-    """The tokens the request may generate (params.max_tokens, or what the context leaves); ValueError when the
-    prompt leaves none, or prompt plus output exceed the context or the KV pool."""
+    """The tokens the request may generate (params.max_tokens, or what the context leaves, or with
+    clamp_max_tokens the smaller of the two); ValueError when the prompt leaves none, or prompt plus output exceed
+    the context or the KV pool."""
     n = num_prompt_tokens
     if n >= max_model_len:
         raise ValueError(
@@ -80,6 +81,8 @@ def max_tokens_for(num_prompt_tokens: int, params: SamplingParams, max_model_len
             f"{max_model_len}; at least one token must be left to generate"
         )
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n
+    if params.clamp_max_tokens:
+        max_tokens = max(1, min(max_tokens, max_model_len - n, pool_tokens - n))
     if n + max_tokens > max_model_len:
         raise ValueError(
             f"max_tokens={max_tokens} with a {n}-token prompt exceeds max_model_len="

@@ -53,6 +53,7 @@ def build_app(engine: EngineClient, options: ServingOptions | None = None) -> Fa
         max_n=options.max_n,
         max_prompts_per_request=options.max_prompts_per_request,
         allow_special_tokens_in_content=options.allow_special_tokens_in_content,
+        clamp_max_tokens=options.clamp_max_tokens,
         prefix_caching=engine.config.prefix_cache != "off",
         caches=cache_store,
     )

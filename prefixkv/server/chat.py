@@ -42,7 +42,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
         messages = [*entry.messages, *messages]
     prompt = await state.tokenize_chat(messages)  # templated and tokenized in a worker thread
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    options = body_options(state, raw, body, params, use_retention(entry, body.retention(), prompt))
+    options = body_options(state, raw, body, params, use_retention(entry, body.retention(), prompt), api="chat")
     group = await submit(state, request_id, [prompt], options, body.stream)
     created = int(time.time())
     events = _stream(state, body, group, request_id, model, created) if body.stream else None

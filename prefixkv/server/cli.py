@@ -12,7 +12,7 @@ from prefixkv.prewarm import prewarm_from_file, read_prewarm_file
 from prefixkv.router import POLICIES
 from prefixkv.server.auth import DEFAULT_TENANT, TENANT_ISOLATION, KeyFileError, read_key_file
 from prefixkv.server.limits import add_limit_arguments, limits_from_args
-from prefixkv.server.options import ServingOptions
+from prefixkv.server.options import CLAMP_APIS, DEFAULT_CLAMP_MAX_TOKENS, ServingOptions
 from prefixkv.server.protocol import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 
 
@@ -59,6 +59,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "forge turns; off by default)",
     )
     p.add_argument(
+        "--clamp-max-tokens",
+        type=_clamp_apis,
+        default=DEFAULT_CLAMP_MAX_TOKENS,
+        metavar="APIS",
+        help="the APIs whose max_tokens, when past what the context leaves, is lowered to what fits (the answer "
+        "ends with the API's length finish reason) instead of refused with a 400: a comma list of "
+        f"{', '.join(CLAMP_APIS)}, or all, or none (default: messages, as Claude Code asks for 32000)",
+    )
+    p.add_argument(
         "--replicas",
         type=int,
         default=1,
@@ -85,6 +94,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_limit_arguments(p)
+
+
+def _clamp_apis(value: str) -> frozenset[str]:
+    names = {v.strip() for v in value.split(",") if v.strip()}
+    if names == {"all"}:
+        return frozenset(CLAMP_APIS)
+    if names == {"none"}:
+        return frozenset()
+    unknown = sorted(names - set(CLAMP_APIS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown API {unknown[0]!r}: give {', '.join(CLAMP_APIS)}, all or none")
+    return frozenset(names)
 
 
 def checked_app_options(args: argparse.Namespace) -> ServingOptions | None:
@@ -117,6 +138,7 @@ def checked_app_options(args: argparse.Namespace) -> ServingOptions | None:
             max_n=args.max_n,
             max_prompts_per_request=args.max_prompts_per_request,
             allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+            clamp_max_tokens=args.clamp_max_tokens,
             limits=limits_from_args(args),
         )
     except ValueError as exc:  # --max-n 0: said before the model loads, not after

@@ -32,7 +32,7 @@ async def create_completion(body: CompletionRequest, raw: Request):
     entry = entry_for(state, raw, body.cached_content, "prompt", body.user, body.cache_salt)
     if entry is not None:  # served on top of a /v1/caches entry: its tokens, then each prompt's
         prompts = await prefixed_prompts(state, entry, prompts)
-    options = body_options(state, raw, body, params, use_retention(entry, body.retention()))
+    options = body_options(state, raw, body, params, use_retention(entry, body.retention()), api="completions")
     group = await submit(state, request_id, prompts, options, body.stream)
     created = int(time.time())
     events = _stream(state, body, group, request_id, model, created) if body.stream else None

@@ -132,7 +132,7 @@ async def _generate(model: str, body: GenerateContentRequest, raw: Request, stre
         messages = [*entry.messages, *messages]
     prompt = await state.tokenize_chat(messages)
     response_id = uuid.uuid4().hex
-    options = request_options(state, raw, params, retention=use_retention(entry, NO_RETENTION, prompt))
+    options = request_options(state, raw, params, retention=use_retention(entry, NO_RETENTION, prompt), api="gemini")
     group = await submit(state, f"gemini-{response_id}", [prompt], options, stream)
     meta = {"modelVersion": served, "responseId": response_id}
     calls = body.reads_calls

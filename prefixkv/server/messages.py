@@ -59,7 +59,7 @@ async def create_message(body: MessagesRequest, raw: Request):
     ]
     message_id = f"msg_{uuid.uuid4().hex}"
     retention = use_retention(entry, Retention(spans=tuple(spans)), prompt)
-    options = body_options(state, raw, body, params, retention, prefill_only=body.max_tokens == 0)
+    options = body_options(state, raw, body, params, retention, prefill_only=body.max_tokens == 0, api="messages")
     group = await submit(state, message_id, [prompt], options, body.stream)
     accounting = _Accounting(state, len(prompt), spans)
     accounting.explain_cache_miss = body.explain_cache_miss

@@ -4,11 +4,13 @@ every route honours go through here, so no dialect can forget one.
 The route passes what its own body says (sampling, priority, the client's cache salt and user, the grouping
 hint, retention, prewarm); this adds what belongs to the HTTP request rather than to any API's body: the tenant
 bound into the cache salt (auth.py), the agent-session headers (session_hints.py) and a router's
-held-elsewhere hint (router_hints.py). A bad value is a 400 in the route's error shape.
+held-elsewhere hint (router_hints.py), and, for an API the server clamps (--clamp-max-tokens), a max_tokens
+lowered to what fits instead of a 400. A bad value is a 400 in the route's error shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
 from fastapi import Request
@@ -45,6 +47,8 @@ def body_options(
     sampling: SamplingParams,
     retention: Retention = NO_RETENTION,
     prefill_only: bool = False,
+    *,
+    api: str,
 ) -> RequestOptions:
     """request_options for a body with the shared cache fields (and OpenAI's prompt_cache_key where it has one)."""
     return request_options(
@@ -57,6 +61,7 @@ def body_options(
         prompt_cache_key=getattr(body, "prompt_cache_key", None),
         retention=retention,
         prefill_only=prefill_only,
+        api=api,
     )
 
 
@@ -71,7 +76,11 @@ def request_options(
     prompt_cache_key: str | None = None,
     retention: Retention = NO_RETENTION,
     prefill_only: bool = False,
+    api: str | None = None,
 ) -> RequestOptions:
+    """api: the route's API (options.CLAMP_APIS), None where no client's max_tokens is in play (prewarm)."""
+    if api in state.clamp_max_tokens:
+        sampling = dataclasses.replace(sampling, clamp_max_tokens=True)
     try:
         return RequestOptions(
             sampling,

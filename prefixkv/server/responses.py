@@ -62,7 +62,9 @@ async def create_response(body: ResponsesRequest, raw: Request):
         raise APIError(f"input: {exc}", param="input", code="invalid_value") from None
     prompt = await state.tokenize_chat(messages)
     response_id = f"resp_{uuid.uuid4().hex}"
-    options = body_options(state, raw, body, body.sampling_params(), use_retention(entry, body.retention(), prompt))
+    options = body_options(
+        state, raw, body, body.sampling_params(), use_retention(entry, body.retention(), prompt), api="responses"
+    )
     group = await submit(state, response_id, [prompt], options, body.stream)
     made = _Made(state, owner, body, response_id, model, turn)
     if body.stream:

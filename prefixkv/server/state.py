@@ -48,6 +48,7 @@ class ServerState:
     max_n: int = DEFAULT_MAX_N  # completions per prompt
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # prompts in one /v1/completions request
     allow_special_tokens_in_content: bool = False  # chat content may contain control tokens (unsafe)
+    clamp_max_tokens: frozenset[str] = frozenset()  # APIs whose max_tokens is lowered to what fits (options.py)
     max_prompt_chars: int = 0  # longer prompt text cannot fit max_model_len tokens: refused untokenized
     prefix_caching: bool = True  # False with prefix_cache "off": nothing is read from or written to a cache
     responses: ResponseStore = field(default_factory=ResponseStore)  # what /v1/responses stored
