@@ -6,7 +6,8 @@ built-in format (prompt.py) and to its function's JSON Schema, so even a 135M mo
   lexeme (text that ends at the first `<tool_call>`): the grammar engine's lexer is greedy, so a separate text
   lexeme would swallow the tag. A client's JSON response format replaces the free text (the answer is the JSON
   object, or calls).
-- required: one call or more; a named choice: calls to that function only.
+- required: one call or more; a named choice: one call to that function, as vLLM and SGLang serve it (the client
+  forced that call; a small model would otherwise repeat it until max_tokens).
 - parallel off: exactly one call, and the grammar ends the answer after it.
 Arguments are compact JSON (no free whitespace) in the schema's key order, as the structured outputs' JSON is.
 """
@@ -53,7 +54,8 @@ def tool_constraint(tools: list[Tool], choice: ToolChoice, text: StructuredOutpu
     heads = [_lark_string(call_prefix(t.name)[len(CALL_OPEN) :]) for t in offered]
     bodies = " | ".join(f'{head} args{i} "}}"' for i, head in enumerate(heads))
     rules.append(f"body: {bodies}")
-    more = f"({_lark_string(CALL_CLOSE + CALL_SEPARATOR + CALL_OPEN)} body)*" if choice.parallel else ""
+    parallel = choice.parallel and choice.name is None
+    more = f"({_lark_string(CALL_CLOSE + CALL_SEPARATOR + CALL_OPEN)} body)*" if parallel else ""
     rest = f"body {more} {_lark_string(CALL_CLOSE)}"
     if choice.mode == "required":
         start = f"start: {_lark_string(CALL_OPEN)} {rest}"
