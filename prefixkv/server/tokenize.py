@@ -71,8 +71,7 @@ class DetokenizeRequest(TableFields):
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, raw: Request) -> dict:
     state = server_state(raw)
-    if body.model is not None:
-        state.check_model(body.model)
+    state.check_model(body.model)  # an omitted model is the served one
     if body.messages is not None:
         tools, _ = read_tools(body.tools, None, None)
         ids = await state.tokenize_chat(template_messages(body.messages, tools), body.add_generation_prompt)
@@ -86,8 +85,7 @@ async def tokenize(body: TokenizeRequest, raw: Request) -> dict:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, raw: Request) -> dict:
     state = server_state(raw)
-    if body.model is not None:
-        state.check_model(body.model)
+    state.check_model(body.model)  # an omitted model is the served one
     vocab = state.tokenizer.vocab_size
     for i, t in enumerate(body.tokens):
         if not 0 <= t < vocab:
