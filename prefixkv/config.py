@@ -153,6 +153,13 @@ class EngineConfig:
         "entries (with a warning)",
         KV_OFFLOAD_ON_MISMATCH,
     )
+    jump_forward: bool = _option(
+        True,
+        "structured outputs and tool calls: append the tokens the grammar forces (a JSON key, the punctuation "
+        "between fields) without sampling them, computed as one chunk in the next step (SGLang's jump-forward); "
+        "they are llguidance's own tokenization of the forced text, which a model sampling one token at a time "
+        "could have spelled otherwise (docs/server.md, Structured outputs); off for requests that ask logprobs",
+    )
     num_threads: int | None = _option(None, "torch CPU threads (default: all cores)")
     seed: int | None = _option(
         0,
@@ -183,8 +190,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a ZeroMQ address (tcp://, ipc:// or inproc://), got {endpoint!r}")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (there is nothing to replay)")
-        if not isinstance(self.debug_nan_kv, bool):
-            raise ValueError(f"debug_nan_kv must be True or False, got {self.debug_nan_kv!r}")
+        for name in ("debug_nan_kv", "jump_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.retained_pool_fraction, (int, float)) or not 0 <= self.retained_pool_fraction <= 1:
             raise ValueError(f"retained_pool_fraction must be in [0, 1], got {self.retained_pool_fraction!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "lpm_k"):

@@ -3,7 +3,8 @@
 The engine starts one ConstrainedOutput per constrained sequence at add_request (a bad schema, regex or grammar
 is a ValueError there, so a 400 at the server's doors), asks it before each sampling step which tokens may come
 next (a packed bitmask the runner applies to the logits: plain bytes, no tensor crosses), and tells it each
-token sampled. The grammar engine is handed to the engine by the composition root, so this package imports none.
+token sampled. With jump-forward on, it also asks which tokens the grammar forces next, and appends them without
+sampling (engine.py). The grammar engine is handed to the engine by the composition root, so this package imports none.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ class ConstrainedOutput(Protocol):
 
     def accept(self, token_id: int) -> None:
         """The sampled token (always one allowed() admitted)."""
+        ...
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next, whatever the model would sample (empty when it has a choice). They
+        end before any token that could merge with what follows, so the model's own tokenization of the rest is
+        not cut off (token healing); the engine accepts each one it appends."""
         ...
 
     @property

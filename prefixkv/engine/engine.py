@@ -150,7 +150,8 @@ class Engine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._computed_tokens = 0
-        self._aborted_outputs: list[RequestOutput] = []
+        self._jump_forward_tokens = 0  # output tokens the grammar forced, appended without sampling
+        self._pending_outputs: list[RequestOutput] = []
 
     @property
     def components(self) -> list[StepComponent]:
@@ -223,7 +224,11 @@ class Engine:
         self.sessions.on_add(sequences[0].request)
         for seq in sequences:
             self._seqs[seq.request.request_id] = seq
-            self.core.add(seq.request)
+            if not self._jump_forward(seq):  # what the grammar forces first is computed with the prompt
+                self.core.add(seq.request)
+        if all(seq.finish_reason is not None for seq in sequences):  # forced to its end: reported by the next step
+            self._pending_outputs.append(build_output(parent))
+            del self._parents[request_id]
         self._prompt_tokens += len(token_ids) * params.n
         return request_id
 
@@ -234,17 +239,17 @@ class Engine:
         for seq in parent.sequences:
             if seq.finish_reason is None:
                 self._finish(seq, RequestStatus.FINISHED_ABORTED)
-        self._aborted_outputs.append(build_output(parent))
+        self._pending_outputs.append(build_output(parent))
         self._parents.pop(parent.request_id, None)
 
     # -- the loop -------------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents or self._aborted_outputs)  # aborted outputs are reported by the next step()
+        return bool(self._parents or self._pending_outputs)  # aborted or forced to the end: next step() reports
 
     def step(self) -> list[RequestOutput]:
         """One step of the engine core, then what its samples mean: tokens, text, stop rules, outputs (of the
         requests this step touched, and of those aborted since the last step)."""
-        outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs, self._pending_outputs = self._pending_outputs, []
         self.sessions.run_timers()  # read-aheads due before this step's schedule looks the requests up
         result = self.core.step()
         self._computed_tokens += result.scheduled.num_batched_tokens
@@ -286,15 +291,37 @@ class Engine:
         self.core.flush()
 
     def _on_token(self, seq: SequenceState, sample: Sample, now: float) -> None:
-        """The scheduler has appended the sampled token: record its logprobs and text, and apply stop rules."""
+        """The scheduler has appended the sampled token: record its logprobs and text, apply stop rules, then
+        jump forward over what the grammar forces after it."""
         req = seq.request
-        token = sample.token_id
         self._generation_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
         if seq.logprobs is not None:
             seq.logprobs.append(sample)
             seq.cumulative_logprob += sample.logprob or 0.0
+        if not self._take(seq, sample.token_id):
+            self._jump_forward(seq)
+
+    def _jump_forward(self, seq: SequenceState) -> bool:
+        """With jump_forward on, append the tokens the grammar forces now (they are computed as one chunk in
+        the next step, which samples after them); True when one of them ended the request. Not for a request
+        that asks logprobs: a forced token has no sampled distribution to report."""
+        req = seq.request
+        if not self.config.jump_forward or seq.constraint is None or seq.logprobs is not None:
+            return False
+        for token in seq.constraint.forced()[: req.max_tokens - req.num_output_tokens]:
+            req.token_ids.append(token)
+            self._generation_tokens += 1
+            self._jump_forward_tokens += 1
+            if self._take(seq, token):
+                return True
+        return False
+
+    def _take(self, seq: SequenceState, token: int) -> bool:
+        """One output token (already in the request's tokens): its text, the grammar, the stop rules; True when
+        it ended the request."""
+        req = seq.request
         params = req.sampling_params
         stop_str = seq.detok.add(token)
         constraint = seq.constraint
@@ -302,21 +329,22 @@ class Engine:
             constraint.accept(token)
         if stop_str is not None:
             seq.stop_reason = stop_str
-            self._finish(seq, RequestStatus.FINISHED_STOPPED)
         elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             seq.stop_reason = None
-            self._finish(seq, RequestStatus.FINISHED_STOPPED)
         elif token in (params.stop_token_ids or ()):
             seq.stop_reason = token
-            self._finish(seq, RequestStatus.FINISHED_STOPPED)
         elif constraint is not None and (constraint.finished or constraint.error is not None):
             # the grammar is complete (or its matcher failed): nothing more may follow
             if constraint.error is not None:
                 logger.warning("request %s: structured output matcher failed: %s", req.request_id, constraint.error)
             seq.stop_reason = None
-            self._finish(seq, RequestStatus.FINISHED_STOPPED)
         elif req.num_output_tokens >= req.max_tokens:
             self._finish(seq, RequestStatus.FINISHED_LENGTH)
+            return True
+        else:
+            return False
+        self._finish(seq, RequestStatus.FINISHED_STOPPED)
+        return True
 
     def _allowed(self, request: Request) -> bytes | None:
         seq = self._seqs.get(request.request_id)
@@ -345,6 +373,7 @@ class Engine:
             num_steps=self.scheduler.step_count,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
+            jump_forward_tokens_total=self._jump_forward_tokens,
             computed_tokens_total=self._computed_tokens,
             model_seconds_total=self._executor.seconds,
             prefix_cache_readmission_queries=kv.stats.readmission_queries,

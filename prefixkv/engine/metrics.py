@@ -20,6 +20,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     computed_tokens_total: int  # tokens that went through the model (prompt tokens minus hits, plus recompute)
+    jump_forward_tokens_total: int = 0  # of generation_tokens_total: forced by a grammar, appended unsampled
     model_seconds_total: float = 0.0  # wall time inside the model runner (forward pass and sampling)
     # prefix_cache_queries/hits count first admissions only; a request re-admitted after preemption is counted here
     prefix_cache_readmission_queries: int = 0

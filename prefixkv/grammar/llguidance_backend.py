@@ -64,6 +64,10 @@ class LLGuidanceOutput:
     def accept(self, token_id: int) -> None:
         self.matcher.consume_token(token_id)
 
+    def forced(self) -> list[int]:
+        # llguidance's fast-forward tokens: already cut before the last token a longer one could replace
+        return self.matcher.compute_ff_tokens()
+
     @property
     def finished(self) -> bool:
         return self.matcher.is_stopped()

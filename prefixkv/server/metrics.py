@@ -118,6 +118,11 @@ class _EngineStatsCollector:
         )
         yield counter("prefixkv:prompt_tokens", "Prompt tokens processed.", float(stats.prompt_tokens_total))
         yield counter("prefixkv:generation_tokens", "Tokens generated.", float(stats.generation_tokens_total))
+        yield counter(
+            "prefixkv:jump_forward_tokens",
+            "Of the tokens generated, those a grammar forced, appended without sampling (--jump-forward).",
+            float(stats.jump_forward_tokens_total),
+        )
         if stats.kv_tier is not None:
             yield from self._kv_offload(stats, stats.kv_tier)
 
