@@ -13,7 +13,7 @@ import pytest
 
 from prefixkv.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def _prompts(tok) -> list[list[int]]:
