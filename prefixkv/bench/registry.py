@@ -25,6 +25,8 @@ BENCH_MODULES = [
     "cache_invariance",
     "decode",
     "weight_formats",
+    "structured",
+    "agent_tools",
 ]
 
 
