@@ -3,6 +3,7 @@ tables, never the cache, and the engine never sees a tensor."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from prefixkv.sampling_params import SamplingParams
@@ -20,8 +21,9 @@ class BatchItem:
     sampling_params: SamplingParams
     num_output_tokens: int = 0  # tokens generated so far (seeded sampling draws stay reproducible)
     # structured outputs: the tokens the grammar allows next, a packed bitmask (bit t of the little-endian 32-bit
-    # words is token t; engine/constraints.py); the runner masks every other token's logit before sampling
-    allowed: bytes | None = None
+    # words is token t; engine/constraints.py), still being computed while the forward runs; the runner waits for
+    # it and masks every other token's logit before sampling
+    allowed: Future[bytes] | None = None
     # penalties (SamplingParams.penalized): the request's tokens so far, prompt then output, and how many are the
     # prompt's; None when no penalty is set, so an unpenalized step copies nothing
     history: list[int] | None = None

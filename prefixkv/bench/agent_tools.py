@@ -72,7 +72,7 @@ def tools(count: int) -> list[Any]:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("agent-tools", help="hit rate and TTFT with the tool block stable vs reordered")
-    p.add_argument("--tools", type=int, default=40, help="function definitions in the tool block")
+    p.add_argument("--tools", type=int, default=24, help="function definitions in the tool block")
     p.add_argument("--sessions", type=int, default=4)
     p.add_argument("--turns", type=int, default=3, help="calls per session (each reads the previous result)")
     p.add_argument("--rounds", type=int, default=2, help="rounds; each runs both modes, in alternating order")

@@ -46,11 +46,11 @@ LONG_KEYS_SCHEMA = {  # the jump-forward workload: most of the answer is its key
     "type": "object",
     "properties": {
         "customer_full_legal_name": {"type": "string", "maxLength": 24},
-        "shipping_address_postal_code": {"type": "string", "pattern": "[0-9]{5}"},
+        "shipping_address_postal_code": {"type": "string", "pattern": "^[0-9]{5}$"},
         "is_priority_delivery_requested": {"type": "boolean"},
         "preferred_delivery_window_start_hour": {"type": "integer", "minimum": 0, "maximum": 23},
         "gift_wrapping_requested_for_order": {"type": "boolean"},
-        "customer_support_ticket_reference": {"type": "string", "pattern": "[A-Z]{3}-[0-9]{4}"},
+        "customer_support_ticket_reference": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
     },
     "required": [
         "customer_full_legal_name",

@@ -180,7 +180,7 @@ class ModelRunner:
                 "never written or was freed (a page the cache handed out, evicted or freed uncached)"
             )
         chosen = [ordered[k] for k in sample_at]
-        constrained = [(row, it.allowed) for row, it in enumerate(chosen) if it.allowed is not None]
+        constrained = [(row, it.allowed.result()) for row, it in enumerate(chosen) if it.allowed is not None]
         if constrained:
             logits = _mask_disallowed(logits, constrained)
         samples = self.sampler(
@@ -206,16 +206,12 @@ class ModelRunner:
 
 
 def _mask_disallowed(logits: torch.Tensor, constrained: list[tuple[int, bytes]]) -> torch.Tensor:
-    """Structured outputs: each constrained row's logits with every token its grammar does not allow at -inf
-    (allowed: bit t of the little-endian 32-bit words is token t; words past the vocabulary are ignored)."""
+    """Structured outputs: each constrained row's logits with every token its grammar does not allow at -inf, in
+    place, a row at a time (allowed: bit t of the little-endian 32-bit words is token t; words past the vocabulary
+    are ignored, and tokens past a narrower mask are not allowed: unpackbits pads with zeros)."""
     vocab = logits.shape[-1]
-    rows = torch.tensor([row for row, _ in constrained], device=logits.device)
-    bits = np.stack(
-        [np.unpackbits(np.frombuffer(allowed, dtype=np.uint8), bitorder="little")[:vocab] for _, allowed in constrained]
-    )
-    if bits.shape[1] < vocab:  # a mask narrower than the logits: the tokens past it are not allowed
-        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
-    blocked = torch.from_numpy(bits == 0).to(logits.device)
-    masked = logits.clone()
-    masked[rows] = logits[rows].masked_fill(blocked, float("-inf"))
-    return masked
+    for row, allowed in constrained:
+        bits = np.unpackbits(np.frombuffer(allowed, dtype=np.uint8), bitorder="little", count=vocab)
+        blocked = torch.from_numpy(bits.view(np.bool_)).logical_not_().to(logits.device)
+        logits[row].masked_fill_(blocked, float("-inf"))
+    return logits
