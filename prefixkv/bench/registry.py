@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import os
+import subprocess
 import time
 
 from prefixkv.model import cpu_features
@@ -47,6 +48,23 @@ def register_bench(subparsers) -> None:
             p.set_defaults(func=_writing_results(added, module, func))
 
 
+def _source() -> dict:
+    """The commit the package runs from (scripts/headline.py names it beside the figure), and whether its code
+    had changes not committed; nulls outside a git checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", here, *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    changes = git("status", "--porcelain", "--untracked-files=no", "--", os.path.dirname(here))
+    return {"prefixkv_commit": commit, "prefixkv_uncommitted_changes": None if commit is None else bool(changes)}
+
+
 def _writing_results(name: str, module, func):
     def run(args: argparse.Namespace) -> int:
         results = func(args)
@@ -55,6 +73,8 @@ def _writing_results(name: str, module, func):
         results.setdefault("benchmark", name)
         results.setdefault("timestamp", time.strftime("%Y-%m-%dT%H:%M:%S"))
         results.setdefault("cpu", cpu_features.describe())  # a number means little without the machine
+        results.setdefault("prefixkv_commit", None)
+        results.update(_source() if results["prefixkv_commit"] is None else {})
         os.makedirs(args.output_dir, exist_ok=True)
         path = os.path.join(args.output_dir, f"{name}.json")
         with open(path, "w") as f:

@@ -9,7 +9,9 @@ superset of v1's). Only they: Gemini's v1 has no cachedContents, and its GET v1/
 Contents become chat messages (gemini_protocol.py) and go through the model's chat template as a
 /v1/chat/completions request's would, so the same conversation hits the same cached pages on either API.
 `usageMetadata.cachedContentTokenCount` is what the prefix cache served (the engine's num_cached_tokens), with or
-without a cachedContent: on Gemini, implicit caching reports its hits in the same field.
+without a cachedContent: on Gemini, implicit caching reports its hits in the same field. With responseLogprobs, a
+candidate carries logprobsResult (each generated token, a function call's too; `logprobs` alternatives each) and
+avgLogprobs; streamed, each chunk those of the tokens since the last chunk, and the last chunk avgLogprobs.
 
 cachedContents are the /v1/caches entries (caches.py, cache_store.py) under Gemini's names and fields: one store,
 so an entry made here is usable as `cached_content` on the other APIs and the other way round. A request naming one
@@ -28,6 +30,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
+from prefixkv.batch import Sample
 from prefixkv.outputs import RequestOutput
 from prefixkv.request_options import NO_RETENTION
 from prefixkv.server.auth import cache_salt_for, principal_of
@@ -54,6 +57,7 @@ from prefixkv.server.gemini_protocol import (
     UpdateCachedContentRequest,
     model_name,
 )
+from prefixkv.server.logprobs import gemini_logprobs
 from prefixkv.server.request_options import request_options
 from prefixkv.server.sse import answer, sse
 from prefixkv.server.state import ServerState, server_state, submit
@@ -136,10 +140,11 @@ async def _generate(model: str, body: GenerateContentRequest, raw: Request, stre
     group = await submit(state, f"gemini-{response_id}", [prompt], options, stream)
     meta = {"modelVersion": served, "responseId": response_id}
     calls = body.reads_calls
+    logprobs = _Logprobs(state, params.logprobs)
     if stream:
-        events = _stream(group, len(prompt), meta, calls)
+        events = _stream(group, len(prompt), meta, calls, logprobs)
         return await answer(raw, group, events, error_event=_error_event, done=None)
-    return await answer(raw, group, None, lambda finals: _response(finals[0], meta, calls))
+    return await answer(raw, group, None, lambda finals: _response(finals[0], meta, calls, logprobs))
 
 
 def _check_model(state: ServerState, model: str, raw: Request) -> str:
@@ -197,6 +202,23 @@ def _candidate(text: str, finish: str | None = None, calls: Sequence[ToolCall] =
     return candidate
 
 
+class _Logprobs:
+    """A request's logprobsResult writer: adds it (and avgLogprobs over `every` token) to a candidate when the
+    request asked (top: the alternatives per token, None: not asked)."""
+
+    def __init__(self, state: ServerState, top: int | None) -> None:
+        self.tokenizer, self.top = state.tokenizer, top
+
+    def add(self, candidate: dict, entries: list[Sample], every: list[Sample] | None = None) -> dict:
+        if self.top is None:
+            return candidate
+        candidate["logprobsResult"] = gemini_logprobs(self.tokenizer, entries, self.top)
+        if every is not None:
+            finite = [e.logprob for e in every if e.logprob is not None]
+            candidate["avgLogprobs"] = sum(finite) / len(finite) if finite else 0.0
+        return candidate
+
+
 def _usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
     return {
         "promptTokenCount": prompt_tokens,
@@ -206,11 +228,13 @@ def _usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
     }
 
 
-def _response(final: RequestOutput, meta: dict, reads_calls: bool) -> dict:
+def _response(final: RequestOutput, meta: dict, reads_calls: bool, logprobs: _Logprobs) -> dict:
     completion = final.outputs[0]
     text, calls = split_answer(completion.text, _no_id) if reads_calls else (completion.text, [])
+    candidate = _candidate(text, _FINISH.get(completion.finish_reason or "", "STOP"), calls)
+    entries = list(completion.logprobs or [])
     return {
-        "candidates": [_candidate(text, _FINISH.get(completion.finish_reason or "", "STOP"), calls)],
+        "candidates": [logprobs.add(candidate, entries, entries)],
         "usageMetadata": _usage(len(final.prompt_token_ids), final.num_cached_tokens, len(completion.token_ids)),
         **meta,
     }
@@ -224,17 +248,21 @@ def _no_id() -> str:
     return ""  # Gemini's functionCall parts carry no id here (a call is matched to its response by name)
 
 
-async def _stream(group, prompt_tokens: int, meta: dict, reads_calls: bool) -> AsyncIterator[str]:
+async def _stream(group, prompt_tokens: int, meta: dict, reads_calls: bool, logprobs: _Logprobs) -> AsyncIterator[str]:
     """One chunk per output with new text; the final one with finishReason and usageMetadata, text or not. A
     function call comes whole (as Gemini streams them), in the final chunk."""
     output_tokens = 0
     reader = CallStream(_no_id) if reads_calls else None
     calls: list[ToolCall] = []
+    every: list[Sample] = []
+    pending: list[Sample] = []  # tokens no chunk has carried the logprobs of yet
     async for _, output in group:
         completion = output.outputs[0] if output.outputs else None
         if completion is None:
             continue
         output_tokens += len(completion.token_ids)
+        every.extend(completion.logprobs or [])
+        pending.extend(completion.logprobs or [])
         text = completion.text
         if reader is not None:
             text = ""
@@ -249,9 +277,11 @@ async def _stream(group, prompt_tokens: int, meta: dict, reads_calls: bool) -> A
             calls = calls[: reader.complete] if reader is not None else calls  # a call cut short is dropped
             finish = _FINISH.get(completion.finish_reason or "", "STOP")
             usage = _usage(prompt_tokens, output.num_cached_tokens, output_tokens)
-            yield sse({"candidates": [_candidate(text, finish, calls)], "usageMetadata": usage, **meta})
+            candidate = logprobs.add(_candidate(text, finish, calls), pending, every)
+            yield sse({"candidates": [candidate], "usageMetadata": usage, **meta})
         elif text:
-            yield sse({"candidates": [_candidate(text)], **meta})
+            yield sse({"candidates": [logprobs.add(_candidate(text), pending)], **meta})
+            pending = []
 
 
 # -- cachedContents -----------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pydantic.alias_generators import to_camel
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.gemini_tools import ToolSpec, part_text, read_tools
-from prefixkv.server.protocol import MAX_CACHED_CONTENT_CHARS
+from prefixkv.server.protocol import MAX_CACHED_CONTENT_CHARS, MAX_LOGPROBS
 from prefixkv.server.request_fields import GEMINI_GENERATION_CONFIG, GEMINI_REQUEST, TableFields
 from prefixkv.server.structured import from_gemini
 from prefixkv.tools.grammar import tool_constraint
@@ -74,6 +74,8 @@ class GenerationConfig(TableFields):
     response_mime_type: str | None = Field(None, max_length=128, description="text/plain or application/json")
     response_schema: dict[str, Any] | None = None
     response_json_schema: Any = None
+    response_logprobs: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives per token; responseLogprobs")
 
 
 class GenerateContentRequest(TableFields):
@@ -100,9 +102,21 @@ class GenerateContentRequest(TableFields):
         cannot render."""
         return render_messages(chat_messages(self.contents, self.system_instruction), self.tool_spec.tools)
 
+    @property
+    def logprobs(self) -> int | None:
+        """The alternatives per token when responseLogprobs asks for logprobs (None: not asked); as Gemini's,
+        logprobs without responseLogprobs is a 400."""
+        config = self.generation_config
+        if config is None or not config.response_logprobs:
+            if config is not None and config.logprobs is not None:
+                raise APIError("generationConfig.logprobs needs generationConfig.responseLogprobs to be true")
+            return None
+        return config.logprobs or 0
+
     def sampling_params(self) -> SamplingParams:
         """Gemini's knobs; without maxOutputTokens the answer may run to the end of the context (as chat's)."""
         config = self.generation_config or GenerationConfig.model_validate({})
+        logprobs = self.logprobs
         if config.candidate_count not in (None, 1):
             raise APIError(f"candidateCount must be 1 on this server, got {config.candidate_count}")
         constraint = from_gemini(config.response_mime_type, config.response_schema, config.response_json_schema)
@@ -120,6 +134,7 @@ class GenerateContentRequest(TableFields):
                 top_k=-1 if config.top_k is None else int(config.top_k),
                 seed=config.seed,
                 stop=config.stop_sequences,
+                logprobs=logprobs,
                 structured_outputs=constraint,
                 presence_penalty=config.presence_penalty or 0.0,
                 frequency_penalty=config.frequency_penalty or 0.0,

@@ -1,6 +1,6 @@
 """CompletionOutput.logprobs entries (a Sample per token: its id, logprob and top (id, logprob) alternatives) in
-the two shapes OpenAI uses: the legacy completions one and the chat one. Token strings are decoded one id at a
-time.
+each API's shape: OpenAI's legacy completions one, its chat one (which Responses' output_text.logprobs reuses),
+and Gemini's logprobsResult. Token strings are decoded one id at a time.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def completion_logprobs(tokenizer: Any, entries: list[Sample], text_offset: int)
 
 
 def chat_logprobs(tokenizer: Any, entries: list[Sample]) -> dict:
-    """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}."""
+    """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}; Responses' output_text.logprobs
+    is the list."""
 
     def item(token_id: int, logprob: float) -> dict:
         text = _token_text(tokenizer, token_id)
@@ -48,3 +49,19 @@ def chat_logprobs(tokenizer: Any, entries: list[Sample]) -> dict:
         c["top_logprobs"] = [item(t, lp) for t, lp in e.top_logprobs or []]
         content.append(c)
     return {"content": content}
+
+
+def gemini_logprobs(tokenizer: Any, entries: list[Sample], top: int) -> dict:
+    """Gemini's logprobsResult: chosenCandidates (each token), topCandidates (its `top` alternatives, when asked)
+    and logProbabilitySum."""
+
+    def candidate(token_id: int, logprob: float) -> dict:
+        return {"token": _token_text(tokenizer, token_id), "tokenId": token_id, "logProbability": logprob}
+
+    out: dict = {
+        "chosenCandidates": [candidate(e.token_id, _logprob(e)) for e in entries],
+        "logProbabilitySum": sum(_logprob(e) for e in entries),
+    }
+    if top:
+        out["topCandidates"] = [{"candidates": [candidate(t, lp) for t, lp in e.top_logprobs or []]} for e in entries]
+    return out

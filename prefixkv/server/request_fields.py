@@ -140,10 +140,8 @@ RESPONSES = FieldTable(
         "background": Refused("is not served: every response runs in the foreground", (None, False)),
         "background_options": Refused("is not served: every response runs in the foreground"),
         "conversation": Refused("is not served: chain responses with previous_response_id"),
-        "include": Refused("is not served: no extra output items are produced", (None, [])),
         "max_tool_calls": Refused("is not served: only function calls exist here, and each is the client's"),
         "prompt": Refused("is not served: this server keeps no prompt templates"),
-        "top_logprobs": Refused("is not served on /v1/responses yet; /v1/chat/completions returns logprobs", (None, 0)),
         "stream_options": Refused("is not served on /v1/responses"),
         "context_management": Refused("is not served: the server compacts no conversation"),
         "moderation": Refused("is not served: this server runs no moderation model"),
@@ -214,10 +212,6 @@ GEMINI_GENERATION_CONFIG = FieldTable(
         "speechConfig": Refused(_TEXT_ONLY),
         "imageConfig": Refused(_TEXT_ONLY),
         "audioTranscriptionConfig": Refused("is not served: this server takes no audio"),
-        "responseLogprobs": Refused(
-            "is not served on the Gemini routes yet; /v1/chat/completions returns logprobs", (None, False)
-        ),
-        "logprobs": Refused("is not served on the Gemini routes yet; /v1/chat/completions returns logprobs"),
     },
     _camel,
 )

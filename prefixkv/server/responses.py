@@ -7,6 +7,9 @@ continues from one: the prompt is the stored turns, then the new input, behind t
 previous turn's, which the prefix cache holds, so `usage.input_tokens_details.cached_tokens` covers the session
 so far, and `cache_write_tokens` what this request wrote into it (the engine's count, server/usage.py).
 `prompt_cache_key` and `prompt_cache_retention` mean what they mean on chat completions (server.md).
+Asked for (`include`), the message's output_text carries every generated token's logprobs, in order (a function
+call's tokens too: an answer that is calls alone has no message, so no logprobs), and each streamed text delta
+those of the tokens that came since the last one.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from prefixkv.batch import Sample
 from prefixkv.outputs import RequestOutput
 from prefixkv.server.auth import principal_of, request_api_key, tenant_owner
 from prefixkv.server.cached_content import entry_for, use_retention
 from prefixkv.server.errors import APIError
+from prefixkv.server.logprobs import chat_logprobs
 from prefixkv.server.request_options import body_options
 from prefixkv.server.response_store import StoredResponse
 from prefixkv.server.responses_protocol import ResponsesRequest
@@ -104,13 +109,22 @@ class _Made:
         self.created = int(time.time())
         self.item_id = f"msg_{uuid.uuid4().hex}"
 
-    def item(self, text: str, status: str) -> dict:
-        content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    def item(self, text: str, status: str, logprobs: list[dict] | None = None) -> dict:
+        content = []
+        if status == "completed":
+            part: dict = {"type": "output_text", "text": text, "annotations": []}
+            if self.body.logprobs is not None:
+                part["logprobs"] = logprobs or []
+            content.append(part)
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
-    def output(self, text: str, calls: list[ToolCall]) -> list[dict]:
+    def logprobs(self, entries: list[Sample]) -> list[dict]:
+        """output_text.logprobs for these tokens (empty when the request asked none)."""
+        return chat_logprobs(self.state.tokenizer, entries)["content"] if self.body.logprobs is not None else []
+
+    def output(self, text: str, calls: list[ToolCall], logprobs: list[dict]) -> list[dict]:
         """The output items: the message (unless the answer is calls alone), then a function_call per call."""
-        items = [self.item(text, "completed")] if text or not calls else []
+        items = [self.item(text, "completed", logprobs)] if text or not calls else []
         return items + [call_item(c, "completed") for c in calls]
 
     def response(self, status: str, output: list[dict], usage: dict | None, incomplete: bool = False) -> dict:
@@ -138,6 +152,7 @@ class _Made:
             "tool_choice": b.tool_choice or ("auto" if b.tools else "none"),
             "tools": b.tools or [],
             "text": {"format": {"type": "text"}},
+            "top_logprobs": b.top_logprobs,
             "truncation": "disabled",
             "usage": usage,
         }
@@ -148,12 +163,14 @@ class _Made:
         text: str | None = None,
         output_tokens: int | None = None,
         calls: list[ToolCall] | None = None,
+        logprobs: list[dict] | None = None,
     ) -> dict:
-        """The finished response (stored when asked). text / output_tokens / calls: a stream's, which kept no
-        final."""
+        """The finished response (stored when asked). text / output_tokens / calls / logprobs: a stream's, which
+        kept no final."""
         completion = final.outputs[0]
         if text is None:
             text, calls = split_answer(completion.text, call_id) if self.body.reads_calls else (completion.text, [])
+            logprobs = self.logprobs(list(completion.logprobs or []))
         calls = calls or []
         output_tokens = len(completion.token_ids) if output_tokens is None else output_tokens
         prompt_tokens = len(final.prompt_token_ids)
@@ -165,7 +182,8 @@ class _Made:
             "total_tokens": prompt_tokens + output_tokens,
         }
         incomplete = completion.finish_reason == "length"
-        body = self.response("incomplete" if incomplete else "completed", self.output(text, calls), usage, incomplete)
+        output = self.output(text, calls, logprobs or [])
+        body = self.response("incomplete" if incomplete else "completed", output, usage, incomplete)
         if self.body.store:
             messages = (*self.turn, {"role": "assistant", "content": text, "tool_calls": calls})
             self.state.responses.put(self.owner, self.id, StoredResponse(body, messages))
@@ -217,6 +235,8 @@ async def _stream(group, made: _Made) -> AsyncIterator[str]:
     reader = CallStream(call_id) if made.body.reads_calls else None
     text, output_tokens, final = "", 0, None
     calls: list[ToolCall] = []
+    pending: list[Sample] = []  # tokens whose logprobs no text delta has carried yet
+    message_logprobs: list[dict] = []
     index = -1  # the open item's output_index
     open_kind: str | None = None  # "message" or "function_call"
 
@@ -225,9 +245,13 @@ async def _stream(group, made: _Made) -> AsyncIterator[str]:
         out = []
         if open_kind == "message":
             where = {"item_id": made.item_id, "output_index": index, "content_index": 0}
-            out.append(event("response.output_text.done", **where, text=text, logprobs=[]))
-            out.append(event("response.content_part.done", **where, part={**part, "text": text}))
-            out.append(event("response.output_item.done", output_index=index, item=made.item(text, "completed")))
+            message_logprobs.extend(made.logprobs(pending))  # the tokens after the last delta (a call's)
+            pending.clear()
+            out.append(event("response.output_text.done", **where, text=text, logprobs=message_logprobs))
+            done_part = made.item(text, "completed", message_logprobs)["content"][0]
+            out.append(event("response.content_part.done", **where, part=done_part))
+            item = made.item(text, "completed", message_logprobs)
+            out.append(event("response.output_item.done", output_index=index, item=item))
         elif open_kind == "function_call":
             item = call_item(calls[-1], "completed")
             done = {"item_id": item["id"], "output_index": index, "name": item["name"], "arguments": item["arguments"]}
@@ -249,7 +273,10 @@ async def _stream(group, made: _Made) -> AsyncIterator[str]:
             text += e.text
             where = {"item_id": made.item_id, "output_index": index, "content_index": 0}
             if e.text:
-                out.append(event("response.output_text.delta", **where, delta=e.text, logprobs=[]))
+                logprobs = made.logprobs(pending)
+                pending.clear()
+                message_logprobs.extend(logprobs)
+                out.append(event("response.output_text.delta", **where, delta=e.text, logprobs=logprobs))
         elif e.kind == "call":
             out += close()
             index, open_kind = index + 1, "function_call"
@@ -271,6 +298,7 @@ async def _stream(group, made: _Made) -> AsyncIterator[str]:
             continue
         completion = output.outputs[0]
         output_tokens += len(completion.token_ids)
+        pending.extend(completion.logprobs or [])
         if reader is None:
             events = [StreamEvent("text", text=completion.text)] if completion.text else []
         else:
@@ -287,5 +315,5 @@ async def _stream(group, made: _Made) -> AsyncIterator[str]:
             yield chunk
     for chunk in close():
         yield chunk
-    done = made.finish(final, text, output_tokens, calls)
+    done = made.finish(final, text, output_tokens, calls, message_logprobs)
     yield event("response.completed" if done["status"] == "completed" else "response.incomplete", response=done)

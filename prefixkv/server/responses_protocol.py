@@ -5,6 +5,10 @@ or input_text / output_text parts; `"type": "message"` optional), `function_call
 call_id, name, arguments) and `function_call_output` items (its result: call_id, output); `instructions` becomes
 a system message before them. `tools` are function tools (server/openai_tools.py), written into the prompt as
 prefixkv/tools/prompt.py says. Other item types (images, files, reasoning) get a 400 that says so.
+
+`include` may ask for "message.output_text.logprobs" (then `top_logprobs` alternatives per token, as OpenAI's) and
+"reasoning.encrypted_content", which changes nothing (no reasoning items are produced); any other value is a 400
+that names it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ from prefixkv.request_options import Retention
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.errors import APIError, from_value_error
 from prefixkv.server.openai_tools import read_tools
-from prefixkv.server.protocol import CACHED_CONTENT, MAX_CACHED_CONTENT_CHARS, MAX_PROMPT_CACHE_KEY_CHARS
+from prefixkv.server.protocol import (
+    CACHED_CONTENT,
+    MAX_CACHED_CONTENT_CHARS,
+    MAX_LOGPROBS,
+    MAX_PROMPT_CACHE_KEY_CHARS,
+)
 from prefixkv.server.request_fields import RESPONSES, TableFields
 from prefixkv.server.structured import from_responses_text
 from prefixkv.tools.grammar import tool_constraint
@@ -28,6 +37,8 @@ from prefixkv.tools.spec import Tool, ToolCall, ToolChoice
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_NO_EFFECT_INCLUDES = ("reasoning.encrypted_content",)  # no reasoning items are produced: nothing to include
 
 
 class ResponsesRequest(TableFields):
@@ -51,6 +62,8 @@ class ResponsesRequest(TableFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None  # text.format: structured output (server/structured.py)
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # prefixkv / vLLM extensions, as on the other OpenAI routes
     cache_salt: str | None = None
     priority: int = 0
@@ -69,6 +82,29 @@ class ResponsesRequest(TableFields):
         tools, choice = self.tool_spec
         return choice.reads_calls(tools)
 
+    @cached_property
+    def logprobs(self) -> int | None:
+        """The alternatives per token when `include` asks for logprobs (None: not asked); a 400 for an `include`
+        value this server does not produce, or top_logprobs without the include that returns them."""
+        wanted = False
+        for value in self.include or []:
+            if value == LOGPROBS_INCLUDE:
+                wanted = True
+            elif value not in _NO_EFFECT_INCLUDES:
+                raise APIError(
+                    f"include value {value!r} is not served: this server produces only messages and function calls "
+                    f"(it serves {LOGPROBS_INCLUDE!r})",
+                    param="include",
+                    code="unsupported",
+                )
+        if self.top_logprobs and not wanted:
+            raise APIError(
+                f"top_logprobs needs include to contain {LOGPROBS_INCLUDE!r}",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+        return (self.top_logprobs or 0) if wanted else None
+
     def sampling_params(self) -> SamplingParams:
         """No max_output_tokens: up to the end of the context, as chat completions."""
         tools, choice = self.tool_spec
@@ -78,6 +114,7 @@ class ResponsesRequest(TableFields):
                 max_tokens=self.max_output_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
+                logprobs=self.logprobs,
                 structured_outputs=constraint,
             )
         except ValueError as exc:

@@ -250,3 +250,30 @@ def test_openapi_declares_the_routes_and_their_gemini_errors(served):
     assert error_ref("/v1beta/models/{model}", "404", "get") == "#/components/schemas/GeminiErrorResponse"
     assert error_ref("/v1/models", "401", "get") == "#/components/schemas/ErrorResponse"  # OpenAI's, beside v1's
     assert set(schema["paths"]["/v1beta/cachedContents/{cache_id}"]) == {"get", "patch", "delete"}
+
+
+def test_logprobs_plain_and_streamed(served):
+    """responseLogprobs: each generated token's logprob (chosenCandidates), `logprobs` alternatives each (greedy:
+    the chosen token first), avgLogprobs their mean; the stream's chunks carry the same tokens; logprobs alone
+    is Gemini's 400."""
+    gemini = client(served)
+    asked = config(6, response_logprobs=True, logprobs=2)
+    plain = gemini.models.generate_content(model=served[1], contents="Name three fruits.", config=asked)
+    candidate = plain.candidates[0]
+    chosen = candidate.logprobs_result.chosen_candidates
+    assert len(chosen) == plain.usage_metadata.candidates_token_count
+    assert "".join(c.token for c in chosen) == plain.text
+    tops = candidate.logprobs_result.top_candidates
+    assert len(tops) == len(chosen) and all(
+        len(t.candidates) == 2 and t.candidates[0].token_id == c.token_id for t, c in zip(tops, chosen, strict=True)
+    )
+    assert candidate.avg_logprobs == pytest.approx(sum(c.log_probability for c in chosen) / len(chosen))
+    chunks = list(gemini.models.generate_content_stream(model=served[1], contents="Name three fruits.", config=asked))
+    streamed = [c for chunk in chunks for c in chunk.candidates[0].logprobs_result.chosen_candidates or []]
+    assert [c.token_id for c in streamed] == [c.token_id for c in chosen]
+    assert chunks[-1].candidates[0].avg_logprobs is not None
+    bare = gemini.models.generate_content(model=served[1], contents="Name three fruits.", config=config(6))
+    assert bare.candidates[0].logprobs_result is None and bare.text == plain.text
+    with pytest.raises(errors.ClientError) as err:
+        gemini.models.generate_content(model=served[1], contents="x", config=config(1, logprobs=2))
+    assert err.value.code == 400 and "responseLogprobs" in err.value.message

@@ -129,3 +129,37 @@ def test_stored_responses_and_errors_stay_with_their_tenant(served):
             alice.responses.create(model=served[1], input=given, max_output_tokens=2)
         assert info.value.body["param"] == "input"
     wait_no_pages_held(served[0], ADMIN)
+
+
+def test_logprobs_plain_and_streamed(served):
+    """include asks for logprobs: the message's output_text carries each generated token's, top_logprobs
+    alternatives each (greedy: the chosen token is the first), and the streamed deltas carry the same tokens."""
+    c = client(served)
+    ask = {
+        "model": served[1],
+        "input": "Name three fruits.",
+        "max_output_tokens": 6,
+        "temperature": 0,
+        "include": ["message.output_text.logprobs", "reasoning.encrypted_content"],
+        "top_logprobs": 2,
+    }
+    reply = c.responses.create(**ask)
+    logprobs = reply.output[0].content[0].logprobs
+    assert len(logprobs) == reply.usage.output_tokens and reply.top_logprobs == 2
+    assert "".join(lp.token for lp in logprobs) == reply.output_text
+    assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].token == lp.token for lp in logprobs)
+    streamed, done = [], None
+    for event in c.responses.create(**ask, stream=True):
+        if event.type == "response.output_text.delta":
+            streamed += event.logprobs
+        if event.type == "response.output_text.done":
+            done = event.logprobs
+    assert [lp.token for lp in streamed] == [lp.token for lp in done] == [lp.token for lp in logprobs]
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in logprobs], abs=1e-3)
+    plain = c.responses.create(**{**ask, "include": None, "top_logprobs": None})
+    assert plain.output[0].content[0].logprobs is None and plain.output_text == reply.output_text
+
+    for field, extra in (("include", {"include": ["file_search_call.results"]}), ("top_logprobs", {"top_logprobs": 2})):
+        with pytest.raises(openai.BadRequestError) as err:
+            c.responses.create(model=served[1], input="x", max_output_tokens=1, **extra)
+        assert err.value.body["param"] == field, err.value.body
