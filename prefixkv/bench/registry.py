@@ -73,8 +73,8 @@ def _writing_results(name: str, module, func):
         results.setdefault("benchmark", name)
         results.setdefault("timestamp", time.strftime("%Y-%m-%dT%H:%M:%S"))
         results.setdefault("cpu", cpu_features.describe())  # a number means little without the machine
-        results.setdefault("prefixkv_commit", None)
-        results.update(_source() if results["prefixkv_commit"] is None else {})
+        if not results.get("prefixkv_commit"):  # a script that ran another checkout names its own
+            results.update(_source())
         os.makedirs(args.output_dir, exist_ok=True)
         path = os.path.join(args.output_dir, f"{name}.json")
         with open(path, "w") as f:

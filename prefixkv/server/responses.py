@@ -248,9 +248,8 @@ async def _stream(group, made: _Made) -> AsyncIterator[str]:
             message_logprobs.extend(made.logprobs(pending))  # the tokens after the last delta (a call's)
             pending.clear()
             out.append(event("response.output_text.done", **where, text=text, logprobs=message_logprobs))
-            done_part = made.item(text, "completed", message_logprobs)["content"][0]
-            out.append(event("response.content_part.done", **where, part=done_part))
             item = made.item(text, "completed", message_logprobs)
+            out.append(event("response.content_part.done", **where, part=item["content"][0]))
             out.append(event("response.output_item.done", output_index=index, item=item))
         elif open_kind == "function_call":
             item = call_item(calls[-1], "completed")
