@@ -3,10 +3,30 @@ tables, never the cache, and the engine never sees a tensor."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 from prefixkv.sampling_params import SamplingParams
+
+
+class TokenGate(Protocol):
+    """A constrained row's grammar for one step, as the runner sees it (no grammar engine crosses)."""
+
+    @property
+    def check_first(self) -> bool:
+        """True: sample from the unmasked logits and ask admits(); mask and sample again only when the token is
+        refused. Exact for a greedy row without logprobs (an allowed argmax is the argmax of the allowed tokens),
+        and no mask is applied on the steps where the model already follows the grammar."""
+        ...
+
+    def mask(self) -> bytes:
+        """The tokens allowed next, a packed bitmask (bit t of the little-endian 32-bit words is token t); waits
+        for one computed while the forward ran."""
+        ...
+
+    def admits(self, token_id: int) -> bool:
+        """Whether the mask allows the token."""
+        ...
 
 
 @dataclass(slots=True)
@@ -20,10 +40,8 @@ class BatchItem:
     sample: bool  # True when the last token's logits are needed (prompt complete)
     sampling_params: SamplingParams
     num_output_tokens: int = 0  # tokens generated so far (seeded sampling draws stay reproducible)
-    # structured outputs: the tokens the grammar allows next, a packed bitmask (bit t of the little-endian 32-bit
-    # words is token t; engine/constraints.py), still being computed while the forward runs; the runner waits for
-    # it and masks every other token's logit before sampling
-    allowed: Future[bytes] | None = None
+    # structured outputs: the grammar's say over the next token (None: unconstrained)
+    grammar: TokenGate | None = None
     # penalties (SamplingParams.penalized): the request's tokens so far, prompt then output, and how many are the
     # prompt's; None when no penalty is set, so an unpenalized step copies nothing
     history: list[int] | None = None

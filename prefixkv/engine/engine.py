@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Protocol
 
@@ -26,7 +26,7 @@ from prefixkv.batch import BatchItem, Sample
 from prefixkv.config import EngineConfig
 from prefixkv.engine.agent_sessions import SessionPins
 from prefixkv.engine.client import EngineTokenizer, ModelShape, Prompt, TierDirectory
-from prefixkv.engine.constraints import ConstrainedOutput, Grammars
+from prefixkv.engine.constraints import ConstrainedOutput, Grammars, GrammarStep
 from prefixkv.engine.core import EngineCore, StepComponent
 from prefixkv.engine.detokenizer import IncrementalDetokenizer
 from prefixkv.engine.metrics import EngineStats
@@ -61,24 +61,30 @@ class RunnerExecutor:
     def __init__(
         self, runner: ModelExecutor, kv: KVCacheManager, constraint: Callable[[Request], ConstrainedOutput | None]
     ) -> None:
-        """constraint: the grammar's matcher of a request (None: unconstrained). Its token mask for the next token
-        is computed on a worker thread while the forward runs (llguidance drops the GIL) and waited for only
-        before sampling: at 16 constrained streams the masks are ~5% of a step that need not be added to it."""
+        """constraint: the grammar's matcher of a request (None: unconstrained). Its mask for the next token is
+        computed on a worker thread while the forward runs; a greedy row is sampled first and the mask applied
+        only when the grammar refuses its token (GrammarStep)."""
         self.runner, self.kv, self.constraint = runner, kv, constraint
         self.seconds = 0.0
         self._masks = ThreadPoolExecutor(1, thread_name_prefix="prefixkv-mask")
 
-    def _mask(self, req: Request) -> Future[bytes] | None:
+    def _grammar(self, req: Request) -> GrammarStep | None:
         constraint = self.constraint(req)
-        return self._masks.submit(constraint.allowed) if constraint is not None else None
+        if constraint is None:
+            return None
+        params = req.sampling_params
+        return GrammarStep(constraint, params.greedy and params.logprobs is None, self._masks)
 
     def execute(self, scheduled: SchedulerOutput) -> Sequence[Sample | None]:
         if not scheduled.scheduled:
             return []
-        items = []
+        items, grammars = [], []
         for req, n in scheduled.scheduled:
             start = req.num_computed_tokens
             sample = start + n == req.num_tokens and not req.prefill_only
+            grammar = self._grammar(req) if sample else None
+            if grammar is not None:
+                grammars.append(grammar)
             items.append(
                 BatchItem(
                     req.request_id,
@@ -88,7 +94,7 @@ class RunnerExecutor:
                     sample,
                     req.sampling_params,
                     req.num_output_tokens,
-                    self._mask(req) if sample else None,
+                    grammar,
                     *_history(req, sample),
                 )
             )
@@ -96,7 +102,7 @@ class RunnerExecutor:
         try:
             samples = self.runner.execute(items)
         finally:  # no mask outlives its step: the matcher takes the sampled token next, on this thread
-            wait([it.allowed for it in items if it.allowed is not None])
+            wait([g.pending for g in grammars])
         self.seconds += time.perf_counter() - started
         return samples
 

@@ -180,18 +180,26 @@ class ModelRunner:
                 "never written or was freed (a page the cache handed out, evicted or freed uncached)"
             )
         chosen = [ordered[k] for k in sample_at]
-        constrained = [(row, it.allowed.result()) for row, it in enumerate(chosen) if it.allowed is not None]
-        if constrained:
-            logits = _mask_disallowed(logits, constrained)
-        samples = self.sampler(
-            logits,
-            [it.sampling_params for it in chosen],
-            [it.num_output_tokens for it in chosen],
-            [None if it.history is None else (it.history, it.num_prompt_tokens) for it in chosen],
-        )
+        gates = [(row, it.grammar) for row, it in enumerate(chosen) if it.grammar is not None]
+        masked = [(row, gate.mask()) for row, gate in gates if not gate.check_first]
+        if masked:
+            logits = _mask_disallowed(logits, masked)
+        samples = self._sample(logits, chosen)
+        for row, gate in gates:  # greedy rows checked after sampling: resampled masked where the grammar refuses
+            if gate.check_first and not gate.admits(samples[row].token_id):
+                one = _mask_disallowed(logits[row : row + 1], [(0, gate.mask())])
+                samples[row] = self._sample(one, [chosen[row]])[0]
         for k, sample in zip(sample_at, samples):
             results[order[k]] = sample
         return results
+
+    def _sample(self, logits: torch.Tensor, items: list[BatchItem]) -> list[Sample]:
+        return self.sampler(
+            logits,
+            [it.sampling_params for it in items],
+            [it.num_output_tokens for it in items],
+            [None if it.history is None else (it.history, it.num_prompt_tokens) for it in items],
+        )
 
     def _check(self, it: BatchItem) -> None:
         n = len(it.token_ids)

@@ -84,6 +84,25 @@ def test_constrained_answers_are_the_same_warm_or_cold_alone_or_batched(llm_fact
     assert _answers(warm_llm, ps, params, with_free_rows=True) == alone  # beside unconstrained rows
 
 
+def test_greedy_rows_checked_after_sampling_equal_rows_masked_before(llm_factory, monkeypatch):
+    """A greedy row without logprobs samples unmasked and tests its token against the mask, applying the mask
+    only when the grammar refuses the token; asking logprobs masks every step. Same tokens, fewer rows masked."""
+    import prefixkv.model.runner as runner
+
+    masked_rows = []
+    mask = runner._mask_disallowed
+    monkeypatch.setattr(runner, "_mask_disallowed", lambda logits, rows: masked_rows.extend(rows) or mask(logits, rows))
+    llm = llm_factory(prefix_cache="off", jump_forward=False)  # every key token sampled, none forced
+    ps = prompts(llm.get_tokenizer())
+    so = StructuredOutputs(json=SCHEMA)
+    checked = _answers(llm, ps, SamplingParams(temperature=0, max_tokens=24, structured_outputs=so))
+    checked_rows = len(masked_rows)
+    masked_rows.clear()
+    masked = _answers(llm, ps, SamplingParams(temperature=0, max_tokens=24, logprobs=0, structured_outputs=so))
+    assert checked == masked
+    assert checked_rows < len(masked_rows)  # len(masked_rows): one a sampled token
+
+
 def test_bad_constraints_are_value_errors_that_queue_nothing(llm_factory):
     llm = llm_factory(prefix_cache="hash")
     engine = llm.llm_engine
