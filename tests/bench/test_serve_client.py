@@ -35,7 +35,8 @@ def _args(base: str, *extra: str) -> argparse.Namespace:
 
 
 def test_bench_serve_workloads(tmp_path, new_engine):
-    engine = new_engine(kv_cache_tokens=2048)  # holds every request below (and is the session replay's --sim pool)
+    # holds every request below, and the session replay's warm-up request filling its 1024-token --sim pool
+    engine = new_engine(kv_cache_tokens=1280)
     with running_server(engine, api_key="k") as (base, _, _):
         res = run(_args(base, "--num-requests", "5"))
         assert res["num_ok"] == 5 and res["num_errors"] == 0
@@ -140,9 +141,9 @@ def check_session_replay(base: str, tmp_path, engine) -> None:
     path.write_text(json.dumps(session))
     flags = ["--trace", str(path), "--tokens-per-block", "16", "--think-scale", "0.01", "--sessions", "1"]
     calibration = ["--calibration-rounds", "1", "--calibration-shapes", "1x32->4"]
-    res = run(_args(base, *flags, "--sim-kv-cache-tokens", "2048", *calibration))
+    res = run(_args(base, *flags, "--sim-kv-cache-tokens", "1024", *calibration))
     assert res["requests"] == 3 and res["failed_requests"] == 0
-    assert res["warm_up"]["requests"] == 2048 // 1024 + 1 and res["warm_up"]["cache_reset"]  # the pool filled once
+    assert res["warm_up"]["requests"] == 1024 // 1024 + 1 and res["warm_up"]["cache_reset"]  # the pool filled once
     assert res["prompt_tokens"] == 64 + 16 + 80 and res["cached_tokens"] == 64
     assert res["jct_s"][0] > 0 and res["simulated"]["hit_rate"] == res["hit_rate"] == 64 / 160
     calibrated = res["simulated"]["calibration"]  # one round timed, the prediction scaled by its ratio
