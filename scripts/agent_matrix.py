@@ -373,10 +373,14 @@ def _versions() -> dict[str, str]:
 
 
 def _cpu() -> str:
+    """The model name with its family and model numbers (an "AMD EPYC" alone names no generation)."""
+    fields: dict[str, str] = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if "model name" not in fields:
+        return platform.processor()
+    return f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
 
 
 def main() -> int:
