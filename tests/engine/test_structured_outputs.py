@@ -100,7 +100,7 @@ def test_greedy_rows_checked_after_sampling_equal_rows_masked_before(llm_factory
     masked_rows.clear()
     masked = _answers(llm, ps, SamplingParams(temperature=0, max_tokens=24, logprobs=0, structured_outputs=so))
     assert checked == masked
-    assert checked_rows < len(masked_rows)  # len(masked_rows): one a sampled token
+    assert checked_rows < len(masked_rows)  # masked before: every sampled token's row
 
 
 def test_bad_constraints_are_value_errors_that_queue_nothing(llm_factory):

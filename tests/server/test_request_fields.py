@@ -184,7 +184,7 @@ def test_an_unknown_nested_field_is_named_with_its_path(base):
 def test_every_refused_field_is_a_400_naming_it_and_passes_when_neutral(base, route):
     model = ROUTES[route][2]
     tables = [(model.FIELDS, None)] + ([(GenerationConfig.FIELDS, "config")] if route == "gemini" else [])
-    neutral_bodies = []
+    neutral_posts = []  # (extra, config) of each neutral request
     for table, where in tables:
         for name, refused in table.refused.items():
             wrong = {"asks": "for it"}
@@ -192,13 +192,11 @@ def test_every_refused_field_is_a_400_naming_it_and_passes_when_neutral(base, ro
             assert r.status_code == 400, (route, name, r.text)
             assert name in r.json()["error"]["message"] and refused.why in r.json()["error"]["message"]
             neutral = next(v for v in refused.neutral if v is not None) if len(refused.neutral) > 1 else None
-            neutral_bodies.append((name, neutral, where))
+            neutral_posts.append(({} if where else {name: neutral}, {name: neutral} if where else None))
     with ThreadPoolExecutor(8) as pool:  # the neutral ones generate: sent together, they share engine steps
-        answers = pool.map(
-            lambda b: _post(base, route, {} if b[2] else {b[0]: b[1]}, {b[0]: b[1]} if b[2] else None), neutral_bodies
-        )
-        for (name, neutral, _), r in zip(neutral_bodies, answers, strict=True):
-            assert r.status_code == 200, (route, name, neutral, r.text)
+        answers = pool.map(lambda post: _post(base, route, *post), neutral_posts)
+        for post, r in zip(neutral_posts, answers, strict=True):
+            assert r.status_code == 200, (route, post, r.text)
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
