@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prefixkv.bench.server_process import serve_process  # noqa: E402
+from prefixkv.model import cpu_features  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Use the tools when they help."
 QUESTION = "What is the weather in Paris?"
@@ -374,13 +375,8 @@ def _versions() -> dict[str, str]:
 
 def _cpu() -> str:
     """The model name with its family and model numbers (an "AMD EPYC" alone names no generation)."""
-    fields: dict[str, str] = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    if "model name" not in fields:
-        return platform.processor()
-    return f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
+    cpu = cpu_features.describe()
+    return f"{cpu['model'] or platform.processor()} (family {cpu['family'] or '?'}, model {cpu['model_id'] or '?'})"
 
 
 def main() -> int:

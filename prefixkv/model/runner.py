@@ -187,8 +187,8 @@ class ModelRunner:
         samples = self._sample(logits, chosen)
         for row, gate in gates:  # greedy rows checked after sampling: resampled masked where the grammar refuses
             if gate.check_first and not gate.admits(samples[row].token_id):
-                one = _mask_disallowed(logits[row : row + 1], [(0, gate.mask())])
-                samples[row] = self._sample(one, [chosen[row]])[0]
+                _mask_disallowed(logits, [(row, gate.mask())])
+                samples[row] = self._sample(logits[row : row + 1], [chosen[row]])[0]
         for k, sample in zip(sample_at, samples):
             results[order[k]] = sample
         return results
