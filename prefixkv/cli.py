@@ -1,4 +1,4 @@
-"""prefixkv generate | chat | serve | bench | cache-tree | cache | simulate"""
+"""prefixkv generate | chat | serve | bench | cache-tree | cache | simulate | checkpoint"""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from prefixkv.bench.registry import register_bench
 from prefixkv.engine_args import add_engine_args, engine_kwargs
+from prefixkv.model.shapes import register as register_checkpoint
 from prefixkv.server.cache_cli import register as register_cache
 from prefixkv.server.cli import register as register_serve
 from prefixkv.server.cli import serve
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     register_serve(sub).set_defaults(func=cmd_serve)
     register_bench(sub)
     register_simulate(sub)
+    register_checkpoint(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -48,7 +48,7 @@ def register_bench(subparsers) -> None:
             p.set_defaults(func=_writing_results(added, module, func))
 
 
-def _source() -> dict:
+def source_commit() -> dict:
     """The commit the package runs from (scripts/headline.py names it beside the figure), and whether its code
     had changes not committed; nulls outside a git checkout."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -65,6 +65,20 @@ def _source() -> dict:
     return {"prefixkv_commit": commit, "prefixkv_uncommitted_changes": None if commit is None else bool(changes)}
 
 
+def _model_shape(args: argparse.Namespace) -> dict:
+    """shapes.model_record of the bench's --model; a model it cannot read is recorded, never fatal (the numbers
+    are kept)."""
+    from prefixkv.model.shapes import model_record
+
+    model = getattr(args, "model", None)
+    if model is not None and not os.path.exists(os.path.expanduser(model)):  # e.g. serve_client's served name
+        return {"model": model, "shape": "not read: not a local model path"}
+    try:
+        return model_record(model)
+    except (OSError, ValueError, KeyError) as e:
+        return {"model": model, "error": str(e)}
+
+
 def _writing_results(name: str, module, func):
     def run(args: argparse.Namespace) -> int:
         results = func(args)
@@ -73,8 +87,9 @@ def _writing_results(name: str, module, func):
         results.setdefault("benchmark", name)
         results.setdefault("timestamp", time.strftime("%Y-%m-%dT%H:%M:%S"))
         results.setdefault("cpu", cpu_features.describe())  # a number means little without the machine
+        results.setdefault("model_shape", _model_shape(args))  # nor without the model's shape
         if not results.get("prefixkv_commit"):  # a script that ran another checkout names its own
-            results.update(_source())
+            results.update(source_commit())
         os.makedirs(args.output_dir, exist_ok=True)
         path = os.path.join(args.output_dir, f"{name}.json")
         with open(path, "w") as f:

@@ -168,7 +168,8 @@ class KernelOptions:
             raise ValueError("flash_lse needs torch's CPU flash-attention kernel")
         if self.native_attention and not (cpu and dtype == torch.bfloat16 and native_attention_fits(config)):
             raise ValueError(
-                "native_attention needs bfloat16, head_dim 64 and a CPU with AVX-512 BF16 or AVX2 + FMA (native build)"
+                "native_attention needs bfloat16, head_dim 64 or 128 and a CPU with AVX-512 BF16 or AVX2 + FMA "
+                "(native build)"
             )
         if self.shared_prefill and not self.native_attention:
             raise ValueError("shared_prefill needs native_attention")
@@ -225,10 +226,13 @@ def _library_matmul(device: torch.device, dtype: torch.dtype) -> str:
     return "onednn" if "onednn" in paths else "avx2" if "avx2" in paths else "torch"
 
 
+NATIVE_HEAD_DIMS = (64, 128)
+
+
 def native_attention_fits(config: ModelConfig | None) -> bool:
     """The native attention kernels are built for this CPU (AVX-512 BF16 or AVX2 + FMA) and the model's head_dim
-    (64)."""
-    return native.flash_attention() is not None and (config is None or config.head_dim == 64)
+    (64 or 128: one build of the kernels each)."""
+    return native.flash_attention() is not None and (config is None or config.head_dim in NATIVE_HEAD_DIMS)
 
 
 def fused_ops_fit(config: ModelConfig) -> bool:

@@ -54,6 +54,7 @@ from compare_vllm.servers import (  # noqa: E402
     untrack,
 )
 from compare_vllm.workloads import FULL, QUICK, Sizes  # noqa: E402
+from prefixkv.bench.registry import source_commit  # noqa: E402
 from prefixkv.model import cpu_features  # noqa: E402
 
 SCRIPTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -553,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.output_dir, exist_ok=True)
     json_path = os.path.join(args.output_dir, "compare_vllm.json")
     with open(json_path, "w") as f:
-        json.dump({"config": config, "rounds": rounds, "summary": summary}, f, indent=2)
+        # the commit it ran (scripts/headline.py names it beside the figure), and whether prefixkv had changes
+        json.dump({"config": config, "rounds": rounds, "summary": summary, **source_commit()}, f, indent=2)
     with open(os.path.join(args.output_dir, "compare_vllm.md"), "w") as f:
         f.write(title + "\n\n" + table + "\n")
     png_path = os.path.join(args.output_dir, "compare_vllm.png")

@@ -31,7 +31,7 @@ pytestmark = kernels.NATIVE_ATTENTION
 KVH, GROUP, D = 3, 3, 64
 
 
-def reference(q, pool, slots, q_pos, scale):
+def reference(q, pool, slots, q_pos, scale):  # any head_dim: q's last dim
     """float32 attention of q [R, H, d] over pool slots, row r seeing keys j <= q_pos[r]: (out, lse)."""
     k = pool[0][:, slots].float().repeat_interleave(GROUP, 0)  # [H, L, d]
     v = pool[1][:, slots].float().repeat_interleave(GROUP, 0)
@@ -42,21 +42,22 @@ def reference(q, pool, slots, q_pos, scale):
     return out, torch.logsumexp(scores, -1).transpose(0, 1), visible
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize(
     "context, n, see_all",
     [(0, 1, False), (0, 7, False), (0, 130, False), (13, 50, False), (200, 1, False), (100, 33, True), (64, 64, True)],
 )
-def test_kernel_matches_reference(context, n, see_all):
+def test_kernel_matches_reference(context, n, see_all, d):
     gen = torch.Generator().manual_seed(context * 1000 + n)
     num_slots = 1024
-    pool = torch.randn(2, KVH, num_slots, D, generator=gen).to(torch.bfloat16)
+    pool = torch.randn(2, KVH, num_slots, d, generator=gen).to(torch.bfloat16)
     slots = torch.randperm(num_slots, generator=gen)[: context + n]  # scattered, as pages of a used pool are
-    q = torch.randn(n, KVH * GROUP, D, generator=gen).to(torch.bfloat16)
+    q = torch.randn(n, KVH * GROUP, d, generator=gen).to(torch.bfloat16)
     if see_all:  # rows that see every key (a shared prefix): the positions only need to reach the last key
         q_pos = torch.full((n,), context + n - 1, dtype=torch.long)
     else:
         q_pos = torch.arange(context, context + n)
-    scale = D**-0.5
+    scale = d**-0.5
     out, lse = native.module().flash_attention(q, pool, slots, q_pos, scale)
     want, want_lse, visible = reference(q, pool, slots, q_pos, scale)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (n, KVH * GROUP)
@@ -77,8 +78,10 @@ def test_kernel_rejects_what_it_cannot_run():
         kernel(q.float(), pool.float(), slots, q_pos, 1.0)
     with pytest.raises(RuntimeError, match="q_pos"):
         kernel(q, pool, slots, q_pos[:3], 1.0)
-    with pytest.raises(RuntimeError, match="64"):
+    with pytest.raises(RuntimeError, match="head_dim 64 and 128"):
         kernel(q[..., :32], pool[..., :32], slots, q_pos, 1.0)
+    with pytest.raises(RuntimeError, match="D = 128"):  # the query's dim picks the build; the pool must match it
+        kernel(torch.zeros(4, KVH * GROUP, 128, dtype=torch.bfloat16), pool, slots, q_pos, 1.0)
 
 
 @pytest.mark.parametrize("page_size", [16, 1])

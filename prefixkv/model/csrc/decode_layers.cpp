@@ -112,8 +112,9 @@ class DecodeLayers {
     TORCH_CHECK(qkv.size() == n && qkv_bias.size() == n && o.size() == n && post_norm.size() == n &&
                     gate_up.size() == n && down.size() == n && formats.size() == n,
                 "DecodeLayers: one of each weight per layer");
-    TORCH_CHECK(head_dim == 64 && kv_heads >= 1 && heads % kv_heads == 0 && heads / kv_heads <= 64,
-                "DecodeLayers: the decode attention kernel needs head_dim 64 and whole query groups");
+    TORCH_CHECK((head_dim == 64 || head_dim == 128) && kv_heads >= 1 && heads % kv_heads == 0 &&
+                    heads / kv_heads <= 64,
+                "DecodeLayers: the decode attention kernel needs head_dim 64 or 128 and whole query groups");
     TORCH_CHECK(hidden % 16 == 0 && intermediate % 16 == 0, "DecodeLayers: hidden and intermediate sizes % 16");
     TORCH_CHECK(!amx || has_amx(), "DecodeLayers: this CPU or OS does not offer AMX tiles");
     const int64_t q_size = heads * head_dim, qkv_size = q_size + 2 * kv_heads * head_dim;
@@ -176,6 +177,7 @@ class DecodeLayers {
     attention.scale = static_cast<float>(scale);
     attention.out = attended;
     attention.lse = lse;
+    attention.head_dim = d;
 
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];

@@ -1,5 +1,11 @@
-// Attention for CPU in bfloat16 with AVX-512 BF16 dot products (head_dim 64), reading K/V from the paged pool; on
-// a CPU without AVX512_BF16 the same kernels are built on AVX2 + FMA in float32 (the AVX2 section below).
+// Attention for CPU in bfloat16 with AVX-512 BF16 dot products, reading K/V from the paged pool; on a CPU without
+// AVX512_BF16 the same kernels are built on AVX2 + FMA in float32 (the AVX2 section below).
+//
+// One head_dim per translation unit: this file builds head_dim 64 (PREFIXKV_HEAD_DIM unset) and
+// flash_attention_d128.cpp includes it again for 128. Each build's entry points carry the dim in their names
+// (flash_attention_d64, ...); the 64 build also holds the dispatchers the bindings call, which pick the build from
+// the query's last dim. Every loop over the head's dims runs in whole 32- or 64-dim blocks in the same order, so
+// the 64 build computes what it did before the dim became a parameter, bit for bit.
 // Two entry points share one arithmetic:
 // - flash_attention: many query rows against one key range (a prefill chunk, fresh or after cached tokens; the
 //   stacked queries of several chunks or decodes against a shared prefix);
@@ -44,6 +50,14 @@
 
 #include "flash_attention.h"
 
+#ifndef PREFIXKV_HEAD_DIM
+#define PREFIXKV_HEAD_DIM 64
+#endif
+#define PREFIXKV_CAT2(a, b) a##b
+#define PREFIXKV_CAT(a, b) PREFIXKV_CAT2(a, b)
+#define PREFIXKV_PER_DIM(name) PREFIXKV_CAT(name##_d, PREFIXKV_HEAD_DIM)  // flash_attention -> flash_attention_d64
+
+#if PREFIXKV_HEAD_DIM == 64
 void prefixkv::attention::check_pages(const at::Tensor& table, const at::Tensor& lens, int64_t rows,
                                       int64_t page_size, const char* who) {
   TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && table.is_contiguous() &&
@@ -57,6 +71,7 @@ void prefixkv::attention::check_pages(const at::Tensor& table, const at::Tensor&
     TORCH_CHECK(len[r] >= 1 && len[r] <= table.size(1) * page_size, who,
                 ": each length must be in [1, pages * page_size]");
 }
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define PREFIXKV_ATTENTION_ISA "avx512_bf16"
@@ -77,7 +92,8 @@ namespace {
 enum Isa : int64_t { kVector = 0, kAmx = 1, kAmxEmulated = 2 };
 constexpr int64_t kAmxTile = 16;  // query rows per AMX tile
 
-constexpr int64_t kDim = 64;          // head_dim this kernel covers
+constexpr int64_t kDim = PREFIXKV_HEAD_DIM;  // head_dim this build covers: 64 or 128
+static_assert(kDim % 64 == 0, "the kernels walk the head's dims in 64-dim blocks");
 constexpr int64_t kPairs = kDim / 2;  // bf16 pairs per row
 constexpr int64_t kKeysPerVec = 16;   // keys per packing group (one AVX-512 vector of scores, two AVX2 ones)
 constexpr int64_t kChunk = 64;        // keys per softmax step
@@ -95,21 +111,21 @@ void chunk_slots(const int64_t* pages, int64_t page_size, int64_t c0, int64_t co
   }
 }
 
-constexpr int64_t kStateWidth = kDim + 2;  // a row's state: unnormalised output (64 floats), running max, sum
+constexpr int64_t kStateWidth = kDim + 2;  // a row's state: unnormalised output (kDim floats), running max, sum
 
 // Per-row online-softmax state of one work item (rows padded to whole tiles)
 struct Rows {
-  const uint32_t** q;  // the row's query (32 bf16 pairs)
+  const uint32_t** q;  // the row's query (kPairs bf16 pairs)
   int64_t* see;        // the last key the row sees
   float* m;            // running max of scaled scores
   float* l;            // running sum of exp(score - m), of the probabilities the value product reads
-  float* o;            // unnormalised output, 64 floats per row, 64-byte aligned
+  float* o;            // unnormalised output, kDim floats per row, 64-byte aligned
   // AMX only: the queries copied row after row (A tiles need one stride), a tile's scores and probabilities
-  uint16_t* q_rows;    // [rows][64] bf16
+  uint16_t* q_rows;    // [rows][kDim] bf16
   float* scores;       // [16][64]
   uint32_t* probs;     // [16][32] bf16 pairs
   // AVX2 builds only: the queries widened to float32, row after row
-  float* qf;           // [rows][64]
+  float* qf;           // [rows][kDim]
 };
 
 void init_row(const Rows& rows, int64_t r, const float* state) {
@@ -217,22 +233,17 @@ inline void transpose16(__m512i r[16]) {
 void pack_chunk_keys(const uint16_t* k_base, int64_t slot_stride, const int64_t* slots, int64_t c0, int64_t len,
                      int64_t nvec, uint16_t* out) {
   for (int64_t j = 0; j < nvec; ++j) {
-    __m512i lo[16], hi[16];  // pairs 0-15 and 16-31 of each of 16 keys
+    const uint16_t* src[kKeysPerVec];
     for (int64_t i = 0; i < kKeysPerVec; ++i) {
       const int64_t key = j * kKeysPerVec + i;  // within the chunk
-      if (c0 + key < len) {
-        const uint16_t* src = k_base + slots[key] * slot_stride;
-        lo[i] = _mm512_loadu_si512(src);
-        hi[i] = _mm512_loadu_si512(src + 32);
-      } else {
-        lo[i] = hi[i] = _mm512_setzero_si512();
-      }
+      src[i] = c0 + key < len ? k_base + slots[key] * slot_stride : nullptr;
     }
-    transpose16(lo);
-    transpose16(hi);
-    for (int64_t p = 0; p < 16; ++p) {
-      _mm512_store_si512(out + (j * kPairs + p) * 32, lo[p]);
-      _mm512_store_si512(out + (j * kPairs + 16 + p) * 32, hi[p]);
+    for (int64_t b = 0; b < kPairs / 16; ++b) {  // pairs 16b .. 16b + 15 (dims 32b .. 32b + 31) of 16 keys
+      __m512i r[16];
+      for (int64_t i = 0; i < kKeysPerVec; ++i)
+        r[i] = src[i] != nullptr ? _mm512_loadu_si512(src[i] + 32 * b) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t p = 0; p < 16; ++p) _mm512_store_si512(out + (j * kPairs + 16 * b + p) * 32, r[p]);
     }
   }
 }
@@ -248,22 +259,15 @@ void pack_chunk_values(const uint16_t* v_base, int64_t slot_stride, const int64_
   const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const int64_t k0 = 2 * kp, k1 = k0 + 1;  // within the chunk
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;  // dims 0-31, 32-63 of keys k0, k1
-    if (c0 + k0 < len) {
-      const uint16_t* src = v_base + slots[k0] * slot_stride;
-      a0 = _mm512_loadu_si512(src);
-      a1 = _mm512_loadu_si512(src + 32);
-    }
-    if (c0 + k1 < len) {
-      const uint16_t* src = v_base + slots[k1] * slot_stride;
-      b0 = _mm512_loadu_si512(src);
-      b1 = _mm512_loadu_si512(src + 32);
-    }
+    const uint16_t* a = c0 + k0 < len ? v_base + slots[k0] * slot_stride : nullptr;
+    const uint16_t* b = c0 + k1 < len ? v_base + slots[k1] * slot_stride : nullptr;
     uint16_t* dst = out + kp * 2 * kDim;
-    _mm512_store_si512(dst, _mm512_permutex2var_epi16(a0, low, b0));
-    _mm512_store_si512(dst + 32, _mm512_permutex2var_epi16(a0, high, b0));
-    _mm512_store_si512(dst + 64, _mm512_permutex2var_epi16(a1, low, b1));
-    _mm512_store_si512(dst + 96, _mm512_permutex2var_epi16(a1, high, b1));
+    for (int64_t d = 0; d < kDim; d += 32) {  // dims d .. d + 31 of keys k0, k1, interleaved
+      const __m512i x = a != nullptr ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
+      const __m512i y = b != nullptr ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      _mm512_store_si512(dst + 2 * d, _mm512_permutex2var_epi16(x, low, y));
+      _mm512_store_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(x, high, y));
+    }
   }
 }
 
@@ -373,31 +377,34 @@ __attribute__((noinline)) void attend_chunk(const uint16_t* kc, const uint16_t* 
     }
   }
   for (int64_t i = 0; i < kTile; ++i) softmax_row(rows, t0 + i, c0, nvec, s[i], probs[i], scale);
-  // values: o += p @ V over this chunk's key pairs
-  __m512 o[kTile][4];
-  for (int64_t i = 0; i < kTile; ++i)
-    for (int64_t j = 0; j < 4; ++j) o[i][j] = _mm512_load_ps(rows.o + (t0 + i) * kDim + 16 * j);
+  // values: o += p @ V over this chunk's key pairs, 64 output dims (4 vectors per row) at a time
   const int64_t pairs = nvec * 8;
-  for (int64_t kp2 = 0; kp2 < pairs; ++kp2) {
-    const __m512i v0 = _mm512_loadu_si512(vc + kp2 * 2 * kDim);
-    const __m512i v1 = _mm512_loadu_si512(vc + kp2 * 2 * kDim + 32);
-    const __m512i v2 = _mm512_loadu_si512(vc + kp2 * 2 * kDim + 64);
-    const __m512i v3 = _mm512_loadu_si512(vc + kp2 * 2 * kDim + 96);
-    for (int64_t i = 0; i < kTile; ++i) {
-      const __m512bh pb = as_bh(_mm512_set1_epi32(static_cast<int>(probs[i][kp2])));
-      o[i][0] = _mm512_dpbf16_ps(o[i][0], as_bh(v0), pb);
-      o[i][1] = _mm512_dpbf16_ps(o[i][1], as_bh(v1), pb);
-      o[i][2] = _mm512_dpbf16_ps(o[i][2], as_bh(v2), pb);
-      o[i][3] = _mm512_dpbf16_ps(o[i][3], as_bh(v3), pb);
+  for (int64_t h = 0; h < kDim; h += 64) {
+    __m512 o[kTile][4];
+    for (int64_t i = 0; i < kTile; ++i)
+      for (int64_t j = 0; j < 4; ++j) o[i][j] = _mm512_load_ps(rows.o + (t0 + i) * kDim + h + 16 * j);
+    for (int64_t kp2 = 0; kp2 < pairs; ++kp2) {
+      const uint16_t* vk = vc + kp2 * 2 * kDim + 2 * h;
+      const __m512i v0 = _mm512_loadu_si512(vk);
+      const __m512i v1 = _mm512_loadu_si512(vk + 32);
+      const __m512i v2 = _mm512_loadu_si512(vk + 64);
+      const __m512i v3 = _mm512_loadu_si512(vk + 96);
+      for (int64_t i = 0; i < kTile; ++i) {
+        const __m512bh pb = as_bh(_mm512_set1_epi32(static_cast<int>(probs[i][kp2])));
+        o[i][0] = _mm512_dpbf16_ps(o[i][0], as_bh(v0), pb);
+        o[i][1] = _mm512_dpbf16_ps(o[i][1], as_bh(v1), pb);
+        o[i][2] = _mm512_dpbf16_ps(o[i][2], as_bh(v2), pb);
+        o[i][3] = _mm512_dpbf16_ps(o[i][3], as_bh(v3), pb);
+      }
     }
+    for (int64_t i = 0; i < kTile; ++i)
+      for (int64_t j = 0; j < 4; ++j) _mm512_store_ps(rows.o + (t0 + i) * kDim + h + 16 * j, o[i][j]);
   }
-  for (int64_t i = 0; i < kTile; ++i)
-    for (int64_t j = 0; j < 4; ++j) _mm512_store_ps(rows.o + (t0 + i) * kDim + 16 * j, o[i][j]);
 }
 
 // attend_chunk on AMX tiles (Tiles: prefixkv::HwTiles or EmuTiles) for rows [t0, t0 + 16): the scores of the
-// chunk's nvec 16-key groups in tmm0-3 (Q halves in tmm4-5, K halves in tmm6-7), the softmax row by row, then each
-// 16-dim block of the output (tmm0-3, loaded from and stored back to the rows' float32 state) += P . V over the
+// chunk's nvec 16-key groups in tmm0-3 (per 64-dim block of the head: Q halves in tmm4-5, K halves in tmm6-7),
+// the softmax row by row, then each 16-dim block of the output (tmm0-3, loaded from and stored back to the rows' float32 state) += P . V over the
 // chunk's first 32 keys and, when the chunk has more, its last 32 (P halves in tmm4-5, V in tmm6-7). The chunk's K
 // and V must be packed for all 64 keys (zeros past the sequence). Not inlined, for the reason attend_chunk is not.
 template <class Tiles>
@@ -409,20 +416,27 @@ __attribute__((noinline)) void attend_chunk_amx(const uint16_t* kc, const uint16
   const int64_t nvec = std::min<int64_t>(4, (tile_see - c0) / kKeysPerVec + 1);
   constexpr int64_t kQStride = kDim * 2, kKStride = 64, kVStride = 2 * kDim * 2, kSStride = kChunk * 4;
   const uint16_t* q = rows.q_rows + t0 * kDim;
-  Tiles::template load<4>(q, kQStride);
-  Tiles::template load<5>(q + kPairs, kQStride);
-  auto scores = [&]<int G>() {
-    Tiles::template zero<G>();
-    Tiles::template load<6>(kc + G * kPairs * 32, kKStride);
-    Tiles::template load<7>(kc + G * kPairs * 32 + 16 * 32, kKStride);
+  // each 64-dim block of the head: its Q halves in tmm4-5, then every group's K halves into its scores tile
+  auto scores = [&]<int G>(int64_t block) {
+    if (block == 0) Tiles::template zero<G>();
+    const uint16_t* k = kc + G * kPairs * 32 + block * 32 * 32;  // pairs 32 block .. 32 block + 31 of group G
+    Tiles::template load<6>(k, kKStride);
+    Tiles::template load<7>(k + 16 * 32, kKStride);
     Tiles::template dot<G, 4, 6>();
     Tiles::template dot<G, 5, 7>();
-    Tiles::template store<G>(rows.scores + G * kKeysPerVec, kSStride);
   };
-  scores.template operator()<0>();
-  if (nvec > 1) scores.template operator()<1>();
-  if (nvec > 2) scores.template operator()<2>();
-  if (nvec > 3) scores.template operator()<3>();
+  for (int64_t block = 0; block < kDim / 64; ++block) {
+    Tiles::template load<4>(q + 64 * block, kQStride);
+    Tiles::template load<5>(q + 64 * block + 32, kQStride);
+    scores.template operator()<0>(block);
+    if (nvec > 1) scores.template operator()<1>(block);
+    if (nvec > 2) scores.template operator()<2>(block);
+    if (nvec > 3) scores.template operator()<3>(block);
+  }
+  Tiles::template store<0>(rows.scores, kSStride);
+  if (nvec > 1) Tiles::template store<1>(rows.scores + 1 * kKeysPerVec, kSStride);
+  if (nvec > 2) Tiles::template store<2>(rows.scores + 2 * kKeysPerVec, kSStride);
+  if (nvec > 3) Tiles::template store<3>(rows.scores + 3 * kKeysPerVec, kSStride);
   for (int64_t i = 0; i < kAmxTile; ++i) {
     __m512 s[4];
     for (int64_t j = 0; j < 4; ++j) s[j] = _mm512_load_ps(rows.scores + i * kChunk + j * kKeysPerVec);
@@ -432,20 +446,23 @@ __attribute__((noinline)) void attend_chunk_amx(const uint16_t* kc, const uint16
   float* o = rows.o + t0 * kDim;
   Tiles::template load<4>(rows.probs, kPStride);
   if (nvec > 2) Tiles::template load<5>(rows.probs + kChunk / 4, kPStride);
-  auto values = [&]<int D>() {
-    Tiles::template load<D>(o + D * 16, kOStride);
-    Tiles::template load<6>(vc + D * 32, kVStride);
-    Tiles::template dot<D, 4, 6>();
+  // output dims 16 block .. 16 block + 15 in tile T (the four tiles taken in turn)
+  auto values = [&]<int T>(int64_t block) {
+    Tiles::template load<T>(o + block * 16, kOStride);
+    Tiles::template load<6>(vc + block * 32, kVStride);
+    Tiles::template dot<T, 4, 6>();
     if (nvec > 2) {
-      Tiles::template load<7>(vc + 16 * 2 * kDim + D * 32, kVStride);
-      Tiles::template dot<D, 5, 7>();
+      Tiles::template load<7>(vc + 16 * 2 * kDim + block * 32, kVStride);
+      Tiles::template dot<T, 5, 7>();
     }
-    Tiles::template store<D>(o + D * 16, kOStride);
+    Tiles::template store<T>(o + block * 16, kOStride);
   };
-  values.template operator()<0>();
-  values.template operator()<1>();
-  values.template operator()<2>();
-  values.template operator()<3>();
+  for (int64_t block = 0; block < kDim / 16; block += 4) {
+    values.template operator()<0>(block);
+    values.template operator()<1>(block + 1);
+    values.template operator()<2>(block + 2);
+    values.template operator()<3>(block + 3);
+  }
 }
 
 }  // namespace
@@ -772,7 +789,7 @@ at::Tensor checked_state(const c10::optional<at::Tensor>& state, int64_t rows, i
   const at::Tensor& s = *state;
   TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 3 && s.size(0) == rows && s.size(1) == heads &&
                   s.size(2) == kStateWidth,
-              "state must be float32 [rows, heads, 66] (as returned with return_state)");
+              "state must be float32 [rows, heads, head_dim + 2] (as returned with return_state)");
   return s.contiguous();
 }
 
@@ -781,7 +798,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& kv) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16, "native attention is bf16");
   TORCH_CHECK(q.dim() == 3 && q.size(2) == kDim && kv.dim() == 4 && kv.size(0) == 2 && kv.size(3) == kDim &&
                   kv.stride(3) == 1,
-              "expected q [R, H, 64] and kv [2, KVH, slots, 64]");
+              "expected q [R, H, D] and kv [2, KVH, slots, D], D = ", kDim);
   TORCH_CHECK(q.size(1) % kv.size(1) == 0, "query heads must be a multiple of kv heads");
 }
 
@@ -792,9 +809,10 @@ void check_inputs(const at::Tensor& q, const at::Tensor& kv) {
 // from this state (keys before these L, as returned with return_state) instead of from nothing. Returns {out
 // [R, H, 64] bf16, lse [R, H] float32 (natural log of the sum of exp(scale * score))} and, with return_state,
 // the state [R, H, 66]. isa: 0 AVX512_BF16 dot products, 1 AMX tiles, 2 AMX kernels on emulated tiles (tests).
-std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor slots, at::Tensor q_pos,
-                                        double scale, c10::optional<at::Tensor> state_in, bool return_state,
-                                        int64_t isa) {
+std::vector<at::Tensor> PREFIXKV_PER_DIM(flash_attention)(at::Tensor q, at::Tensor kv, at::Tensor slots,
+                                                          at::Tensor q_pos, double scale,
+                                                          c10::optional<at::Tensor> state_in, bool return_state,
+                                                          int64_t isa) {
   check_inputs(q, kv);
   const Path path = Path::of(isa);
   TORCH_CHECK(slots.scalar_type() == at::kLong && q_pos.scalar_type() == at::kLong, "slots / q_pos must be int64");
@@ -882,7 +900,7 @@ std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor 
 // ids; lens [B] int64: sequence b attends to its positions [0, lens[b]) (>= 1). Bit for bit what flash_attention
 // computes for that row over the same keys (its slots in position order, q_pos = lens[b] - 1). state_in /
 // return_state as for flash_attention.
-void prefixkv::attention::paged_decode(const PagedDecode& a, int64_t isa) {
+void prefixkv::attention::PREFIXKV_PER_DIM(paged_decode)(const PagedDecode& a, int64_t isa) {
   const Path path = Path::of(isa);
   const int64_t group = a.heads / a.kv_heads;
   // sequences come shortest first (the planner sorts decodes by length): taken from the end, longest first
@@ -923,9 +941,10 @@ void prefixkv::attention::paged_decode(const PagedDecode& a, int64_t isa) {
 // ids; lens [B] int64: sequence b attends to its positions [0, lens[b]) (>= 1). Bit for bit what flash_attention
 // computes for that row over the same keys (its slots in position order, q_pos = lens[b] - 1). state_in /
 // return_state as for flash_attention.
-std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
-                                           int64_t page_size, double scale, c10::optional<at::Tensor> state_in,
-                                           bool return_state, int64_t isa) {
+std::vector<at::Tensor> PREFIXKV_PER_DIM(paged_flash_decode)(at::Tensor q, at::Tensor kv, at::Tensor table,
+                                                             at::Tensor lens, int64_t page_size, double scale,
+                                                             c10::optional<at::Tensor> state_in, bool return_state,
+                                                             int64_t isa) {
   check_inputs(q, kv);
   q = q.contiguous();
   table = table.contiguous();
@@ -955,24 +974,25 @@ std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tens
   args.out = out.data_ptr<c10::BFloat16>();
   args.lse = lse.data_ptr<float>();
   args.state = return_state ? state.data_ptr<float>() : nullptr;
-  prefixkv::attention::paged_decode(args, isa);
+  args.head_dim = kDim;
+  prefixkv::attention::PREFIXKV_PER_DIM(paged_decode)(args, isa);
   if (return_state) return {out, lse, state};
   return {out, lse};
 }
 
 #else
 
-std::vector<at::Tensor> flash_attention(at::Tensor, at::Tensor, at::Tensor, at::Tensor, double,
-                                        c10::optional<at::Tensor>, bool, int64_t) {
+std::vector<at::Tensor> PREFIXKV_PER_DIM(flash_attention)(at::Tensor, at::Tensor, at::Tensor, at::Tensor, double,
+                                                          c10::optional<at::Tensor>, bool, int64_t) {
   TORCH_CHECK(false, "flash_attention needs AVX-512 BF16 or AVX2 + FMA (not compiled in)");
 }
 
-std::vector<at::Tensor> paged_flash_decode(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
-                                           c10::optional<at::Tensor>, bool, int64_t) {
+std::vector<at::Tensor> PREFIXKV_PER_DIM(paged_flash_decode)(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
+                                                             double, c10::optional<at::Tensor>, bool, int64_t) {
   TORCH_CHECK(false, "paged_flash_decode needs AVX-512 BF16 or AVX2 + FMA (not compiled in)");
 }
 
-void prefixkv::attention::paged_decode(const PagedDecode&, int64_t) {
+void prefixkv::attention::PREFIXKV_PER_DIM(paged_decode)(const PagedDecode&, int64_t) {
   TORCH_CHECK(false, "paged_flash_decode needs AVX-512 BF16 or AVX2 + FMA (not compiled in)");
 }
 
@@ -980,7 +1000,40 @@ void prefixkv::attention::paged_decode(const PagedDecode&, int64_t) {
 
 #endif
 
+#if PREFIXKV_HEAD_DIM == 64
+// The dispatchers the bindings and the decode loop call: the build for the query's head_dim (64 or 128)
+std::vector<at::Tensor> flash_attention_d128(at::Tensor, at::Tensor, at::Tensor, at::Tensor, double,
+                                             c10::optional<at::Tensor>, bool, int64_t);
+std::vector<at::Tensor> paged_flash_decode_d128(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
+                                                c10::optional<at::Tensor>, bool, int64_t);
+
+static int64_t head_dim_of(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 3 && (q.size(2) == 64 || q.size(2) == 128),
+              "native attention covers head_dim 64 and 128: expected q [R, H, 64 or 128]");
+  return q.size(2);
+}
+
+std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor slots, at::Tensor q_pos,
+                                        double scale, c10::optional<at::Tensor> state_in, bool return_state,
+                                        int64_t isa) {
+  auto run = head_dim_of(q) == 64 ? &flash_attention_d64 : &flash_attention_d128;
+  return run(q, kv, slots, q_pos, scale, state_in, return_state, isa);
+}
+
+std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
+                                           int64_t page_size, double scale, c10::optional<at::Tensor> state_in,
+                                           bool return_state, int64_t isa) {
+  auto run = head_dim_of(q) == 64 ? &paged_flash_decode_d64 : &paged_flash_decode_d128;
+  return run(q, kv, table, lens, page_size, scale, state_in, return_state, isa);
+}
+
+void prefixkv::attention::paged_decode(const PagedDecode& args, int64_t isa) {
+  TORCH_CHECK(args.head_dim == 64 || args.head_dim == 128, "paged_decode covers head_dim 64 and 128");
+  (args.head_dim == 64 ? &paged_decode_d64 : &paged_decode_d128)(args, isa);
+}
+
 bool has_flash_attention() { return PREFIXKV_ATTENTION_ISA[0] != '\0'; }
 
 // the instruction set of the vector path (isa 0): "avx512_bf16", "avx2", or "" (not compiled in)
 std::string attention_isa() { return PREFIXKV_ATTENTION_ISA; }
+#endif
