@@ -13,8 +13,7 @@ token the model emits decodes; each record names both.
 
 `--small` keeps what decides which kernel runs (head_dim, the query heads per kv head, q/k norms, biases, tied
 embeddings, the rope type) and shrinks the rest (2 layers, 1-2 kv heads, a wider initializer_range so that
-greedy answers vary): the suite's exactness and invariance
-checks run on those, the benchmarks on the full shapes.
+greedy answers vary): the suite's exactness and invariance checks run on those, the benchmarks on the full shapes.
 """
 
 from __future__ import annotations
@@ -135,23 +134,6 @@ SHAPES = {
 }
 
 
-def describe(shape: Shape, config: dict[str, Any], small: bool) -> dict[str, Any]:
-    """What a benchmark record names: the shape, the real model it copies and what differs from it."""
-    return {
-        "shape": shape.name + ("-small" if small else ""),
-        "copies": shape.source,
-        "random_weights_seed": config.get("prefixkv_shape", {}).get("seed", SEED),
-        "hidden_size": config["hidden_size"],
-        "num_layers": config["num_hidden_layers"],
-        "num_heads": config["num_attention_heads"],
-        "num_kv_heads": config["num_key_value_heads"],
-        "head_dim": config["head_dim"],
-        "qk_norm": config["model_type"] == "qwen3",
-        "vocab_size": config["vocab_size"],
-        "real_vocab_size": shape.real_vocab_size,
-    }
-
-
 def random_state(cfg: dict[str, Any], seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """HF-named tensors initialised as transformers' _init_weights does, drawn in float32 from one generator
     (the same seed gives the same weights in any dtype, up to its rounding)."""
@@ -203,7 +185,7 @@ def default_tokenizer():
 
 def write_checkpoint(name: str, out: str, small: bool = False, seed: int = SEED, dtype: str | None = None) -> dict:
     """Write the checkpoint to `out` (created; an existing config.json there is a ValueError) and return what it
-    is (describe()). dtype: of the stored weights, bfloat16 for the full shapes and float32 for small ones unless
+    is (model_record()). dtype: of the stored weights, bfloat16 for the full shapes and float32 for small ones unless
     given (the engine casts on load either way)."""
     import torch
     from safetensors.torch import save_file
@@ -228,20 +210,21 @@ def write_checkpoint(name: str, out: str, small: bool = False, seed: int = SEED,
     tokenizer.save_pretrained(out)
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
-    return describe(shape, cfg, small)
+    return model_record(out)
 
 
-def shape_of(model_dir: str | None) -> dict | None:
-    """describe() of a checkpoint this module wrote (None for any other model): benchmarks record it."""
-    path = os.path.join(model_dir, "config.json") if model_dir else ""
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    written = cfg.get("prefixkv_shape")
+def _copied_shape(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """For a checkpoint written here, which real model it copies and how (empty for any other model)."""
+    written = hf_config.get("prefixkv_shape")
     if not isinstance(written, dict) or written.get("name") not in SHAPES:
-        return None
-    return describe(SHAPES[written["name"]], cfg, bool(written.get("small")))
+        return {}
+    shape = SHAPES[written["name"]]
+    return {
+        "shape": shape.name + ("-small" if written.get("small") else ""),
+        "copies": shape.source,
+        "random_weights_seed": written.get("seed", SEED),
+        "real_vocab_size": shape.real_vocab_size,
+    }
 
 
 def model_record(model: str | None) -> dict:
@@ -252,12 +235,14 @@ def model_record(model: str | None) -> dict:
     from prefixkv.model.loader import default_model_path
 
     path = default_model_path() if model is None else os.path.expanduser(model)
+    copied: dict[str, Any] = {}
     if os.path.isfile(path):
         gguf = GGUFFile(path)
         config = ModelConfig.from_gguf_metadata(gguf.metadata, has_output_weight="output.weight" in gguf.tensors)
     else:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            config = ModelConfig.from_hf_config(json.load(f))
+            hf_config = json.load(f)
+        config, copied = ModelConfig.from_hf_config(hf_config), _copied_shape(hf_config)
     record = {
         "model": os.path.basename(os.path.normpath(path)),
         "architecture": config.architecture,
@@ -269,7 +254,7 @@ def model_record(model: str | None) -> dict:
         "qk_norm": config.qk_norm,
         "vocab_size": config.vocab_size,
     }
-    return {**record, **(shape_of(path) or {})}
+    return {**record, **copied}
 
 
 def register(sub) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from prefixkv.llm import LLM
-from prefixkv.model.shapes import SHAPES, shape_of, write_checkpoint
+from prefixkv.model.shapes import SHAPES, model_record, write_checkpoint
 from prefixkv.sampling_params import SamplingParams
 from tests.model.conftest import hf_greedy
 
@@ -35,7 +35,7 @@ def test_small_shape_equals_transformers_and_caching_on_equals_off(small_checkpo
 
     path, record = small_checkpoint(name)
     real = SHAPES[name].config
-    assert record == shape_of(path)
+    assert record == model_record(path)
     assert record["head_dim"] == real["head_dim"]
     assert record["qk_norm"] == (real["model_type"] == "qwen3")
     ratio = real["num_attention_heads"] // real["num_key_value_heads"]

@@ -404,7 +404,8 @@ __attribute__((noinline)) void attend_chunk(const uint16_t* kc, const uint16_t* 
 
 // attend_chunk on AMX tiles (Tiles: prefixkv::HwTiles or EmuTiles) for rows [t0, t0 + 16): the scores of the
 // chunk's nvec 16-key groups in tmm0-3 (per 64-dim block of the head: Q halves in tmm4-5, K halves in tmm6-7),
-// the softmax row by row, then each 16-dim block of the output (tmm0-3, loaded from and stored back to the rows' float32 state) += P . V over the
+// the softmax row by row, then each 16-dim block of the output (tmm0-3 in turn, loaded from and stored back to
+// the rows' float32 state) += P . V over the
 // chunk's first 32 keys and, when the chunk has more, its last 32 (P halves in tmm4-5, V in tmm6-7). The chunk's K
 // and V must be packed for all 64 keys (zeros past the sequence). Not inlined, for the reason attend_chunk is not.
 template <class Tiles>
@@ -1007,29 +1008,30 @@ std::vector<at::Tensor> flash_attention_d128(at::Tensor, at::Tensor, at::Tensor,
 std::vector<at::Tensor> paged_flash_decode_d128(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
                                                 c10::optional<at::Tensor>, bool, int64_t);
 
-static int64_t head_dim_of(const at::Tensor& q) {
-  TORCH_CHECK(q.dim() == 3 && (q.size(2) == 64 || q.size(2) == 128),
-              "native attention covers head_dim 64 and 128: expected q [R, H, 64 or 128]");
-  return q.size(2);
+// whether the head_dim is 64 (else 128), failing for any other: the one check of all three dispatchers
+static bool is_d64(int64_t head_dim) {
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "native attention covers head_dim 64 and 128, got ", head_dim);
+  return head_dim == 64;
 }
 
 std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor slots, at::Tensor q_pos,
                                         double scale, c10::optional<at::Tensor> state_in, bool return_state,
                                         int64_t isa) {
-  auto run = head_dim_of(q) == 64 ? &flash_attention_d64 : &flash_attention_d128;
+  TORCH_CHECK(q.dim() == 3, "expected q [R, H, head_dim]");
+  auto run = is_d64(q.size(2)) ? &flash_attention_d64 : &flash_attention_d128;
   return run(q, kv, slots, q_pos, scale, state_in, return_state, isa);
 }
 
 std::vector<at::Tensor> paged_flash_decode(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
                                            int64_t page_size, double scale, c10::optional<at::Tensor> state_in,
                                            bool return_state, int64_t isa) {
-  auto run = head_dim_of(q) == 64 ? &paged_flash_decode_d64 : &paged_flash_decode_d128;
+  TORCH_CHECK(q.dim() == 3, "expected q [B, H, head_dim]");
+  auto run = is_d64(q.size(2)) ? &paged_flash_decode_d64 : &paged_flash_decode_d128;
   return run(q, kv, table, lens, page_size, scale, state_in, return_state, isa);
 }
 
 void prefixkv::attention::paged_decode(const PagedDecode& args, int64_t isa) {
-  TORCH_CHECK(args.head_dim == 64 || args.head_dim == 128, "paged_decode covers head_dim 64 and 128");
-  (args.head_dim == 64 ? &paged_decode_d64 : &paged_decode_d128)(args, isa);
+  (is_d64(args.head_dim) ? &paged_decode_d64 : &paged_decode_d128)(args, isa);
 }
 
 bool has_flash_attention() { return PREFIXKV_ATTENTION_ISA[0] != '\0'; }
