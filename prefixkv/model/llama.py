@@ -85,10 +85,12 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             qk = apply_rotary(qk, cos, sin) if self.fused is None else self.fused.rotary(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        else:
-            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:  # per-head norms (Qwen3) on rows of head_dim, then q and k heads rotated in one pass
+            q = self.q_norm(qkv[:, : self.q_size].reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, self.head_dim))
+            qk = torch.cat((q, k.view(t, self.num_kv_heads, self.head_dim)), dim=1)
+            qk = apply_rotary(qk, cos, sin) if self.fused is None else self.fused.rotary(qk, cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         kv = torch.stack((k, v), dim=1)  # [T, 2, KVH, d]: one index_copy_ writes both
         out = paged_attention(q, kv, kv_layer, plan, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -194,6 +196,9 @@ class LlamaModel(nn.Module):
             assert linear.packed is not None
             return linear.packed.path if linear.packed.path in quantized.FORMATS else ""
 
+        def norm_weight(norm: RMSNorm | None) -> torch.Tensor | None:
+            return None if norm is None else norm.weight
+
         layers = cast(list[DecoderLayer], list(self.layers))
         matrices = [
             [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
@@ -203,6 +208,8 @@ class LlamaModel(nn.Module):
             input_norm=[layer.input_layernorm.weight for layer in layers],
             qkv=[packed(layer.self_attn.qkv_proj) for layer in layers],
             qkv_bias=[layer.self_attn.qkv_proj.bias for layer in layers],
+            q_norm=[norm_weight(layer.self_attn.q_norm) for layer in layers],
+            k_norm=[norm_weight(layer.self_attn.k_norm) for layer in layers],
             o=[packed(layer.self_attn.o_proj) for layer in layers],
             post_norm=[layer.post_attention_layernorm.weight for layer in layers],
             gate_up=[packed(layer.mlp.gate_up_proj) for layer in layers],

@@ -77,7 +77,7 @@ class KernelOptions:
     fused_ops: bool = False
     # a step whose rows are all in-place decodes runs the decoder layers in one native call (csrc/decode_layers.cpp:
     # the same kernels in the same order as the Python layers, so the same bits, without the interpreter between
-    # them; needs cache_invariant and fused_ops, and a model without per-head q/k norms)
+    # them; needs cache_invariant and fused_ops)
     fused_decode: bool = False
     # which kernel computes the matrix products: "torch" (F.linear), "onednn" (weights packed once into oneDNN's
     # blocked layout), "avx512_bf16" or "amx" (prefixkv's row-invariant kernels); see prefixkv.model.matmul
@@ -153,7 +153,7 @@ class KernelOptions:
             options = dataclasses.replace(options, matmul=_library_matmul(device, dtype))
         if "fused_decode" not in overrides:  # on wherever the kernels it calls run
             options = dataclasses.replace(
-                options, fused_decode=options.cache_invariant and options.fused_ops and fused_decode_fits(config)
+                options, fused_decode=options.cache_invariant and options.fused_ops and fused_decode_fits()
             )
         options.check(device, dtype, config)
         return options
@@ -188,11 +188,8 @@ class KernelOptions:
             raise ValueError("fused_ops needs bfloat16 on a CPU where the native fused kernels are built")
         if self.fused_ops and config is not None and not fused_ops_fit(config):
             raise ValueError("fused_ops needs hidden and intermediate sizes divisible by 16 and head_dim by 32")
-        if self.fused_decode and not (self.cache_invariant and self.fused_ops and fused_decode_fits(config)):
-            raise ValueError(
-                "fused_decode needs cache_invariant and fused_ops, the native decode loop, and a model without "
-                "per-head q/k norms"
-            )
+        if self.fused_decode and not (self.cache_invariant and self.fused_ops and fused_decode_fits()):
+            raise ValueError("fused_decode needs cache_invariant, fused_ops and the native decode loop")
         if self.weight_format != "dense" and not (cpu and dtype == torch.bfloat16 and native.qgemm() is not None):
             raise ValueError(
                 f"weight_format {self.weight_format} needs bfloat16 on a CPU with AVX-512 and the native qgemm kernel "
@@ -240,6 +237,7 @@ def fused_ops_fit(config: ModelConfig) -> bool:
     return config.hidden_size % 16 == 0 and config.intermediate_size % 16 == 0 and config.head_dim % 32 == 0
 
 
-def fused_decode_fits(config: ModelConfig | None) -> bool:
-    """The native decode loop is built and covers this model's layers (no per-head q/k norms)."""
-    return native.decode_layers() is not None and (config is None or not config.qk_norm)
+def fused_decode_fits() -> bool:
+    """The native decode loop is built (it covers every layer the native attention and fused ops fit, per-head
+    q/k norms included)."""
+    return native.decode_layers() is not None

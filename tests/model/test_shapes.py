@@ -60,11 +60,12 @@ def test_small_shape_equals_transformers_and_caching_on_equals_off(small_checkpo
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_small_shape_bf16_answers_same_warm_cold_alone_batched(small_checkpoint, name):
     """bf16 on prefixkv's own kernels (head_dim 64 and 128, q/k norms included): every step's top logprobs equal bit
-    for bit, cold one at a time, warm from the cache (hash, 16-token pages) and all in one batch."""
+    for bit, cold one at a time, warm from the cache (hash, 16-token pages), all in one batch, and with the decode
+    steps on the Python layers instead of the one native decode call."""
     path, _ = small_checkpoint(name)
     llm = LLM(model=path, dtype="bfloat16", prefix_cache="hash", kv_cache_tokens=512, debug_nan_kv=True)
     options = llm.llm_engine.runner.options
-    assert options.native_attention and options.cache_invariant, options
+    assert options.native_attention and options.cache_invariant and options.fused_decode, options
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
     prompts = [{"prompt_token_ids": SHARED + s} for s in SUFFIXES]
 
@@ -80,4 +81,9 @@ def test_small_shape_bf16_answers_same_warm_cold_alone_batched(small_checkpoint,
     warm = answers(warm_outs)
     assert warm[0] == cold[0]
     assert batched == warm
+    model = llm.llm_engine.runner.model
+    fused, model.fused_decode = model.fused_decode, None  # the Python layers: what the one native decode call runs
+    llm.reset_prefix_cache()
+    assert answers(llm.generate(prompts, params, use_tqdm=False)) == batched
+    model.fused_decode = fused
     assert all(len({t for t, _, _ in a}) >= 3 for a in warm)  # distinct tokens: not a degenerate answer

@@ -9,7 +9,7 @@
 // evicts them from the caches, so that they took 25-30 us a layer, ~0.9 ms a step, on AMD EPYC; see
 // docs/benchmarks/decode/amd_epyc/README.md for the measurement. The inputs are checked once per call.
 // It covers what the fused decode path runs: every row a single-token decode attended in place with the
-// cache-invariant kernel, fused ops, a row-invariant matmul, no per-head q/k norms.
+// cache-invariant kernel, fused ops, a row-invariant matmul; per-head q/k norms (Qwen3) where the layers have them.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -58,6 +58,7 @@ struct Layer {
   at::Tensor input_norm, post_norm;  // the norms' weights, contiguous
   Weight qkv, o, gate_up, down;
   c10::optional<at::Tensor> qkv_bias;
+  c10::optional<at::Tensor> q_norm, k_norm;  // per-head RMSNorm weights [head_dim] (Qwen3), both or neither
 };
 
 // Pieces of one allocation of T, each starting on a 64-byte line
@@ -85,6 +86,10 @@ class Pieces {
   std::vector<T*> pieces_;
 };
 
+c10::optional<at::Tensor> contiguous(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? c10::optional<at::Tensor>(t->contiguous()) : c10::nullopt;
+}
+
 // fn(r) for every row, in parallel from 16 rows on (as the tensor kernels share out their rows)
 template <class Fn>
 void each_row(int64_t rows, const Fn& fn) {
@@ -97,11 +102,13 @@ void each_row(int64_t rows, const Fn& fn) {
 
 class DecodeLayers {
  public:
-  // Per layer, in order: input norm weight, packed q/k/v (fused), q/k/v bias or None, packed o, post-attention
-  // norm weight, packed gate/up (fused), packed down; formats: per layer, the block formats of q/k/v, o, gate/up
+  // Per layer, in order: input norm weight, packed q/k/v (fused), q/k/v bias or None, the per-head q and k norm
+  // weights or None, packed o, post-attention norm weight, packed gate/up (fused), packed down; formats: per layer, the block formats of q/k/v, o, gate/up
   // and down ("" for bf16 panels). amx: the bf16 matmuls run on AMX tiles (else AVX512_BF16).
   DecodeLayers(const std::vector<at::Tensor>& input_norm, const std::vector<at::Tensor>& qkv,
-               const std::vector<c10::optional<at::Tensor>>& qkv_bias, const std::vector<at::Tensor>& o,
+               const std::vector<c10::optional<at::Tensor>>& qkv_bias,
+               const std::vector<c10::optional<at::Tensor>>& q_norm,
+               const std::vector<c10::optional<at::Tensor>>& k_norm, const std::vector<at::Tensor>& o,
                const std::vector<at::Tensor>& post_norm, const std::vector<at::Tensor>& gate_up,
                const std::vector<at::Tensor>& down, const std::vector<std::vector<std::string>>& formats,
                int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
@@ -109,7 +116,8 @@ class DecodeLayers {
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), hidden_(hidden), intermediate_(intermediate),
         eps_(static_cast<float>(eps)), amx_(amx) {
     const size_t n = input_norm.size();
-    TORCH_CHECK(qkv.size() == n && qkv_bias.size() == n && o.size() == n && post_norm.size() == n &&
+    TORCH_CHECK(qkv.size() == n && qkv_bias.size() == n && q_norm.size() == n && k_norm.size() == n &&
+                    o.size() == n && post_norm.size() == n &&
                     gate_up.size() == n && down.size() == n && formats.size() == n,
                 "DecodeLayers: one of each weight per layer");
     TORCH_CHECK((head_dim == 64 || head_dim == 128) && kv_heads >= 1 && heads % kv_heads == 0 &&
@@ -122,6 +130,10 @@ class DecodeLayers {
       TORCH_CHECK(formats[i].size() == 4, "DecodeLayers: four formats per layer (q/k/v, o, gate/up, down)");
       for (const at::Tensor* norm : {&input_norm[i], &post_norm[i]})
         TORCH_CHECK(norm->scalar_type() == at::kBFloat16 && norm->numel() == hidden, "DecodeLayers: bf16 norms");
+      TORCH_CHECK(q_norm[i].has_value() == k_norm[i].has_value(), "DecodeLayers: q and k norms come together");
+      for (const c10::optional<at::Tensor>* norm : {&q_norm[i], &k_norm[i]})
+        TORCH_CHECK(!norm->has_value() || ((*norm)->scalar_type() == at::kBFloat16 && (*norm)->numel() == head_dim),
+                    "DecodeLayers: the per-head q/k norms must be bf16 [", head_dim, "]");
       if (qkv_bias[i].has_value())
         TORCH_CHECK(qkv_bias[i]->scalar_type() == at::kBFloat16 && qkv_bias[i]->numel() == qkv_size,
                     "DecodeLayers: the q/k/v bias must be bf16 [", qkv_size, "]");
@@ -130,8 +142,7 @@ class DecodeLayers {
                          Weight(o[i], formats[i][1], hidden, q_size, "o"),
                          Weight(gate_up[i], formats[i][2], 2 * intermediate, hidden, "gate/up"),
                          Weight(down[i], formats[i][3], hidden, intermediate, "down"),
-                         qkv_bias[i].has_value() ? c10::optional<at::Tensor>(qkv_bias[i]->contiguous())
-                                                 : c10::nullopt});
+                         contiguous(qkv_bias[i]), contiguous(q_norm[i]), contiguous(k_norm[i])});
     }
   }
 
@@ -144,11 +155,13 @@ class DecodeLayers {
     const int64_t rows = h.size(0), d = head_dim_, q_size = heads_ * d, kv_size = kv_heads_ * d;
     const int64_t qkv_size = q_size + 2 * kv_size, qk_size = q_size + kv_size;
     check(h, cos, sin, kv_cache, slot_mapping, table, lens, page_size, isa);
-    // the step's buffers: normed, q/k/v, rotated q/k, attended, projected, gate/up, act; lse, q4_1's block sums
+    // the step's buffers: normed, q/k/v, rotated q/k, attended, projected, gate/up, act, per-head normed q/k;
+    // lse, q4_1's block sums
     const Pieces<bf16> b({rows * hidden_, rows * qkv_size, rows * qk_size, rows * q_size, rows * hidden_,
-                          rows * 2 * intermediate_, rows * intermediate_},
+                          rows * 2 * intermediate_, rows * intermediate_, rows * qk_size},
                          h.options());
     bf16 *normed = b[0], *qkv = b[1], *qk = b[2], *attended = b[3], *projected = b[4], *gate_up = b[5], *act = b[6];
+    bf16* head_normed = b[7];
     const int64_t max_blocks = std::max({hidden_, q_size, intermediate_}) / qgemm::kBlock;
     const Pieces<float> f({rows * heads_, rows * max_blocks}, h.options());
     float *lse = f[0], *xsum = f[1];
@@ -190,8 +203,16 @@ class DecodeLayers {
       matmul(layer.qkv, normed, rows, layer.qkv_bias, qkv, xsum);
       each_row(rows, [&](int64_t r) {
         const bf16* row = qkv + r * qkv_size;
+        const bf16* unrotated = row;
+        if (layer.q_norm.has_value()) {  // as Attention.forward: each q head, then each k head, normed as a row
+          bf16* out = head_normed + r * qk_size;
+          const bf16 *qn = layer.q_norm->data_ptr<bf16>(), *kn = layer.k_norm->data_ptr<bf16>();
+          for (int64_t j = 0; j < heads_ + kv_heads_; ++j)
+            ops::rms_norm_row(row + j * d, j < heads_ ? qn : kn, out + j * d, d, eps_);
+          unrotated = out;
+        }
         bf16* rotated = qk + r * qk_size;
-        ops::rotary_row(row, heads_ + kv_heads_, d, cp + r * cs_stride, sp + r * cs_stride, rotated, d);
+        ops::rotary_row(unrotated, heads_ + kv_heads_, d, cp + r * cs_stride, sp + r * cs_stride, rotated, d);
         for (int64_t j = 0; j < kv_heads_; ++j) {  // the pool write: rotated K, then V
           bf16* slot = kv_layer + j * head_stride + slots[r] * slot_stride;
           std::memcpy(slot, rotated + (heads_ + j) * d, d * sizeof(bf16));
@@ -284,11 +305,13 @@ void bind_decode_layers(py::module_& m) {
   py::class_<DecodeLayers>(m, "DecodeLayers", "the decoder layers of a decode-only step in one call",
                            py::module_local())
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                    const std::vector<c10::optional<at::Tensor>>&, const std::vector<c10::optional<at::Tensor>>&,
                     const std::vector<c10::optional<at::Tensor>>&, const std::vector<at::Tensor>&,
                     const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                     const std::vector<std::vector<std::string>>&, int64_t, int64_t, int64_t, int64_t, int64_t,
                     double, bool>(),
-           py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("post_norm"),
+           py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("q_norm"),
+           py::arg("k_norm"), py::arg("o"), py::arg("post_norm"),
            py::arg("gate_up"), py::arg("down"), py::arg("formats"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"), py::arg("eps"), py::arg("amx"))
       .def("run", &DecodeLayers::run, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
