@@ -5,7 +5,10 @@ turns of multi-turn chats. Every prompt is answered three ways, and the greedy t
 - cold: an engine with prefix caching off (nothing is ever reused);
 - warm (partial hit): caching on, after the prompt's shared part (system prompt, earlier turns) was prewarmed;
 - warm (full hit): the same prompts once more, so everything but the last token (or page) comes from the cache.
-A prompt "flips" when a warm answer differs from its cold one. `--sequential` sends one prompt at a time (only the
+A prompt "flips" when a warm answer's greedy tokens differ from its cold ones; it "drifts" when any step's top
+`--logprobs` log-probabilities differ by a bit while the tokens agree (the logits compared at every step, not only
+their argmax). The distinct tokens per cold answer are reported, so a degenerate output (one token repeated) cannot
+pass for agreement. `--sequential` sends one prompt at a time (only the
 cache changes between cold and warm); the default sends the whole set at once, so the batches differ too. Batch
 invariance is measured apart: `--alone N` prompts of mixed lengths answered one at a time against the cold batch.
 """
@@ -13,6 +16,7 @@ invariance is measured apart: `--alone N` prompts of mixed lengths answered one 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -95,29 +99,54 @@ def invariance_prompts(
     return prompts
 
 
-def answer(llm, prompts: list[InvariancePrompt], max_tokens: int, sequential: bool) -> list:
-    """Greedy outputs (RequestOutput) for every prompt: one batch, or one prompt at a time."""
+def answer(llm, prompts: list[InvariancePrompt], max_tokens: int, sequential: bool, logprobs: int = 0) -> list:
+    """Greedy outputs (RequestOutput) for every prompt, with each step's top `logprobs` log-probabilities: one
+    batch, or one prompt at a time."""
     params = common.greedy(max_tokens)
+    if logprobs:
+        params = dataclasses.replace(params, logprobs=logprobs)
     ids = [list(p.token_ids) for p in prompts]
     if sequential:
         return [llm.generate([i], params, use_tqdm=False)[0] for i in ids]
     return llm.generate(ids, params, use_tqdm=False)
 
 
-def warm_runs(llm, prompts: list[InvariancePrompt], max_tokens: int, sequential: bool) -> dict[str, list]:
+def warm_runs(
+    llm, prompts: list[InvariancePrompt], max_tokens: int, sequential: bool, logprobs: int = 0
+) -> dict[str, list]:
     """From an empty cache: prewarm the shared parts, answer (partial hits), answer again (full hits)."""
     llm.reset_prefix_cache()
     shared = sorted({tuple(p.shared_ids) for p in prompts if p.shared_ids})
     if shared:
         llm.prewarm([list(s) for s in shared])
-    partial = answer(llm, prompts, max_tokens, sequential)
-    full = answer(llm, prompts, max_tokens, sequential)
+    partial = answer(llm, prompts, max_tokens, sequential, logprobs)
+    full = answer(llm, prompts, max_tokens, sequential, logprobs)
     return {"partial_hit": partial, "full_hit": full}
 
 
 def flips(cold: list, warm: list) -> list[int]:
     """Indices of prompts whose warm greedy tokens differ from their cold ones."""
     return [i for i, (c, w) in enumerate(zip(cold, warm)) if c.outputs[0].token_ids != w.outputs[0].token_ids]
+
+
+def step_logprobs(output) -> list:
+    """Every step's (token, its log-probability, the top log-probabilities), exactly as the engine returned them."""
+    return [(s.token_id, s.logprob, s.top_logprobs) for s in output.outputs[0].logprobs or []]
+
+
+def drifts(cold: list, warm: list) -> list[int]:
+    """Indices of prompts whose greedy tokens agree but some step's log-probabilities differ, by any bit."""
+    return [
+        i
+        for i, (c, w) in enumerate(zip(cold, warm))
+        if c.outputs[0].token_ids == w.outputs[0].token_ids and step_logprobs(c) != step_logprobs(w)
+    ]
+
+
+def distinct_tokens(outputs: list) -> dict:
+    """Distinct tokens per answer (least and median): agreement between degenerate answers proves little."""
+    counts = sorted(len(set(o.outputs[0].token_ids)) for o in outputs)
+    return {"min": counts[0], "median": counts[len(counts) // 2]} if counts else {}
 
 
 def spread_by_length(prompts: list[InvariancePrompt], n: int) -> list[int]:
@@ -135,6 +164,7 @@ def register(subparsers) -> None:
     p.add_argument("--caches", default="hash,radix", help="comma-separated cache kinds to compare against off")
     p.add_argument("--sequential", action="store_true", help="one prompt at a time instead of the whole set")
     p.add_argument("--alone", type=int, default=32, help="prompts also answered alone, against the cold batch")
+    p.add_argument("--logprobs", type=int, default=5, help="top log-probabilities compared at every step (0: none)")
     common.add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -148,24 +178,31 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
         cold_llm.get_tokenizer(), args.num_short, args.num_system, args.num_turns, seed=args.seed or 0
     )
     start = time.perf_counter()
-    cold = answer(cold_llm, prompts, args.output_len, args.sequential)
-    results: dict = {"cold_s": time.perf_counter() - start, "caches": {}}
+    cold = answer(cold_llm, prompts, args.output_len, args.sequential, args.logprobs)
+    results: dict = {"cold_s": time.perf_counter() - start, "distinct_tokens": distinct_tokens(cold), "caches": {}}
     rows = []
     if args.alone > 0 and not args.sequential:
         picked = spread_by_length(prompts, args.alone)
-        alone = answer(cold_llm, [prompts[i] for i in picked], args.output_len, sequential=True)
+        alone = answer(cold_llm, [prompts[i] for i in picked], args.output_len, True, args.logprobs)
         flipped = [picked[k] for k in flips([cold[i] for i in picked], alone)]
-        results["alone_vs_batch"] = {"prompts": picked, "flips": len(flipped), "flipped": flipped}
-        rows.append(["off", "alone vs batch", len(picked), 0, 0, len(flipped), ""])
+        drifted = [picked[k] for k in drifts([cold[i] for i in picked], alone)]
+        results["alone_vs_batch"] = {
+            "prompts": picked,
+            "flips": len(flipped),
+            "flipped": flipped,
+            "logprob_drifts": len(drifted),
+            "drifted": drifted,
+        }
+        rows.append(["off", "alone vs batch", len(picked), 0, 0, len(flipped), len(drifted), ""])
     del cold_llm
     for cache in caches:
         llm = factory(prefix_cache=cache)
         start = time.perf_counter()
-        warm = warm_runs(llm, prompts, args.output_len, args.sequential)
+        warm = warm_runs(llm, prompts, args.output_len, args.sequential, args.logprobs)
         entry: dict = {"warm_s": time.perf_counter() - start}
         page_size = llm.llm_engine.kv.page_size
         for phase, outs in warm.items():
-            flipped = flips(cold, outs)
+            flipped, drifted = flips(cold, outs), drifts(cold, outs)
             hit = sum(1 for o in outs if o.num_cached_tokens > 0)
             # all of the prompt but its last page: what a full hit must reuse
             near_full = sum(1 for o in outs if o.num_cached_tokens >= len(o.prompt_token_ids) - page_size)
@@ -174,24 +211,28 @@ def run(args: argparse.Namespace, llm_factory: common.LLMFactory | None = None) 
                 "flips": len(flipped),
                 "flipped": flipped,
                 "by_kind": by_kind,
+                "logprob_drifts": len(drifted),
+                "drifted": drifted,
                 "prompts_hit": hit,
                 "prompts_hit_all_but_last_page": near_full,
                 "cached_tokens": sum(o.num_cached_tokens for o in outs),
                 "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
             }
-            rows.append([cache, phase, len(prompts), hit, near_full, len(flipped), by_kind])
+            rows.append([cache, phase, len(prompts), hit, near_full, len(flipped), len(drifted), by_kind])
         results["caches"][cache] = entry
         del llm
     mode = "sequential" if args.sequential else "batched"
     common.print_table(
-        ["cache", "run", "prompts", "hit", "hit all but the last page", "flips", "flips by kind"],
+        ["cache", "run", "prompts", "hit", "hit all but the last page", "flips", "logprob drifts", "flips by kind"],
         rows,
-        title=f"greedy {args.dtype} answers, cold (caching off) vs warm ({mode})",
+        title=f"greedy {args.dtype} answers, cold (caching off) vs warm ({mode}); distinct tokens per answer "
+        f"{results['distinct_tokens']}",
     )
     results["config"] = {
         **kernels_and_cpu,
         "num_prompts": len(prompts),
         "output_len": args.output_len,
+        "logprobs": args.logprobs,
         "sequential": args.sequential,
         "dtype": args.dtype,
         "kernel_options": args.kernel_options,

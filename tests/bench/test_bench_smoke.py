@@ -169,6 +169,8 @@ def test_cache_invariance(factory):
     for entry in res["caches"].values():
         assert entry["full_hit"]["prompts_hit"] == 6 and entry["partial_hit"]["prompts_hit"] >= 4
         assert all(0 <= entry[phase]["flips"] <= 6 for phase in ("partial_hit", "full_hit"))
+        assert all(0 <= entry[phase]["logprob_drifts"] <= 6 for phase in ("partial_hit", "full_hit"))
+    assert res["distinct_tokens"]["min"] >= 1 and res["config"]["logprobs"] == 5
 
 
 def test_cli_writes_json_and_plot(factory, tmp_path, monkeypatch):
