@@ -16,6 +16,12 @@ where each is, "a tie within the noise" where the sign test cannot tell the spli
 format is measured in the same run: the bytes one decode step reads (prefixkv's weights as it stores them) over
 the best read pass measured before and after the rounds (bench decode's floor_bandwidth). JSON, a table and a
 plot go to --output-dir (default docs/benchmarks/llama_server/<cpu family>/).
+
+--model DIR runs a Hugging Face checkpoint (e.g. one `prefixkv checkpoint --shape ...` wrote) instead of the default
+model: llama-server reads GGUF files converted from that same checkpoint (<shape>-bf16.gguf by llama.cpp's
+convert_hf_to_gguf.py, <shape>-q4_1.gguf and <shape>-q8_0.gguf from it by llama-quantize; the .sh makes them),
+prefixkv reads the checkpoint itself for bf16 and q8_0 and the converted Q4_1 file for q4_1, and the results go to
+a subfolder named after the shape, so they never overwrite the default model's.
 """
 
 from __future__ import annotations
@@ -34,13 +40,14 @@ from typing import Any
 LAUNCH_ENV = dict(os.environ)
 
 import httpx  # noqa: E402
-from compare_vllm.__main__ import cpu_family, machine  # noqa: E402
+from compare_vllm.__main__ import cpu_family, describe_model, machine, model_label  # noqa: E402
 from compare_vllm.servers import SERVED_MODEL_NAME, Server, SideFailed, free_port  # noqa: E402
 from compare_vllm.workloads import TokenSource  # noqa: E402
 
 from prefixkv.bench.paired import Paired, from_ratios, paired, round_ratio  # noqa: E402
+from prefixkv.model.shapes import model_record  # noqa: E402
 
-# format -> (prefixkv's --weight-format, the GGUF file llama-server reads, under --gguf-dir)
+# format -> (prefixkv's --weight-format, the GGUF file llama-server reads, under --gguf-dir, for the default model)
 FORMATS = {
     "bf16": ("dense", "smollm2-bf16.gguf"),
     "q4_1": ("gguf", "smollm2-q4_1.gguf"),
@@ -53,7 +60,18 @@ BANDWIDTH_MIB = [256, 512, 1024]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", required=True, help="the llama-server binary")
-    p.add_argument("--gguf-dir", required=True, help="holds " + ", ".join(f for _, f in FORMATS.values()))
+    p.add_argument(
+        "--gguf-dir",
+        required=True,
+        help="holds " + ", ".join(f for _, f in FORMATS.values()) + " (with --model: <shape>-bf16.gguf etc.)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="a Hugging Face checkpoint directory both sides run (llama-server: the GGUF files converted from it); "
+        "default: the embedded SmolLM2",
+    )
     p.add_argument("--formats", default="bf16,q4_1,q8_0", help="comma-separated, of " + ", ".join(FORMATS))
     p.add_argument(
         "--rounds", type=int, default=3, help="timed requests per engine and format (the median of per-round ratios)"
@@ -70,14 +88,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown format(s) {unknown}; choose from {list(FORMATS)}")
     if args.rounds < 1 or args.output_tokens < 2:
         p.error("--rounds must be >= 1 and --output-tokens >= 2")
+    args.model_shape = None
+    if args.model is not None:
+        args.model = os.path.abspath(os.path.expanduser(args.model))
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            p.error(f"--model {args.model}: not a Hugging Face checkpoint directory (no config.json)")
+        try:
+            args.model_shape = model_record(args.model)
+        except (OSError, ValueError, KeyError) as exc:
+            p.error(f"--model {args.model}: {exc}")
     return args
 
 
-def prefixkv_server(args: argparse.Namespace, weight_format: str, log_path: str) -> Server:
+def gguf_name(args: argparse.Namespace, fmt: str) -> str:
+    """The GGUF file llama-server reads for a format: the default model's, or <shape>-<format>.gguf converted from
+    --model's checkpoint (compare_llama_server.sh names them so)."""
+    if args.model_shape is None:
+        return FORMATS[fmt][1]
+    return f"{model_label(args.model_shape)}-{fmt}.gguf"
+
+
+def prefixkv_model(args: argparse.Namespace, fmt: str) -> str | None:
+    """What prefixkv's side loads for a format: --model's checkpoint, or for q4_1 (--weight-format gguf: the file's
+    own blocks) the Q4_1 file converted from it, which llama-server reads too; None: the default model's GGUF."""
+    if args.model is None:
+        return None
+    return os.path.join(args.gguf_dir, gguf_name(args, fmt)) if FORMATS[fmt][0] == "gguf" else args.model
+
+
+def prefixkv_server(args: argparse.Namespace, weight_format: str, log_path: str, model: str | None = None) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "prefixkv", "serve", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--dtype", "bfloat16", "--weight-format", weight_format, "--num-threads", str(args.threads)]
     argv += ["--kv-cache-tokens", "8192", "--max-model-len", "4096", "--served-model-name", SERVED_MODEL_NAME]
+    if model is not None:
+        argv += ["--model", model]
     return Server("prefixkv", argv, LAUNCH_ENV, port, log_path)
 
 
@@ -135,12 +180,12 @@ def stream_once(base_url: str, prompt: list[int], output_tokens: int) -> dict:
     return out
 
 
-def floor_bytes(weight_format: str) -> dict:
+def floor_bytes(weight_format: str, model: str | None = None) -> dict:
     """The bytes one decode step reads in prefixkv's layout of this format (bench decode's count)."""
     from prefixkv.bench.decode import weight_bytes
     from prefixkv.llm import LLM
 
-    llm = LLM(dtype="bfloat16", weight_format=weight_format, kv_cache_tokens=256, max_model_len=256)
+    llm = LLM(model=model, dtype="bfloat16", weight_format=weight_format, kv_cache_tokens=256, max_model_len=256)
     runner: Any = llm.llm_engine.runner  # a ModelRunner (typed as the engine's ModelExecutor protocol)
     weights = weight_bytes(runner.model)
     key = "weight_bytes_bf16" if weight_format == "dense" else "bytes_read_as_stored"
@@ -148,15 +193,17 @@ def floor_bytes(weight_format: str) -> dict:
 
 
 def run_format(args: argparse.Namespace, name: str, logs: str) -> dict:
-    weight_format, gguf_name = FORMATS[name]
-    gguf = os.path.join(args.gguf_dir, gguf_name)
-    if not os.path.exists(gguf):
-        raise SystemExit(f"error: {gguf} is missing (scripts/compare_llama_server.sh makes it)")
+    weight_format, file_name = FORMATS[name][0], gguf_name(args, name)
+    gguf = os.path.join(args.gguf_dir, file_name)
+    model = prefixkv_model(args, name)
+    for path in {gguf, model or gguf}:
+        if not os.path.exists(path):
+            raise SystemExit(f"error: {path} is missing (scripts/compare_llama_server.sh makes it)")
     sides = {
-        "prefixkv": prefixkv_server(args, weight_format, os.path.join(logs, f"prefixkv_{name}.log")),
+        "prefixkv": prefixkv_server(args, weight_format, os.path.join(logs, f"prefixkv_{name}.log"), model),
         "llama-server": llama_server(args, gguf, os.path.join(logs, f"llama_server_{name}.log")),
     }
-    record: dict = {"prefixkv_weight_format": weight_format, "gguf": gguf_name, "rounds": []}
+    record: dict = {"prefixkv_weight_format": weight_format, "prefixkv_model": model, "gguf": file_name, "rounds": []}
     with sides["prefixkv"], sides["llama-server"]:
         for side in sides.values():
             side.wait_ready()
@@ -215,8 +262,10 @@ def summarize_floor(record: dict, floor: dict, bandwidth_bytes_s: float) -> None
 
 
 def table(results: dict) -> str:
+    shape = describe_model(results.get("model_shape"))
     lines = [
-        f"CPU: {results['machine']['cpu'].get('model', '?')} ({results['machine']['family']}), "
+        (shape + "; " if shape else "")
+        + f"CPU: {results['machine']['cpu'].get('model', '?')} ({results['machine']['family']}), "
         f"{results['settings']['threads']} threads; bandwidth {results['bandwidth_bytes_s'] / 1e9:.1f} GB/s",
         "| format | prefixkv tok/s | llama-server tok/s | prefixkv / llama-server (median of per-round ratios) | "
         "per round: what the rounds show | floor tok/s | prefixkv x floor | llama-server x floor | "
@@ -266,7 +315,11 @@ def plot(results: dict, png_path: str) -> None:
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("one stream's decode tok/s (each side's median)")
     cpu = results["machine"]["cpu"].get("model", "?")
-    ax.set_title(f"one stream, {results['settings']['output_tokens']} tokens, {cpu}, 2 threads", fontsize=9)
+    model = model_label(results["model_shape"]) + ", " if results.get("model_shape") else ""
+    threads = results["settings"]["threads"]
+    ax.set_title(
+        f"{model}one stream, {results['settings']['output_tokens']} tokens, {cpu}, {threads} threads", fontsize=9
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
@@ -282,13 +335,18 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     mach = machine()
     out_dir = args.output_dir or os.path.join("docs", "benchmarks", "llama_server", cpu_family(mach["cpu"]))
+    if args.output_dir is None and args.model_shape is not None:  # never over the default model's results
+        out_dir = os.path.join(out_dir, model_label(args.model_shape))
     logs = os.path.join(out_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     bandwidth = [measure_bandwidth(BANDWIDTH_MIB, repeats=5)]
-    floors = {name: floor_bytes(FORMATS[name][0]) for name in args.formats}
+    floors = {name: floor_bytes(FORMATS[name][0], prefixkv_model(args, name)) for name in args.formats}
     formats: dict = {}
     for name in args.formats:
-        print(f"== {name}: prefixkv --weight-format {FORMATS[name][0]} vs llama-server {FORMATS[name][1]}", flush=True)
+        print(
+            f"== {name}: prefixkv --weight-format {FORMATS[name][0]} vs llama-server {gguf_name(args, name)}",
+            flush=True,
+        )
         formats[name] = run_format(args, name, logs)
     bandwidth.append(measure_bandwidth(BANDWIDTH_MIB, repeats=5))
     best = floor_bandwidth([r for b in bandwidth for r in read_rates(b)])  # bench decode's floor statistic
@@ -305,6 +363,15 @@ def main(argv: list[str] | None = None) -> None:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip(),
         "llama_server_build": build_info,
+        "model": args.model,  # --model (null: the default model)
+        # the shape both sides ran (prefixkv.model.shapes.model_record), as every bench record names it
+        "model_shape": args.model_shape or model_record(None),
+        "gguf_source": (
+            "the shipped Q4_1 file; BF16 and Q8_0 made from it by llama-quantize"
+            if args.model is None
+            else "BF16 by llama.cpp's convert_hf_to_gguf.py from --model; Q4_1 (token embedding Q8_0, as in the "
+            "shipped file) and Q8_0 from the BF16 file by llama-quantize"
+        ),
         "settings": {
             "threads": args.threads,
             "prompt_tokens": args.prompt_tokens,

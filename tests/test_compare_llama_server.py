@@ -47,3 +47,28 @@ def test_the_client_counts_a_stream_from_prefixkv_and_the_table_reads_it(new_eng
         "formats": {"bf16": record},
     }
     assert "| bf16 | 120.0 | 100.0 | **1.20x** |  | 200 | 1.67x | 2.00x | 20 / 30 ms |" in cls.table(results)
+
+
+def test_model_flag_reads_the_files_converted_from_the_checkpoint(tmp_path):
+    import json
+
+    from prefixkv.model.shapes import SHAPES
+
+    cfg = {**SHAPES["qwen3-0.6b"].hf_config(small=True, vocab_size=49152), "prefixkv_shape": {"name": "qwen3-0.6b"}}
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    base = ["--llama-server", "bin", "--gguf-dir", str(tmp_path)]
+    default = cls.parse_args(base)
+    assert default.model_shape is None and cls.gguf_name(default, "bf16") == "smollm2-bf16.gguf"
+    assert cls.prefixkv_model(default, "q4_1") is None
+    args = cls.parse_args([*base, "--model", str(ckpt)])
+    assert args.model_shape["shape"] == "qwen3-0.6b"
+    assert [cls.gguf_name(args, f) for f in cls.FORMATS] == [f"qwen3-0.6b-{f}.gguf" for f in cls.FORMATS]
+    # prefixkv: the checkpoint for bf16 and q8_0, the converted Q4_1 file (its own blocks) for q4_1
+    assert cls.prefixkv_model(args, "bf16") == cls.prefixkv_model(args, "q8_0") == str(ckpt)
+    assert cls.prefixkv_model(args, "q4_1") == str(tmp_path / "qwen3-0.6b-q4_1.gguf")
+    argv = cls.prefixkv_server(args, "dense", str(tmp_path / "log"), str(ckpt)).argv
+    assert argv[argv.index("--model") + 1] == str(ckpt)
+    with pytest.raises(SystemExit):
+        cls.parse_args([*base, "--model", str(tmp_path / "missing")])

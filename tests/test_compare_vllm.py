@@ -388,3 +388,70 @@ def test_each_configuration_gets_its_dtype_placement_and_turn(tmp_path):
     per_round = {e: [record.get(e, {}).get("rows", {})] for e in runner.engines(0)}
     (cold,) = report.summarize([r for r in report.rows_for(TINY) if r.key == "cold_ttft_s"], per_round)
     assert cold["vllm_variant"] == "vllm_fp32" and cold["median"]["vllm"] == 1.5 and cold["ratio"] == 1.5
+
+
+def _shape_config(tmp_path, name: str = "qwen3-0.6b") -> str:
+    """A checkpoint directory as far as --model reads it when parsed: config.json only (no weights)."""
+    from prefixkv.model.shapes import SHAPES
+
+    cfg = {**SHAPES[name].hf_config(small=True, vocab_size=49152), "prefixkv_shape": {"name": name, "small": True}}
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_model_flag_names_the_shape_and_keeps_its_results_apart(tmp_path):
+    from compare_vllm.__main__ import Runner, bound_model_size, describe_model
+
+    ckpt = _shape_config(tmp_path)
+    args = parse_args(["--quick", "--model", ckpt, "--no-preload"])
+    assert args.model == ckpt and args.model_shape["shape"] == "qwen3-0.6b-small"
+    assert args.model_shape["head_dim"] == 128 and args.model_shape["qk_norm"]
+    # beside, never over, the default model's results
+    assert args.output_dir == os.path.join(parse_args(["--quick"]).output_dir, "qwen3-0.6b-small")
+    assert parse_args(["--model", ckpt, "--output-dir", str(tmp_path)]).output_dir == str(tmp_path)
+    assert parse_args([]).model is None and parse_args([]).model_shape is None
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(tmp_path / "missing")])
+
+    args.output_dir = str(tmp_path / "out")
+    runner = Runner(args, TINY)
+    runner.prepare()
+    assert runner.model_dir == ckpt  # vLLM's side, its server and its client's tokenizer
+    for engine in ("vllm", "prefixkv"):
+        argv = runner.server(engine, 0).argv
+        assert ckpt in argv and (engine == "vllm" or argv[argv.index("--model") + 1] == ckpt)
+    ran = []
+
+    def fake_run(engine, argv, log_name, what):
+        ran.append(argv)
+        with open(argv[argv.index("--out") + 1], "w") as f:
+            json.dump({"rows": {"detail": {}}, "engine": {}}, f)
+        return log_name
+
+    runner._run = fake_run
+    runner.offline("prefixkv", 0)
+    runner.offline("vllm", 0)
+    assert ran[0][ran[0].index("--model") + 1] == ckpt and ran[1][ran[1].index("--model-dir") + 1] == ckpt
+
+    # the bounds count this model's weights: 2 layers of hidden 256, 4 heads and 2 kv heads of 128
+    size = bound_model_size(ckpt)
+    assert size.layer_params == 2 * (256 * (512 + 2 * 256) + 512 * 256 + 3 * 512 * 256)
+    assert size.head_params == 49152 * 256 and bound_model_size(None) == limits.SMOLLM2
+    text = describe_model(args.model_shape)
+    assert text.startswith("model qwen3-0.6b-small: qwen3, 2 layers") and "Qwen/Qwen3-0.6B" in text
+
+
+def test_smollm2_sizes_from_its_config_are_the_bounds_constants():
+    smollm2 = {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+    }
+    assert limits.ModelSize.from_hf_config(smollm2) == limits.SMOLLM2
+    assert limits.SMOLLM2.weight_bytes == limits.WEIGHT_BYTES

@@ -56,6 +56,7 @@ from compare_vllm.servers import (  # noqa: E402
 from compare_vllm.workloads import FULL, QUICK, Sizes  # noqa: E402
 from prefixkv.bench.registry import source_commit  # noqa: E402
 from prefixkv.model import cpu_features  # noqa: E402
+from prefixkv.model.shapes import model_record  # noqa: E402
 
 SCRIPTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(SCRIPTS_DIR)
@@ -197,10 +198,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="no LD_PRELOAD on either side (where tcmalloc or libiomp5 is missing); recorded in the JSON and header",
     )
     p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="a Hugging Face checkpoint directory (e.g. one `prefixkv checkpoint --shape ...` wrote) that both "
+        "engines load; default: the embedded SmolLM2, which vLLM reads as exported to $VLLM_MODEL_DIR",
+    )
+    p.add_argument(
         "--output-dir",
         default=None,
         help="default: docs/benchmarks/vllm_side_by_side/<CPU family>/, the family being intel_xeon_amx, "
-        "intel_xeon, amd_epyc, amd_epyc_avx2 or other (with --quick: bench_results/vllm_side_by_side_quick/)",
+        "intel_xeon, amd_epyc, amd_epyc_avx2 or other (with --quick: bench_results/vllm_side_by_side_quick/); "
+        "with --model, a subfolder of it named after the model's shape (e.g. qwen3-0.6b/)",
     )
     p.add_argument(
         "--vllm-configs",
@@ -231,13 +240,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     except ValueError as exc:
         p.error(str(exc))
+    args.model_shape = None
+    if args.model is not None:
+        args.model = os.path.abspath(os.path.expanduser(args.model))
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            p.error(f"--model {args.model}: not a Hugging Face checkpoint directory (no config.json)")
+        try:
+            args.model_shape = model_record(args.model)
+        except (OSError, ValueError, KeyError) as exc:
+            p.error(f"--model {args.model}: {exc}")
     if args.output_dir is None:
         if args.quick:
             args.output_dir = os.path.join(REPO, "bench_results", "vllm_side_by_side_quick")
         else:
             family = cpu_family(cpu_features.describe())
             args.output_dir = os.path.join(REPO, "docs", "benchmarks", "vllm_side_by_side", family)
+        if args.model_shape is not None:  # never over the default model's results (README's headline reads them)
+            args.output_dir = os.path.join(args.output_dir, model_label(args.model_shape))
     return args
+
+
+def model_label(record: dict) -> str:
+    """A model's name in folder and file names: its shape (`qwen3-0.6b-small`) for a checkpoint `prefixkv
+    checkpoint` wrote, else its folder's or file's name."""
+    name = str(record.get("shape") or record.get("model") or "model")
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def default_model_shape() -> dict:
+    """shapes.model_record of the default model (the GGUF prefixkv serves; vLLM reads its export); a model that
+    cannot be read is recorded, never fatal."""
+    try:
+        return model_record(None)
+    except (OSError, ValueError, KeyError) as exc:
+        return {"model": None, "error": str(exc)}
 
 
 class Runner:
@@ -247,7 +283,10 @@ class Runner:
         self.args, self.sizes = args, sizes
         self.vllm_venv = os.environ.get("VLLM_VENV", os.path.join(REPO, ".vllm-venv"))
         self.vllm_python = os.path.join(self.vllm_venv, "bin", "python")
-        self.model_dir = os.environ.get("VLLM_MODEL_DIR", os.path.join(REPO, ".vllm-model"))
+        # vLLM's model: --model's checkpoint, else the default model's export; prefixkv's the same (None: its
+        # default GGUF, the values the export holds)
+        self.prefixkv_model: str | None = getattr(args, "model", None)
+        self.model_dir = self.prefixkv_model or os.environ.get("VLLM_MODEL_DIR", os.path.join(REPO, ".vllm-model"))
         self.log_dir = os.path.join(args.output_dir, "logs")
         self.preload: dict[str, str] = {}
         self.env: dict[str, dict[str, str]] = {}
@@ -322,6 +361,8 @@ class Runner:
         """The machine's limits, measured by a prefixkv child with the comparison's threads (compare_vllm.limits)."""
         out = os.path.join(self.log_dir, "limits.json")
         argv = [sys.executable, "-m", "compare_vllm.limits", "--threads", str(self.args.threads), "--out", out]
+        if self.prefixkv_model:
+            argv += ["--model", self.prefixkv_model]
         argv += ["--repeats", "2" if self.args.quick else "5"]
         self._run("prefixkv", argv, "limits.log", "the limits measurement")
         with open(out) as f:
@@ -334,6 +375,8 @@ class Runner:
         argv += ["--out", out, "--seed", str(self.args.seed)]
         if engine == "prefixkv":
             argv += ["--threads", str(self.args.threads)]
+            if self.prefixkv_model:
+                argv += ["--model", self.prefixkv_model]
         else:
             argv += ["--model-dir", self.model_dir, "--dtype", self.variants[engine].dtype]
         self._run(engine, argv, f"{engine}-offline-round{round_index}.log", "the offline rows")
@@ -354,6 +397,8 @@ class Runner:
         else:
             argv = [sys.executable, "-m", "prefixkv.server", *limits]
             argv += ["--num-threads", str(self.args.threads), "--log-level", "warning"]
+            if self.prefixkv_model:
+                argv += ["--model", self.prefixkv_model]
         log = os.path.join(self.log_dir, f"{engine}-server-round{round_index}.log")
         return Server(engine, argv, self.env[engine], port, log)
 
@@ -403,6 +448,30 @@ class Runner:
         return values, detail
 
 
+def bound_model_size(model: str | None) -> machine_limits.ModelSize:
+    """The parameter counts the rows' bounds use: --model's, from its config.json; else SmolLM2's."""
+    if model is None:
+        return machine_limits.SMOLLM2
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        return machine_limits.ModelSize.from_hf_config(json.load(f))
+
+
+def describe_model(record: dict | None) -> str:
+    """The model's shape in a few words, for the table's header."""
+    if not record:
+        return ""
+    if "architecture" not in record:
+        return f"model {record.get('model')} ({record.get('error', 'shape not read')})"
+    text = (
+        f"model {model_label(record)}: {record['architecture']}, {record['num_layers']} layers, hidden "
+        f"{record['hidden_size']}, {record['num_heads']} heads / {record['num_kv_heads']} kv heads of "
+        f"{record['head_dim']}{', q/k norms' if record.get('qk_norm') else ''}, vocab {record['vocab_size']}"
+    )
+    if record.get("copies"):
+        text += f" (random weights in {record['copies']}'s shape)"
+    return text
+
+
 def machine() -> dict:
     cpu = cpu_features.describe()
     return {
@@ -448,8 +517,8 @@ def _vllm_cache_config(metrics_text: str) -> dict:
 
 
 def header(config: dict) -> str:
-    """One line: both engines' versions, cache settings (vLLM's as it reports them) and LD_PRELOAD, dtype, threads,
-    the CPU with its kernel-relevant flags, and the limits measured."""
+    """One line: the model's shape, both engines' versions, cache settings (vLLM's as it reports them) and
+    LD_PRELOAD, dtype, threads, the CPU with its kernel-relevant flags, and the limits measured."""
     v, p = config["vllm"], config["prefixkv"]
     vllm_cache = v.get("offline_engine") or v.get("server_cache_config") or {}
     pkv = p.get("offline_engine") or {}
@@ -478,6 +547,8 @@ def header(config: dict) -> str:
         )
     if config.get("limits"):
         text += " | " + machine_limits.describe(config["limits"])
+    if config.get("model_shape"):
+        text = describe_model(config["model_shape"]) + " | " + text
     return text
 
 
@@ -492,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if not os.path.exists(os.path.join(runner.model_dir, "config.json")):
+    if not os.path.exists(os.path.join(runner.model_dir, "config.json")):  # --model's is checked when parsed
         print(
             f"error: no exported model at {runner.model_dir} (set VLLM_MODEL_DIR, or run "
             "bash scripts/compare_vllm.sh, which exports it)",
@@ -518,6 +589,10 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": dataclasses.asdict(sizes),
         "served_model_name": SERVED_MODEL_NAME,
         "model_dir": runner.model_dir,
+        "model": args.model,  # --model (null: the default model, which prefixkv reads from its GGUF)
+        # the shape both engines ran (prefixkv.model.shapes.model_record), as every bench record names it
+        "model_shape": args.model_shape or default_model_shape(),
+        "bound_model_size": dataclasses.asdict(bound_model_size(args.model)),
         "machine": machine(),
         "vllm_env": {k: runner.env["vllm"][k] for k in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND")},
         # each vLLM configuration measured (compare_vllm.variants), with its placement
@@ -546,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
 
     engines = [*runner.variants, "prefixkv"]
     per_round = {e: [r.get(e, {}).get("rows", {}) for r in rounds] for e in engines}
-    summary = report.summarize(report.rows_for(sizes), per_round, machine_limits.row_bounds(sizes, config["limits"]))
+    bounds = machine_limits.row_bounds(sizes, config["limits"], bound_model_size(args.model))
+    summary = report.summarize(report.rows_for(sizes), per_round, bounds)
     table = report.format_table(summary)
     title = header(config)
     print("\n" + title + "\n\n" + table + f"\n\n(run took {config['wall_s'] / 60:.1f} min)")
@@ -563,8 +639,8 @@ def main(argv: list[str] | None = None) -> int:
         report.plot(
             summary,
             png_path,
-            f"prefixkv vs vLLM {config['vllm']['versions'].get('vllm')} CPU, bf16, "
-            f"{args.threads} threads, median of {args.rounds} round(s)",
+            f"prefixkv vs vLLM {config['vllm']['versions'].get('vllm')} CPU, {model_label(config['model_shape'])}, "
+            f"bf16, {args.threads} threads, median of {args.rounds} round(s)",
         )
     except ImportError:
         png_path = "(no plot: matplotlib is not installed)"

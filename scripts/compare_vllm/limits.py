@@ -6,17 +6,19 @@ comparison's thread count and prefixkv's environment, before the rounds) measure
 - memory bandwidth B (bytes/s): the best of a few passes over a 1 GiB buffer (far larger than any L3), both as a
   read (torch sum: 1 GiB moved) and as a copy (2 GiB moved: read + write); B is the faster of the two;
 - the GEMM rate R (FLOP/s): torch's own BLAS paths, not prefixkv's kernels (a limit an engine's own kernels set
-  would only say how far it is from itself): torch.matmul in bf16 and in fp32 on SmolLM2's four weight shapes at
-  M = 2048 and M = 256 rows; per path and M, the rate is the four shapes' FLOPs over their summed best times (so
-  each shape weighs as much as it does in one layer); R is the best of them over both dtypes and both M.
+  would only say how far it is from itself): torch.matmul in bf16 and in fp32 on the model's four weight shapes
+  (SmolLM2's, or --model's) at M = 2048 and M = 256 rows; per path and M, the rate is the four shapes' FLOPs over
+  their summed best times (so each shape weighs as much as it does in one layer); R is the best of them over both
+  dtypes and both M.
   prefixkv's own matmul paths are timed the same way and printed next to it (prefixkv_gemm_flops_s), not used;
 - the CPU's theoretical peak P (cpu_peak): cores x GHz x FLOPs per cycle for its ISA, from lscpu, with the
   assumption spelled out in the JSON (2 FMA pipes per core, as wide as the core's vector datapath; a bf16 dot
   product instruction does twice an fp32 FMA's FLOPs; the clock lscpu reports, which under a hypervisor is the
   nominal one: a measured rate above P says the cores ran faster than that clock, and `--cpu-ghz` sets it).
 
-The rest is plain arithmetic on SmolLM2-135M (30 layers, hidden 576, intermediate 1536, 9 heads and 3 KV heads of
-64, a tied 49152 x 576 embedding that the lm_head reads):
+The rest is plain arithmetic on the model's sizes (ModelSize: a `--model` checkpoint's from its config.json); for
+the default model, SmolLM2-135M (30 layers, hidden
+576, intermediate 1536, 9 heads and 3 KV heads of 64, a tied 49152 x 576 embedding that the lm_head reads):
 
   P_layers = 30 * (960*576 + 576*576 + 3072*576 + 576*1536)   matmul parameters of the layers (qkv, o, gate+up,
                                                                 down): 106.2 M
@@ -52,6 +54,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import subprocess
 import time
@@ -68,6 +71,39 @@ HEAD_PARAMS = VOCAB * HIDDEN
 WEIGHT_BYTES = 2 * (LAYER_PARAMS + HEAD_PARAMS)  # bf16
 GEMM_ROWS = (2048, 256)
 BANDWIDTH_BUFFER_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSize:
+    """The sizes a row's bound (and scripts/scaling.py's FLOPs) need; SMOLLM2 is the default model's (the constants
+    above), and a `--model` checkpoint's come from its config.json (from_hf_config), so its rows are bounded by its
+    own weights."""
+
+    layer_shapes: tuple[tuple[int, int], ...]  # (out, in) of a layer's matmuls: q/k/v, o, gate/up, down
+    layers: int
+    heads: int
+    head_dim: int
+    head_params: int  # the lm_head's (vocab x hidden, tied or not: every logit reads it)
+
+    @property
+    def layer_params(self) -> int:
+        """matmul parameters of all layers"""
+        return self.layers * sum(o * i for o, i in self.layer_shapes)
+
+    @property
+    def weight_bytes(self) -> int:
+        return 2 * (self.layer_params + self.head_params)  # bf16
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelSize:
+        hidden, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or hidden // heads
+        q_width, kv_width = heads * head_dim, cfg.get("num_key_value_heads", heads) * head_dim
+        shapes = ((q_width + 2 * kv_width, hidden), (hidden, q_width), (2 * inter, hidden), (hidden, inter))
+        return cls(shapes, cfg["num_hidden_layers"], heads, head_dim, cfg["vocab_size"] * hidden)
+
+
+SMOLLM2 = ModelSize(LAYER_SHAPES, NUM_LAYERS, 9, 64, HEAD_PARAMS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,10 +167,10 @@ def row_work(sizes: Sizes) -> dict[str, Work]:
     return work
 
 
-def time_bound(work: Work, bandwidth_bytes_s: float, gemm_flops_s: float) -> dict:
+def time_bound(work: Work, bandwidth_bytes_s: float, gemm_flops_s: float, model: ModelSize = SMOLLM2) -> dict:
     """compute_s, memory_s and bound_s (their max) of one row's work."""
-    compute = (2 * LAYER_PARAMS * work.tokens + 2 * HEAD_PARAMS * work.logits) / gemm_flops_s
-    memory = work.steps * WEIGHT_BYTES / bandwidth_bytes_s
+    compute = (2 * model.layer_params * work.tokens + 2 * model.head_params * work.logits) / gemm_flops_s
+    memory = work.steps * model.weight_bytes / bandwidth_bytes_s
     return {"compute_s": compute, "memory_s": memory, "bound_s": max(compute, memory)}
 
 
@@ -144,15 +180,16 @@ def _in_unit(key: str, work: Work, bound_s: float) -> float:
     return bound_s * 1e3 if key.endswith("_ms") else bound_s
 
 
-def row_bounds(sizes: Sizes, limits: dict) -> dict[str, dict]:
-    """Per row key: the bound in the row's own unit (s, ms or out tok/s) and how it was reached; with the CPU's
-    theoretical peak in `limits` (peak_flops_s), peak_bound too: the same bound with the peak as the GEMM rate."""
+def row_bounds(sizes: Sizes, limits: dict, model: ModelSize = SMOLLM2) -> dict[str, dict]:
+    """Per row key: the bound in the row's own unit (s, ms or out tok/s) and how it was reached, for `model`'s
+    weights; with the CPU's theoretical peak in `limits` (peak_flops_s), peak_bound too: the same bound with the
+    peak as the GEMM rate."""
     out = {}
     for key, work in row_work(sizes).items():
-        t = time_bound(work, limits["bandwidth_bytes_s"], limits["gemm_flops_s"])
+        t = time_bound(work, limits["bandwidth_bytes_s"], limits["gemm_flops_s"], model)
         out[key] = {"bound": _in_unit(key, work, t["bound_s"]), **t, **dataclasses.asdict(work)}
         if limits.get("peak_flops_s"):
-            peak = time_bound(work, limits["bandwidth_bytes_s"], limits["peak_flops_s"])
+            peak = time_bound(work, limits["bandwidth_bytes_s"], limits["peak_flops_s"], model)
             out[key]["peak_bound"] = _in_unit(key, work, peak["bound_s"])
             out[key]["peak_compute_s"] = peak["compute_s"]
     return out
@@ -194,8 +231,10 @@ def measure_bandwidth(repeats: int, size_bytes: int = BANDWIDTH_BUFFER_BYTES) ->
     }
 
 
-def _rates(calls: dict, rows: tuple[int, ...], repeats: int, dtype_of: dict) -> dict[str, dict[str, float]]:
-    """Per path and M: the four layer shapes' FLOPs over their summed best times. calls[path](m, w_index) -> a
+def _rates(
+    calls: dict, rows: tuple[int, ...], repeats: int, dtype_of: dict, shapes: tuple = LAYER_SHAPES
+) -> dict[str, dict[str, float]]:
+    """Per path and M: the layer shapes' FLOPs over their summed best times. calls[path](m, w_index) -> a
     zero-argument call timing that shape at m rows."""
     import torch
 
@@ -205,7 +244,7 @@ def _rates(calls: dict, rows: tuple[int, ...], repeats: int, dtype_of: dict) -> 
         rates[path] = {}
         for m in rows:
             flops = seconds = 0.0
-            for j, (o, i) in enumerate(LAYER_SHAPES):
+            for j, (o, i) in enumerate(shapes):
                 x = torch.randn(m, i, generator=gen).to(dtype_of[path])
                 seconds += _best_time(make(x, j), repeats)
                 flops += 2.0 * m * o * i
@@ -221,24 +260,25 @@ def _best(rates: dict[str, dict[str, float]]) -> tuple[str, int, float]:
 TORCH_PATHS = {"torch.matmul bf16": "bfloat16", "torch.matmul fp32": "float32"}
 
 
-def measure_gemm(repeats: int, rows: tuple[int, ...] = GEMM_ROWS) -> dict:
+def measure_gemm(repeats: int, rows: tuple[int, ...] = GEMM_ROWS, shapes: tuple = LAYER_SHAPES) -> dict:
     """torch.matmul in bf16 and fp32 (the limit: torch's BLAS, not prefixkv's kernels), and prefixkv's own matmul
-    paths beside it (reported, not used by the bounds)."""
+    paths beside it (reported, not used by the bounds), on a layer's (out, in) weight shapes (SmolLM2's by
+    default; ModelSize.layer_shapes for another model)."""
     import torch
 
     from prefixkv.model import matmul
 
     gen = torch.Generator().manual_seed(0)
-    base = [torch.randn(o, i, generator=gen).div_(i**0.5) for o, i in LAYER_SHAPES]
+    base = [torch.randn(o, i, generator=gen).div_(i**0.5) for o, i in shapes]
     dtypes = {path: getattr(torch, name) for path, name in TORCH_PATHS.items()}
     torch_w = {path: [w.to(dt).t() for w in base] for path, dt in dtypes.items()}  # x @ W^T, as a Linear
     torch_calls = {path: (lambda x, j, ws=ws: lambda: torch.matmul(x, ws[j])) for path, ws in torch_w.items()}
-    torch_rates = _rates(torch_calls, rows, repeats, dtypes)
+    torch_rates = _rates(torch_calls, rows, repeats, dtypes, shapes)
     bf16 = [w.to(torch.bfloat16) for w in base]
     ours = matmul.available("cpu", torch.bfloat16)
     packed = {p: [matmul.pack(w, p) for w in bf16] for p in ours}
     ours_calls = {p: (lambda x, j, p=p: lambda: matmul.linear(x, bf16[j], packed[p][j], None)) for p in ours}
-    ours_rates = _rates(ours_calls, rows, repeats, dict.fromkeys(ours, torch.bfloat16))
+    ours_rates = _rates(ours_calls, rows, repeats, dict.fromkeys(ours, torch.bfloat16), shapes)
     path, m, rate = _best(torch_rates)
     own_path, own_m, own_rate = _best(ours_rates)
     return {
@@ -345,13 +385,15 @@ def cpu_peak(threads: int | None = None, fields: dict[str, str] | None = None, g
     }
 
 
-def measure(threads: int, repeats: int, ghz: float | None = None) -> dict:
+def measure(threads: int, repeats: int, ghz: float | None = None, model: ModelSize = SMOLLM2) -> dict:
+    """The machine's limits, the GEMM rate on `model`'s layer shapes."""
     import torch
 
     torch.set_num_threads(threads)
     result = {"threads": threads, "torch_threads": torch.get_num_threads(), "repeats": repeats}
     result.update(measure_bandwidth(repeats))
-    result.update(measure_gemm(repeats))
+    result.update(measure_gemm(repeats, shapes=model.layer_shapes))
+    result["gemm_shapes"] = [list(shape) for shape in model.layer_shapes]
     peak = cpu_peak(threads, ghz=ghz)
     result["cpu_peak"] = peak
     result["peak_flops_s"] = peak["peak_flops_s"]
@@ -387,10 +429,15 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--repeats", type=int, default=5, help="best of this many timings (after one warm-up)")
     p.add_argument("--cpu-ghz", type=float, default=None, help="the clock of the CPU's peak (default: lscpu's)")
+    p.add_argument("--model", default=None, help="a checkpoint directory: the GEMM rate on its shapes")
     args = p.parse_args()
     import prefixkv  # noqa: F401 - before torch, as in prefixkv's own processes: it sets OpenMP's wait policy
 
-    result = measure(args.threads, args.repeats, args.cpu_ghz)
+    model = SMOLLM2
+    if args.model:
+        with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
+            model = ModelSize.from_hf_config(json.load(f))
+    result = measure(args.threads, args.repeats, args.cpu_ghz, model)
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

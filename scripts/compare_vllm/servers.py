@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -113,6 +114,8 @@ class Server:
 
     def __enter__(self) -> Server:
         with open(self.log_path, "w") as log:
+            log.write("$ " + shlex.join(self.argv) + "\n")  # which model and flags it ran, as the parts' logs say
+            log.flush()
             self.proc = subprocess.Popen(
                 self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )

@@ -1,10 +1,12 @@
 """The prefixkv side, run with prefixkv's venv: `python -m compare_vllm.side_prefixkv versions|offline ...`.
 
   versions                          print the versions this venv runs, as JSON
-  offline --sizes J --threads N --out F   the offline rows on one prefixkv.llm.LLM, results as JSON in F
+  offline --sizes J --threads N --out F [--model DIR]   the offline rows on one prefixkv.llm.LLM, results as JSON
+                                                        in F
 
-The engine runs as a user would build it (default model, prefix cache and page size), at bf16 on N threads with
-the same scheduler limits as the vLLM side.
+The engine runs as a user would build it (the default model unless --model names the checkpoint vLLM loads too,
+prefixkv's default prefix cache and page size), at bf16 on N threads with the same scheduler limits as the vLLM
+side.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def engine_config(llm) -> dict:
     """The options the engine resolved (page size and pool size are derived at construction)."""
     cfg, engine = llm.config, llm.llm_engine
     info = {
+        "model": cfg.model,  # None: the default model
         "prefix_cache": cfg.prefix_cache,
         "page_size": cfg.tokens_per_page,
         "kv_cache_tokens": engine.kv.num_pages * engine.kv.page_size,
@@ -66,13 +69,14 @@ def generate_fn(llm):
     return generate
 
 
-def offline(sizes_json: str, threads: int, out_path: str, seed: int) -> None:
+def offline(sizes_json: str, threads: int, out_path: str, seed: int, model: str | None = None) -> None:
     from compare_vllm.offline_rows import run_offline_rows
     from compare_vllm.workloads import sizes_from_dict
     from prefixkv.llm import LLM
 
     sizes = sizes_from_dict(json.loads(sizes_json))
     llm = LLM(
+        model=model,
         dtype="bfloat16",
         num_threads=threads,
         max_model_len=sizes.max_model_len,
@@ -97,11 +101,12 @@ def main() -> None:
     o.add_argument("--threads", type=int, required=True)
     o.add_argument("--out", required=True)
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--model", default=None, help="a checkpoint directory (default: prefixkv's default model)")
     args = p.parse_args()
     if args.cmd == "versions":
         print(json.dumps(versions()))
     else:
-        offline(args.sizes, args.threads, args.out, args.seed)
+        offline(args.sizes, args.threads, args.out, args.seed, args.model)
 
 
 if __name__ == "__main__":
