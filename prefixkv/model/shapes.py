@@ -183,10 +183,18 @@ def default_tokenizer():
     return Tokenizer.from_gguf(default_model_path(), "default").hf
 
 
-def write_checkpoint(name: str, out: str, small: bool = False, seed: int = SEED, dtype: str | None = None) -> dict:
+def write_checkpoint(
+    name: str,
+    out: str,
+    small: bool = False,
+    seed: int = SEED,
+    dtype: str | None = None,
+    initializer_range: float | None = None,
+) -> dict:
     """Write the checkpoint to `out` (created; an existing config.json there is a ValueError) and return what it
     is (model_record()). dtype: of the stored weights, bfloat16 for the full shapes and float32 for small ones unless
-    given (the engine casts on load either way)."""
+    given (the engine casts on load either way). initializer_range: the weights' std instead of the shape's (a full
+    Qwen3 shape at the real 0.02 answers one or two tokens over and over; a wider one varies)."""
     import torch
     from safetensors.torch import save_file
 
@@ -197,6 +205,10 @@ def write_checkpoint(name: str, out: str, small: bool = False, seed: int = SEED,
     shape = SHAPES[name]
     tokenizer = default_tokenizer()
     cfg = shape.hf_config(small, vocab_size=len(tokenizer))
+    if initializer_range is not None:
+        if not initializer_range > 0:
+            raise ValueError(f"initializer_range must be positive, got {initializer_range}")
+        cfg["initializer_range"] = initializer_range
     cfg["bos_token_id"] = tokenizer.bos_token_id
     cfg["eos_token_id"] = tokenizer.eos_token_id
     cfg["prefixkv_shape"] = {"name": name, "small": small, "seed": seed}
@@ -223,6 +235,7 @@ def _copied_shape(hf_config: dict[str, Any]) -> dict[str, Any]:
         "shape": shape.name + ("-small" if written.get("small") else ""),
         "copies": shape.source,
         "random_weights_seed": written.get("seed", SEED),
+        "initializer_range": hf_config.get("initializer_range"),
         "real_vocab_size": shape.real_vocab_size,
     }
 
@@ -264,10 +277,13 @@ def register(sub) -> None:
     p.add_argument("--small", action="store_true", help="2 layers, the same per-head shape (the suite's size)")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    p.add_argument("--initializer-range", type=float, default=None, help="the weights' std (default: the shape's)")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    record = write_checkpoint(args.shape, args.out, small=args.small, seed=args.seed, dtype=args.dtype)
+    record = write_checkpoint(
+        args.shape, args.out, args.small, args.seed, args.dtype, initializer_range=args.initializer_range
+    )
     print(json.dumps(record, indent=2))
     return 0
