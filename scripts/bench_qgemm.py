@@ -1,5 +1,5 @@
 """The weight-only quantized matrix product (csrc/gemm_q.cpp: q8_0, q4_1, q4_0 GGUF blocks, bf16 activations)
-against the bf16 row-invariant product (csrc/gemm.cpp) on SmolLM2's weight shapes, with the weights cold.
+against the bf16 row-invariant product (csrc/gemm/gemm.cpp) on SmolLM2's weight shapes, with the weights cold.
 
 Cold: every call reads another copy of the packed weights, cycling through enough copies to exceed the last-level
 cache several times over (--cold-mb in all per path), so each call streams its weights from memory, as a decode

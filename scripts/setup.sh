@@ -16,3 +16,6 @@ python -m pip install -q -e ".[test,ray]"
 # ~/.cache/prefixkv/native) rather than in the first engine that needs them; if they cannot be built, prefixkv
 # warns and uses its torch paths
 python -m prefixkv.model.native || true
+# and the AVX2 + FMA build of the same kernels (about as long again, its own directory there), which the tests run
+# beside the main one so that the AVX2 kernels are checked on AVX-512 CPUs too; a CPU without AVX2 skips it
+python -m prefixkv.model.native --variant avx2 || true

@@ -31,14 +31,14 @@ def requires(flag: str, kernel: Callable[[], object], what: str, elsewhere: str 
 
 # the kernels of cache-invariant bf16 and the rest of the native fast paths
 AVX512_BF16 = requires(cpu_features.AVX512_BF16, native.flash_attention, "the AVX-512 BF16 attention kernels")
-# csrc/flash_attention.cpp's vector path, like csrc/gemm.cpp, is compiled for AVX512_BF16 where the CPU has it,
-# else for AVX2 + FMA: the attention kernels' contract tests (accuracy, a row's bits whatever its chunk, batch or
-# caller) and cache-invariant engines run on both
+# csrc/attention/flash_attention.cpp's vector path, like csrc/gemm/gemm.cpp, is compiled for AVX512_BF16 where the
+# CPU has it, else for AVX2 + FMA: the attention kernels' contract tests (accuracy, a row's bits whatever its chunk,
+# batch or caller) and cache-invariant engines run on both
 NATIVE_ATTENTION = requires(
     "avx2", native.flash_attention, "the native bf16 attention kernels (AVX512_BF16 or AVX2 + FMA)"
 )
 GEMM = requires(cpu_features.AVX512_BF16, native.gemm, "the AVX-512 BF16 matrix product")
-# csrc/gemm.cpp is compiled for AVX512_BF16 where the CPU has it, else for AVX2 + FMA (every CPU with AVX-512 has
+# csrc/gemm/gemm.cpp is compiled for AVX512_BF16 where the CPU has it, else for AVX2 + FMA (every CPU with AVX-512 has
 # AVX2 too): its contract tests run on both
 NATIVE_GEMM = requires("avx2", native.gemm, "the native bf16 matrix product (AVX512_BF16 or AVX2 + FMA)")
 # built with the AVX2 gemm (a CPU without AVX512_BF16), the float32 path there; elsewhere float32 runs torch's

@@ -2,9 +2,10 @@
 
 Why a subprocess: AMX needs the OS to grant the tile state and a correct tile configuration; a kernel that gets
 either wrong faults (SIGSEGV, SIGILL) instead of raising, and that must not take an engine down. Why one check per
-family: the matrix product (csrc/gemm_amx.cpp, matmul "amx") and attention (isa 1 of csrc/flash_attention.cpp:
-prefill, paged decode and the fused decode loop) are separate code, so each is offered only on its own verdict
-(native.amx_gemm, native.amx_attention); a fault in one cannot vouch for or against the other.
+family: the matrix product (csrc/gemm/gemm_amx.cpp, matmul "amx") and attention (isa 1 of
+csrc/attention/flash_attention.cpp: prefill, paged decode and the fused decode loop) are separate code, so each is
+offered only on its own verdict (native.amx_gemm, native.amx_attention); a fault in one cannot vouch for or against
+the other.
 
 Each check holds the hardware kernels to what cache-invariant bf16 relies on:
 - accuracy: they agree with the same kernels on emulated tiles (csrc/amx.h) and with the vector path (AVX512_BF16)
@@ -40,7 +41,7 @@ POOL_SLOTS = 2048
 
 
 class AttentionKernels(NamedTuple):
-    """The two attention entry points under test, with csrc/flash_attention.cpp's signatures minus `isa`."""
+    """The two attention entry points under test, with csrc/attention/flash_attention.cpp's signatures minus `isa`."""
 
     prefill: Callable  # flash_attention(q, kv, slots, q_pos, scale, state_in=None, return_state=False)
     decode: Callable  # paged_flash_decode(q, kv, table, lens, page_size, scale, state_in=None, return_state=False)

@@ -5,16 +5,16 @@ Paths (KernelOptions.matmul):
 - "onednn": oneDNN with the weight packed once into its blocked layout (packed_linear: same results as F.linear,
   without a reorder per call); fast, but which kernel and summation order it runs depends on the row count, so a
   row's bits can change with its batch;
-- "avx512_bf16": prefixkv's own kernel (csrc/gemm.cpp): every output element is one chain of vdpbf16ps over K in
+- "avx512_bf16": prefixkv's own kernel (csrc/gemm/gemm.cpp): every output element is one chain of vdpbf16ps over K in
   order, so a row's bits never depend on how many rows the call has (needed by cache-invariant bf16);
-- "amx": the same contract on Intel's AMX tiles (csrc/gemm_amx.cpp), where the CPU has them and the kernel passed
+- "amx": the same contract on Intel's AMX tiles (csrc/gemm/gemm_amx.cpp), where the CPU has them and the kernel passed
   its self-test on this machine;
 - "avx2": the same kernel's contract on a CPU without AVX-512 (AVX2 + FMA, such as AMD EPYC Zen 3): each K pair
   is two fp32 FMAs. There torch emulates bf16 products (a seventh of this kernel's rate on SmolLM2's shapes) and
   oneDNN has no bf16, so it is the bf16 path there, also with cache invariance off. The same build has a float32
   product with the same contract (one FMA chain over K per output element), the float32 path there too: torch's
   (MKL) streams the weights at a third of the memory bandwidth for 1 to 16 rows on that CPU, and its rows change
-  with M (csrc/gemm.cpp, gemm_f32).
+  with M (csrc/gemm/gemm.cpp, gemm_f32).
 Weights in a block format (KernelOptions.weight_format, prefixkv.model.quantized) are read by the native qgemm
 kernel (csrc/gemm_q.cpp) whatever `matmul` says: their PackedWeight's path is the block format ("q8_0", "q4_0",
 "q4_1"), with the same row-invariance contract.
@@ -32,7 +32,7 @@ from prefixkv.model import native, packed_linear, quantized
 PATHS = ("torch", "onednn", "avx512_bf16", "amx", "avx2")
 # paths whose row results do not depend on the batch, by construction
 ROW_INVARIANT_PATHS = ("avx512_bf16", "amx", "avx2")
-NATIVE_GEMM_PATHS = ("avx512_bf16", "avx2")  # csrc/gemm.cpp, compiled for one of them (native.gemm_isa)
+NATIVE_GEMM_PATHS = ("avx512_bf16", "avx2")  # csrc/gemm/gemm.cpp, compiled for one of them (native.gemm_isa)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +86,7 @@ def pack(weight: torch.Tensor, path: str) -> PackedWeight | None:
         data = packed_linear.pack(w)
     elif path in ROW_INVARIANT_PATHS and w.dtype == torch.float32:  # "avx2" only (see available)
         data = native.module().gemm_pack_f32(w.contiguous())
-    elif path in ROW_INVARIANT_PATHS:  # one bf16 panel layout for all three (csrc/gemm.cpp)
+    elif path in ROW_INVARIANT_PATHS:  # one bf16 panel layout for all three (csrc/gemm/gemm.cpp)
         data = native.gemm().gemm_pack(w.contiguous())
     else:
         raise ValueError(f"unknown matmul path {path!r}; one of {PATHS}")

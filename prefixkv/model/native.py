@@ -17,6 +17,12 @@ kernel drops it when its holder dies, and the build subprocess holds it too); wh
 leftover torch `lock` is stale and removes it. Waiting for another builder and the build itself have deadlines
 ($PREFIXKV_NATIVE_LOCK_TIMEOUT, $PREFIXKV_NATIVE_BUILD_TIMEOUT, seconds); past them, the torch paths are used.
 A finished build leaves a BUILT marker, after which a start only imports the library.
+
+Variants: besides the main build, the same sources built for a fixed instruction set, in a directory and under a
+module name of their own (their key has no CPU in it: the flags alone say what the binary runs on), loadable in
+one process beside the main build. VARIANTS["avx2"] is AVX2 + FMA without AVX-512 (the kernels an AMD EPYC Zen 3
+runs): scripts/setup.sh builds it too, so the suite checks the AVX2 kernels on every CPU that can run them, not
+only where -march=native picks them. The engine never loads a variant.
 """
 
 from __future__ import annotations
@@ -41,8 +47,25 @@ from collections.abc import Iterator
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")))
+
+
+def _csrc_files(*suffixes: str) -> list[str]:
+    """The csrc files (subfolders too) ending in any of `suffixes`, sorted."""
+    return sorted(
+        path for suffix in suffixes for path in glob.glob(os.path.join(_CSRC, "**", "*" + suffix), recursive=True)
+    )
+
+
+_SOURCES = _csrc_files(".cpp")
 _FLAGS = {"extra_cflags": ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], "extra_ldflags": ["-fopenmp"]}
+# fixed-ISA builds of the same sources (see the module's docstring): name -> (compile flags, CPU flags it needs).
+# x86-64-v3 is AVX2, FMA, F16C, BMI1/2 and no AVX-512: what the "avx2" paths are written for
+VARIANTS = {
+    "avx2": (
+        {"extra_cflags": ["-O3", "-march=x86-64-v3", "-fopenmp", "-fno-math-errno"], "extra_ldflags": ["-fopenmp"]},
+        ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"),
+    ),
+}
 _BUILT = "BUILT"  # written once the library is complete
 AMX_FAMILIES = ("gemm", "attention")  # the AMX kernels with a self-test and a gate each
 _AMX_VERDICT = "AMX_SELFTEST_{family}"  # "ok", or why that family of AMX kernels failed its self-test here
@@ -67,6 +90,22 @@ def module():
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         warnings.warn(f"prefixkv: native CPU kernels unavailable, using torch ops ({reason})", stacklevel=2)
         return None
+
+
+def variant_runs_here(name: str) -> bool:
+    """Whether this CPU has every instruction set the variant `name` is compiled for."""
+    from prefixkv.model import cpu_features
+
+    return all(cpu_features.has(flag) for flag in VARIANTS[name][1])
+
+
+@functools.cache
+def variant(name: str):
+    """The variant `name` of VARIANTS, loaded beside module() (built first if setup.sh has not built it); raises
+    when it cannot be built or this CPU cannot run it. For the tests: the engine runs module() only."""
+    if not variant_runs_here(name):
+        raise NativeBuildError(f"this CPU lacks {', '.join(VARIANTS[name][1])}, which the {name} build needs")
+    return load(variant=name)
 
 
 def fused_ops():
@@ -220,16 +259,26 @@ def build_key(csrc_files: list[str], torch_version: str, installation: str, flag
     return h.hexdigest()[:16]
 
 
-def build_directory() -> str:
-    """This installation's build directory for the current sources, torch, flags and CPU."""
+def _flags(variant: str) -> dict:
+    """The compile flags of the main build ("") or of a variant (a key of VARIANTS)."""
+    if not variant:
+        return _FLAGS
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown native build variant {variant!r}; known: {', '.join(VARIANTS)}")
+    return VARIANTS[variant][0]
+
+
+def build_directory(variant: str = "") -> str:
+    """This installation's build directory for the current sources, torch, flags and CPU (the main build), or for
+    a variant of VARIANTS (no CPU in its key: its -march is fixed)."""
     import torch
 
     base = os.environ.get("PREFIXKV_NATIVE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "prefixkv", "native"
     )
-    csrc_files = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")) + glob.glob(os.path.join(_CSRC, "*.h")))
     installation = f"{sys.prefix}\0{sys.executable}"  # a venv's python is often a symlink to a shared one
-    key = build_key(csrc_files, torch.__version__, installation, _FLAGS, _cpu_identity())
+    cpu = "" if variant else _cpu_identity()
+    key = build_key(_csrc_files(".cpp", ".h"), torch.__version__, installation, _flags(variant), cpu)
     return os.path.join(base, key)
 
 
@@ -254,17 +303,17 @@ def _seconds(variable: str) -> float:
     return float(value) if value else DEFAULT_TIMEOUT_S
 
 
-def load(directory: str | None = None):
-    """Import the build in `directory` (default: build_directory()), building it first if needed; raises
-    NativeBuildError when that cannot finish in time."""
+def load(directory: str | None = None, variant: str = ""):
+    """Import the build in `directory` (default: build_directory(variant)), building it first if needed, with the
+    flags of `variant` ("" the main build); raises NativeBuildError when that cannot finish in time."""
     import torch  # noqa: F401 - the library links against libtorch, which must be loaded first
 
-    directory = directory or build_directory()
+    directory = directory or build_directory(variant)
     if not is_built(directory):
         os.makedirs(directory, exist_ok=True)
         with _build_lock(directory, _seconds("PREFIXKV_NATIVE_LOCK_TIMEOUT")) as lock_fd:
             if not is_built(directory):  # else another process finished it while we waited
-                _build(directory, lock_fd, _seconds("PREFIXKV_NATIVE_BUILD_TIMEOUT"))
+                _build(directory, lock_fd, _seconds("PREFIXKV_NATIVE_BUILD_TIMEOUT"), _flags(variant))
     name = module_name(directory)
     spec = importlib.util.spec_from_file_location(name, _library(directory))
     if spec is None or spec.loader is None:  # the library's suffix is not one this Python imports
@@ -301,7 +350,7 @@ def _build_lock(directory: str, timeout: float) -> Iterator[int]:
         os.close(fd)  # releases the lock, unless the build subprocess still holds it
 
 
-def _build(directory: str, lock_fd: int, timeout: float) -> None:
+def _build(directory: str, lock_fd: int, timeout: float, flags: dict) -> None:
     """Build in a subprocess (so a deadline can stop it, compiler included) that shares our fcntl lock."""
     stale = os.path.join(directory, _TORCH_LOCK)
     if os.path.exists(stale):  # we hold the lock every builder takes first: whoever made this is gone
@@ -315,7 +364,7 @@ def _build(directory: str, lock_fd: int, timeout: float) -> None:
         "sources": _SOURCES,
         "build_directory": directory,
         "verbose": False,
-        **_FLAGS,
+        **flags,
     }
     env = dict(os.environ)
     bin_dir = os.path.dirname(sys.executable)  # pip's ninja lives beside python in a venv that is not activated
@@ -361,9 +410,31 @@ def _first_error(log_path: str) -> str:
     return (errors or lines or ["no output"])[0][:300]
 
 
-if __name__ == "__main__":  # scripts/setup.sh: build now rather than at the first engine start
+def _main(argv: list[str]) -> int:
+    """scripts/setup.sh: build now rather than at the first engine start; `--variant NAME`: that variant (for the
+    tests), status 1 when it cannot be built on a CPU that runs it."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if argv[:1] == ["--variant"] and len(argv) == 2 and argv[1] in VARIANTS:
+        name = argv[1]
+        if not variant_runs_here(name):
+            print(f"prefixkv native {name} build: skipped, this CPU lacks {', '.join(VARIANTS[name][1])}")
+            return 0
+        try:
+            m = variant(name)
+        except Exception as exc:  # noqa: BLE001 - reported, and the status says so
+            print(f"prefixkv native {name} build: failed ({exc})")
+            return 1
+        print(f"prefixkv native {name} build: ready ({build_directory(name)}, attention {m.attention_isa()})")
+        return 0
+    if argv:
+        print(f"usage: python -m prefixkv.model.native [--variant {'|'.join(VARIANTS)}]")
+        return 2
     state = "ready" if module() is not None else "unavailable, the torch paths will be used"
     print(f"prefixkv native kernels: {state} ({build_directory()})")
     if module() is not None:
         print(amx_line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

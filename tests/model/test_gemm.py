@@ -1,4 +1,4 @@
-"""prefixkv's own bf16 matrix product (csrc/gemm.cpp; matmul path "avx512_bf16", or "avx2" on a CPU without
+"""prefixkv's own bf16 matrix product (csrc/gemm/gemm.cpp; matmul path "avx512_bf16", or "avx2" on a CPU without
 AVX-512), and the float32 one of the AVX2 build (gemm_f32, the float32 path there): accurate, and row-invariant.
 
 Row invariance is the point of the kernel (cache-invariant bf16): a row's bits must not depend on how many rows

@@ -1,4 +1,4 @@
-"""The AMX matrix product (csrc/gemm_amx.cpp; matmul path "amx"): its kernels on emulated tiles everywhere, on
+"""The AMX matrix product (csrc/gemm/gemm_amx.cpp; matmul path "amx"): its kernels on emulated tiles everywhere, on
 the hardware where the CPU has AMX.
 
 The emulated tiles (csrc/amx.h) compute what tdpbf16ps and the tile loads and stores compute, so the kernels'

@@ -8,7 +8,9 @@ A token's attention output must not depend on how its context reached the pool o
 (the matrix products' row invariance is tests/model/test_gemm.py's).
 Each holds for every way the kernels compute their products (`isa`): the vector path (AVX512_BF16 dot products,
 or float32 FMAs on a CPU without AVX-512 BF16) and AMX tiles, the latter in AVX-512 builds on emulated tiles
-(csrc/amx.h) and on the hardware where the CPU has AMX (only there are those cases generated).
+(csrc/amx.h) and on the hardware where the CPU has AMX (only there are those cases generated); and the kernel-level
+ones also on the AVX2 variant of the build (tests/model/native_builds.py), so the AVX2 kernels are checked on
+AVX-512 CPUs too.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from prefixkv.model.attention import NativeCascadeDecodes, SharedPrefixChunks, S
 from prefixkv.model.options import KernelOptions
 from tests import kernels
 from tests.model.helpers import PagePool, shared_prefix_step
+from tests.model.native_builds import AVX2, MAIN, module
 
 pytestmark = kernels.NATIVE_ATTENTION
 
 KVH, GROUP, D = 3, 3, 64
 SCALE = D**-0.5
-# each head_dim the kernels are built for (flash_attention.cpp, flash_attention_d128.cpp): every kernel-level
+# each head_dim the kernels are built for (csrc/attention/flash_attention*.cpp): every kernel-level
 # invariance below holds for both
 DIMS = [pytest.param(64, id="d64"), pytest.param(128, id="d128")]
 # the kernels' isa argument. 0: the build's vector products, AVX512_BF16 dot products where the CPU has them, else
@@ -36,14 +39,19 @@ DIMS = [pytest.param(64, id="d64"), pytest.param(128, id="d128")]
 # AVX512_BF16, on the hardware tiles only on a CPU that has them (where the CPU has AMX and the build lacks the
 # kernels, kernels.AMX fails the case)
 AVX512_BUILD = cpu_features.has(cpu_features.AVX512_BF16)
+# Each case is (build, isa): the main build's isas, then the AVX2 variant's vector path ("avx2_build")
 if AVX512_BUILD:
-    AMX_ISAS = [pytest.param(2, id="amx_emulated")]
+    AMX_ISAS = [pytest.param(MAIN, 2, id="amx_emulated")]
     if cpu_features.has(cpu_features.AMX_BF16):
-        AMX_ISAS.insert(0, pytest.param(1, id="amx", marks=kernels.AMX))
+        AMX_ISAS.insert(0, pytest.param(MAIN, 1, id="amx", marks=kernels.AMX))
 else:
     reason = f"the AMX kernels are built with AVX512_BF16, which this CPU ({cpu_features.model_name()}) lacks"
-    AMX_ISAS = [pytest.param(2, id="amx_emulated", marks=pytest.mark.skip(reason=reason))]
-ISAS = [pytest.param(0, id="avx512_bf16" if AVX512_BUILD else "avx2"), *AMX_ISAS]
+    AMX_ISAS = [pytest.param(MAIN, 2, id="amx_emulated", marks=pytest.mark.skip(reason=reason))]
+ISAS = [
+    pytest.param(MAIN, 0, id="avx512_bf16" if AVX512_BUILD else "avx2"),
+    *AMX_ISAS,
+    pytest.param(AVX2, 0, id="avx2_build"),
+]
 
 
 def _pool(seed: int, num_slots: int = 2048, d: int = D) -> tuple[torch.Generator, torch.Tensor]:
@@ -64,15 +72,15 @@ def _paged(gen, length: int, page_size: int, num_slots: int) -> tuple[list[int],
 
 
 @pytest.mark.parametrize("d", DIMS)
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("build, isa", ISAS)
 @pytest.mark.parametrize("length, first, n", [(300, 0, 300), (300, 137, 1), (300, 64, 100), (1000, 999, 1)])
-def test_a_row_does_not_depend_on_its_chunk(length, first, n, isa, d):
+def test_a_row_does_not_depend_on_its_chunk(length, first, n, build, isa, d):
     """Rows [first, first + n) computed as their own chunk == the same rows of a call over the whole prompt."""
     gen, pool = _pool(length + first, d=d)
     slots = torch.randperm(pool.shape[2], generator=gen)[:length]
     q, scale = _q(gen, length, d), d**-0.5
-    whole, whole_lse = native.module().flash_attention(q, pool, slots, torch.arange(length), scale, isa=isa)
-    part, part_lse = native.module().flash_attention(
+    whole, whole_lse = module(build).flash_attention(q, pool, slots, torch.arange(length), scale, isa=isa)
+    part, part_lse = module(build).flash_attention(
         q[first : first + n], pool, slots[: first + n], torch.arange(first, first + n), scale, isa=isa
     )
     assert torch.equal(part, whole[first : first + n])
@@ -80,9 +88,9 @@ def test_a_row_does_not_depend_on_its_chunk(length, first, n, isa, d):
 
 
 @pytest.mark.parametrize("d", DIMS)
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("build, isa", ISAS)
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_decodes_equal_the_prefill_kernel(page_size, isa, d):
+def test_decodes_equal_the_prefill_kernel(page_size, build, isa, d):
     """Each decode of a batch (lengths around the 16- and 64-key blocks) == its row computed by flash_attention."""
     gen, pool = _pool(page_size, d=d)
     lens = [1, 2, 15, 16, 17, 63, 64, 65, 129, 500]
@@ -90,26 +98,24 @@ def test_decodes_equal_the_prefill_kernel(page_size, isa, d):
     tables, slot_lists = zip(*(_paged(gen, n, page_size, pool.shape[2]) for n in lens))
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    out, lse = native.module().paged_flash_decode(q, pool, table, torch.tensor(lens), page_size, scale, isa=isa)
+    out, lse = module(build).paged_flash_decode(q, pool, table, torch.tensor(lens), page_size, scale, isa=isa)
     for b, (n, slots) in enumerate(zip(lens, slot_lists)):
-        want, want_lse = native.module().flash_attention(
-            q[b : b + 1], pool, slots, torch.tensor([n - 1]), scale, isa=isa
-        )
+        want, want_lse = module(build).flash_attention(q[b : b + 1], pool, slots, torch.tensor([n - 1]), scale, isa=isa)
         assert torch.equal(out[b], want[0]), f"length {n}"
         assert torch.equal(lse[b], want_lse[0])
 
 
 @pytest.mark.parametrize("d", DIMS)
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("build, isa", ISAS)
 @pytest.mark.parametrize("prefix", [64, 128, 512])
-def test_state_handover_equals_one_pass(prefix, isa, d):
+def test_state_handover_equals_one_pass(prefix, build, isa, d):
     """Keys [0, prefix) then the rest from the handed-over state == one call over all keys (prefill rows)."""
     gen, pool = _pool(prefix, d=d)
     length, n = prefix + 90, 40
     slots = torch.randperm(pool.shape[2], generator=gen)[:length]
     q, scale = _q(gen, n, d), d**-0.5
     q_pos = torch.arange(length - n, length)
-    kernel = functools.partial(native.module().flash_attention, isa=isa)
+    kernel = functools.partial(module(build).flash_attention, isa=isa)
     whole, whole_lse = kernel(q, pool, slots, q_pos, scale)
     _, _, state = kernel(q, pool, slots[:prefix], torch.full((n,), prefix - 1), scale, return_state=True)
     out, lse = kernel(q, pool, slots[prefix:], q_pos - prefix, scale, state)
@@ -118,8 +124,8 @@ def test_state_handover_equals_one_pass(prefix, isa, d):
 
 
 @pytest.mark.parametrize("d", DIMS)
-@pytest.mark.parametrize("isa", ISAS)
-def test_decode_state_handover_equals_one_pass(isa, d):
+@pytest.mark.parametrize("build, isa", ISAS)
+def test_decode_state_handover_equals_one_pass(build, isa, d):
     """A shared prefix attended by flash_attention, each decode's own pages after it: == one decode pass."""
     page_size, prefix = 16, 128
     gen, pool = _pool(7, d=d)
@@ -135,7 +141,7 @@ def test_decode_state_handover_equals_one_pass(isa, d):
         free = free[own:]
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    kernels = native.module()
+    kernels = module(build)
     whole, whole_lse = kernels.paged_flash_decode(q, pool, table, torch.tensor(lens), page_size, scale, isa=isa)
     prefix_slots = (torch.tensor(shared_pages)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
     _, _, state = kernels.flash_attention(
@@ -196,16 +202,16 @@ def test_cascade_decodes_equal_each_decode_alone():
 
 
 @pytest.mark.parametrize("d", DIMS)
-@pytest.mark.parametrize("isa", AMX_ISAS)
-def test_amx_products_are_as_accurate_as_the_avx512_ones(isa, d):
+@pytest.mark.parametrize("build, isa", AMX_ISAS)
+def test_amx_products_are_as_accurate_as_the_avx512_ones(build, isa, d):
     """The AMX path rounds differently from the AVX-512 one (another order of the same float32 sums), by no more
     than bf16's own rounding of the output."""
     gen, pool = _pool(11, d=d)
     length = 200
     slots = torch.randperm(pool.shape[2], generator=gen)[:length]
     q, scale = _q(gen, length, d), d**-0.5
-    avx, avx_lse = native.module().flash_attention(q, pool, slots, torch.arange(length), scale)
-    amx, amx_lse = native.module().flash_attention(q, pool, slots, torch.arange(length), scale, isa=isa)
+    avx, avx_lse = module(build).flash_attention(q, pool, slots, torch.arange(length), scale)
+    amx, amx_lse = module(build).flash_attention(q, pool, slots, torch.arange(length), scale, isa=isa)
     assert torch.allclose(amx.float(), avx.float(), rtol=2**-7, atol=2**-8)
     # the lse: as close to a float64 reference as the AVX-512 path's (the scores sum in another order, which can
     # flip a probability's bf16 rounding: at head_dim 128 the two paths differ by up to 9e-4, each ~1e-3 from it)

@@ -5,7 +5,8 @@ fresh causal chunks, chunks after cached context, single rows, rows that see a w
 multiples of the kernel's blocks; the output error stays within torch's own SDPA error on the same inputs and the
 log-sum-exp is right. Plan level: prefill chunks behind one cached prefix become a SharedPrefixChunks group whose
 output equals the plain path's, mixed with decodes (cascade groups, which then read their prefix and their own
-pages in place with the native kernels).
+pages in place with the native kernels). The kernel-level accuracy runs on the main build and on its AVX2 variant
+(tests/model/native_builds.py), so the AVX2 kernels are checked on AVX-512 CPUs too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from prefixkv.model.attention import (
 from prefixkv.model.options import KernelOptions
 from tests import kernels
 from tests.model.helpers import shared_prefix_step
+from tests.model.native_builds import AVX2, MAIN, module
 
 pytestmark = kernels.NATIVE_ATTENTION
 
@@ -42,12 +44,13 @@ def reference(q, pool, slots, q_pos, scale):  # any head_dim: q's last dim
     return out, torch.logsumexp(scores, -1).transpose(0, 1), visible
 
 
+@pytest.mark.parametrize("build", [MAIN, pytest.param(AVX2, id="avx2_build")])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize(
     "context, n, see_all",
     [(0, 1, False), (0, 7, False), (0, 130, False), (13, 50, False), (200, 1, False), (100, 33, True), (64, 64, True)],
 )
-def test_kernel_matches_reference(context, n, see_all, d):
+def test_kernel_matches_reference(context, n, see_all, d, build):
     gen = torch.Generator().manual_seed(context * 1000 + n)
     num_slots = 1024
     pool = torch.randn(2, KVH, num_slots, d, generator=gen).to(torch.bfloat16)
@@ -58,7 +61,7 @@ def test_kernel_matches_reference(context, n, see_all, d):
     else:
         q_pos = torch.arange(context, context + n)
     scale = d**-0.5
-    out, lse = native.module().flash_attention(q, pool, slots, q_pos, scale)
+    out, lse = module(build).flash_attention(q, pool, slots, q_pos, scale)
     want, want_lse, visible = reference(q, pool, slots, q_pos, scale)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (n, KVH * GROUP)
     sdpa = F.scaled_dot_product_attention(

@@ -63,10 +63,11 @@ def _sources_not_newer_than(built: str) -> None:
     objects = [os.path.join(built, n) for n in os.listdir(built) if n.endswith((".o", ".so"))]
     oldest = min(os.stat(o).st_mtime for o in objects) - 1
     csrc = os.path.join(os.path.dirname(native.__file__), "csrc")
-    for name in os.listdir(csrc):
-        path = os.path.join(csrc, name)
-        if os.stat(path).st_mtime > oldest:
-            os.utime(path, (oldest, oldest))
+    for folder, _, names in os.walk(csrc):  # the per-ISA subfolders too
+        for name in names:
+            path = os.path.join(folder, name)
+            if os.stat(path).st_mtime > oldest:
+                os.utime(path, (oldest, oldest))
 
 
 def test_build_key_separates_installations(tmp_path):

@@ -38,8 +38,8 @@ from prefixkv.model.attention.merge import merge_by_lse, merge_unnormalised
 from prefixkv.model.options import FLASH_WITH_LSE
 
 Rows = slice | torch.Tensor  # the step rows a group answers for (a tensor: row indices, in the group's order)
-# the native attention kernels' isa argument (csrc/flash_attention.cpp): the build's vector products (AVX512_BF16
-# dot products, or float32 FMAs on an AVX2 build) or AMX tiles
+# the native attention kernels' isa argument (csrc/attention/flash_attention.cpp): the build's vector products
+# (AVX512_BF16 dot products, or float32 FMAs on an AVX2 build) or AMX tiles
 NATIVE_VECTOR, NATIVE_AMX = 0, 1
 
 

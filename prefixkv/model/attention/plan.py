@@ -39,7 +39,7 @@ from prefixkv.model.attention.groups import (
 )
 from prefixkv.model.options import KernelOptions
 
-INVARIANT_ALIGN = 64  # keys per softmax chunk of the native kernels (csrc/flash_attention.cpp kChunk)
+INVARIANT_ALIGN = 64  # keys per softmax chunk of the native kernels (csrc/attention/flash_attention.cpp kChunk)
 
 
 @dataclass(slots=True)

@@ -37,7 +37,7 @@ inline TileConfig full_tiles() {
 }
 
 // Whether this process may use AMX: the CPU has AMX-TILE and AMX-BF16 and Linux granted the tile data state
-// (arch_prctl ARCH_REQ_XCOMP_PERM, once per process). Defined in gemm_amx.cpp.
+// (arch_prctl ARCH_REQ_XCOMP_PERM, once per process). Defined in gemm/gemm_amx.cpp.
 bool amx_supported();
 
 #define PREFIXKV_TILE_SWITCH(t, MACRO, ...) \

@@ -23,7 +23,7 @@
 #include "gemm.h"
 #include "gemm_q.h"
 
-bool has_amx();  // gemm_amx.cpp
+bool has_amx();  // gemm/gemm_amx.cpp
 
 namespace {
 

@@ -1,5 +1,5 @@
-// paged_flash_decode of flash_attention.cpp on raw buffers, for callers that own them (decode_layers.cpp): the
-// same arithmetic, no checks, no allocation but each thread's scratch.
+// paged_flash_decode of attention/flash_attention.cpp on raw buffers, for callers that own them
+// (decode_layers.cpp): the same arithmetic, no checks, no allocation but each thread's scratch.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,7 +29,7 @@ struct PagedDecode {
 
 // isa: 0 AVX512_BF16, 1 AMX tiles, 2 AMX kernels on emulated tiles; the build for args.head_dim
 void paged_decode(const PagedDecode& args, int64_t isa);
-// each head_dim's build (flash_attention.cpp, flash_attention_d128.cpp)
+// each head_dim's build (attention/flash_attention.cpp, attention/flash_attention_d128.cpp)
 void paged_decode_d64(const PagedDecode& args, int64_t isa);
 void paged_decode_d128(const PagedDecode& args, int64_t isa);
 

@@ -1,5 +1,5 @@
-// What prefixkv's row-invariant matrix products share (gemm.cpp: AVX512_BF16, or AVX2 + FMA on a CPU without
-// AVX-512; gemm_amx.cpp: AMX tiles): the packed weight layout, the checked problem, how rows and panels are shared
+// What prefixkv's row-invariant matrix products share (gemm/gemm.cpp: AVX512_BF16, or AVX2 + FMA on a CPU
+// without AVX-512; gemm/gemm_amx.cpp: AMX tiles): the packed weight layout, the checked problem, how rows and panels are shared
 // out to threads, and the epilogue.
 #pragma once
 
@@ -53,7 +53,7 @@ struct ProblemF32 {
   int64_t row_bytes() const { return 4 * k; }
 };
 
-// A checked call: the tensors it keeps alive and the Problem over them (defined in gemm.cpp)
+// A checked call: the tensors it keeps alive and the Problem over them (defined in gemm/gemm.cpp)
 struct Call {
   at::Tensor x, bias, y;
   Problem pb;
@@ -62,7 +62,7 @@ Call prepare(const char* name, at::Tensor x, const at::Tensor& packed, int64_t n
              const c10::optional<at::Tensor>& bias);
 
 // The products of gemm and amx_gemm on a Problem whose buffers the caller owns: no checks, no allocation
-// (gemm.cpp, gemm_amx.cpp; decode_layers.cpp calls them with its step's workspace)
+// (gemm/, gemm/gemm_amx.cpp; decode_layers.cpp calls them with its step's workspace)
 void run(const Problem& pb);
 void run_amx(const Problem& pb);
 

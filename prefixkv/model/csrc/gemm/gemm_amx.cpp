@@ -18,8 +18,8 @@
 #include <cstring>
 #include <vector>
 
-#include "amx.h"
-#include "gemm.h"
+#include "../amx.h"
+#include "../gemm.h"
 
 namespace prefixkv {
 
@@ -43,7 +43,7 @@ bool amx_supported() {
 using namespace prefixkv::gemm;
 
 namespace prefixkv::gemm {
-void avx512_block(const Problem& pb, int64_t ma, int64_t mz, int64_t pa, int64_t pz);  // gemm.cpp
+void avx512_block(const Problem& pb, int64_t ma, int64_t mz, int64_t pa, int64_t pz);  // avx512_bf16.h
 }
 
 namespace {
