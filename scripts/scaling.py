@@ -195,8 +195,7 @@ def main() -> None:
 
     os.makedirs(a.out, exist_ok=True)
     rows = [measure_model(m, a) for m in a.models.split(",") if m]
-    result: dict = {"cpu": cpu_features.describe(), "prefixkv_commit": source_commit(), "threads": a.threads,
-                    "rows": rows}  # fmt: skip
+    result: dict = {"cpu": cpu_features.describe(), **source_commit(), "threads": a.threads, "rows": rows}
     if a.predict:
         result["prediction"] = predict(rows, a.predict, a)
         measured = measure_model(a.predict, a)
