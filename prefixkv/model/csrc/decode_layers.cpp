@@ -103,8 +103,9 @@ void each_row(int64_t rows, const Fn& fn) {
 class DecodeLayers {
  public:
   // Per layer, in order: input norm weight, packed q/k/v (fused), q/k/v bias or None, the per-head q and k norm
-  // weights or None, packed o, post-attention norm weight, packed gate/up (fused), packed down; formats: per layer, the block formats of q/k/v, o, gate/up
-  // and down ("" for bf16 panels). amx: the bf16 matmuls run on AMX tiles (else AVX512_BF16).
+  // weights or None, packed o, post-attention norm weight, packed gate/up (fused), packed down; formats: per
+  // layer, the block formats of q/k/v, o, gate/up and down ("" for bf16 panels). amx: the bf16 matmuls run on AMX
+  // tiles (else AVX512_BF16).
   DecodeLayers(const std::vector<at::Tensor>& input_norm, const std::vector<at::Tensor>& qkv,
                const std::vector<c10::optional<at::Tensor>>& qkv_bias,
                const std::vector<c10::optional<at::Tensor>>& q_norm,
@@ -117,8 +118,8 @@ class DecodeLayers {
         eps_(static_cast<float>(eps)), amx_(amx) {
     const size_t n = input_norm.size();
     TORCH_CHECK(qkv.size() == n && qkv_bias.size() == n && q_norm.size() == n && k_norm.size() == n &&
-                    o.size() == n && post_norm.size() == n &&
-                    gate_up.size() == n && down.size() == n && formats.size() == n,
+                    o.size() == n && post_norm.size() == n && gate_up.size() == n && down.size() == n &&
+                    formats.size() == n,
                 "DecodeLayers: one of each weight per layer");
     TORCH_CHECK((head_dim == 64 || head_dim == 128) && kv_heads >= 1 && heads % kv_heads == 0 &&
                     heads / kv_heads <= 64,

@@ -1,6 +1,6 @@
 // What prefixkv's row-invariant matrix products share (gemm/gemm.cpp: AVX512_BF16, or AVX2 + FMA on a CPU
-// without AVX-512; gemm/gemm_amx.cpp: AMX tiles): the packed weight layout, the checked problem, how rows and panels are shared
-// out to threads, and the epilogue.
+// without AVX-512; gemm/gemm_amx.cpp: AMX tiles): the packed weight layout, the checked problem, how rows and
+// panels are shared out to threads, and the epilogue.
 #pragma once
 
 #include <ATen/ATen.h>
