@@ -40,7 +40,7 @@ from typing import Any
 LAUNCH_ENV = dict(os.environ)
 
 import httpx  # noqa: E402
-from compare_vllm.__main__ import cpu_family, describe_model, machine, model_label  # noqa: E402
+from compare_vllm.__main__ import checkpoint_arg, cpu_family, describe_model, machine, model_label  # noqa: E402
 from compare_vllm.servers import SERVED_MODEL_NAME, Server, SideFailed, free_port  # noqa: E402
 from compare_vllm.workloads import TokenSource  # noqa: E402
 
@@ -88,15 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown format(s) {unknown}; choose from {list(FORMATS)}")
     if args.rounds < 1 or args.output_tokens < 2:
         p.error("--rounds must be >= 1 and --output-tokens >= 2")
-    args.model_shape = None
-    if args.model is not None:
-        args.model = os.path.abspath(os.path.expanduser(args.model))
-        if not os.path.isfile(os.path.join(args.model, "config.json")):
-            p.error(f"--model {args.model}: not a Hugging Face checkpoint directory (no config.json)")
-        try:
-            args.model_shape = model_record(args.model)
-        except (OSError, ValueError, KeyError) as exc:
-            p.error(f"--model {args.model}: {exc}")
+    args.model, args.model_shape = checkpoint_arg(p, args.model)
     return args
 
 

