@@ -3,8 +3,8 @@ variant (native.VARIANTS["avx2"]: AVX2 + FMA, no AVX-512, the kernels of an AMD 
 scripts/setup.sh builds beside it so that the AVX2 kernels are checked on AVX-512 CPUs as well.
 
 The variant skips only where the CPU cannot run AVX2 + FMA. Where it can and the variant is missing, the first
-test that needs it builds it (about a minute); a build that fails fails the tests under CI=true, and elsewhere
-skips them saying why (the main build's tests still fail where that one is broken).
+test that needs it builds it (3-4 minutes on 2 cores); a build that fails fails the tests under CI=true, and
+elsewhere skips them saying why (the main build's tests still fail where that one is broken).
 """
 
 from __future__ import annotations
