@@ -39,8 +39,8 @@ def _rows(m: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-def _gemm(build: str):
-    """The module whose bf16 product a test runs: the main build's (native.gemm()) or the AVX2 variant's."""
+def _kernels(build: str):
+    """The module whose products a test runs: the main build's (native.gemm()) or the AVX2 variant's."""
     return native.gemm() if build == MAIN else module(build)
 
 
@@ -50,7 +50,7 @@ def test_rows_do_not_depend_on_the_batch(name, build):
     """Every sub-batch (row counts around the 6-row tiles (AVX2: 2-row), the row blocks and the thread split, at
     any offset) and a thread count of 1 give the rows of the 300-row product (with a bias) bit for bit."""
     n, k = {**SMOLLM2, **ODD}[name]
-    gemm = _gemm(build)
+    gemm = _kernels(build)
     weight = _weight(n, k, n + k)
     packed = gemm.gemm_pack(weight)
     x, bias = _rows(300, k, k), _rows(1, n, n)[0]
@@ -73,7 +73,7 @@ def test_rows_do_not_depend_on_the_batch(name, build):
 def test_the_product_is_accurate(name, build):
     """Within the rounding of a bf16 result to the float32 product of the same bf16 inputs, as oneDNN is."""
     n, k = {**SMOLLM2, **ODD}[name]
-    gemm = _gemm(build)
+    gemm = _kernels(build)
     weight, x = _weight(n, k, 1), _rows(50, k, 2)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     packed = gemm.gemm_pack(weight)
@@ -115,7 +115,7 @@ def test_float32_rows_do_not_depend_on_the_batch_and_are_accurate(name, build):
     rows of the 200-row product bit for bit; each element within the bound of one float32 chain over K (k units
     in the last place of the sum of |x| |w| and |bias|) of the float64 product; 3-d input through matmul.linear."""
     n, k = {**SMOLLM2, **ODD}[name]
-    f32 = native.module() if build == MAIN else module(build)
+    f32 = _kernels(build)
     gen = torch.Generator().manual_seed(n + k)
     weight, x = torch.randn(n, k, generator=gen), torch.randn(200, k, generator=gen)
     bias = torch.randn(n, generator=gen)
