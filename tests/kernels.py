@@ -47,8 +47,10 @@ GEMM_F32 = (
     if cpu_features.has(cpu_features.AVX512_BF16)
     else requires("avx2", native.gemm_f32, "the native float32 matrix product (AVX2 + FMA)")
 )
-FUSED_OPS = requires("avx512f", native.fused_ops, "the AVX-512 fused elementwise kernels")
-DECODE_LAYERS = requires(cpu_features.AVX512_BF16, native.decode_layers, "the one-call decoder loop")
+# csrc/fused/ is compiled for AVX-512 where the CPU has it, else for AVX2 + FMA; the decode loop over it, the
+# native attention and the product runs wherever all three are built
+FUSED_OPS = requires("avx2", native.fused_ops, "the fused elementwise kernels (AVX-512 or AVX2 + FMA)")
+DECODE_LAYERS = requires("avx2", native.decode_layers, "the one-call decoder loop (AVX512_BF16 or AVX2 + FMA)")
 AMX = requires(
     cpu_features.AMX_BF16,
     native.amx_gemm,

@@ -109,7 +109,7 @@ def variant(name: str):
 
 
 def fused_ops():
-    """The module when its one-pass bf16 elementwise kernels are compiled in (AVX-512), else None."""
+    """The module when its one-pass bf16 elementwise kernels are compiled in (AVX-512, or AVX2 + FMA), else None."""
     m = module()
     return m if m is not None and m.has_fused_ops() else None
 

@@ -7,6 +7,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 bool has_fused_ops();
+std::string fused_ops_isa();
 std::vector<at::Tensor> paged_decode_attention_lse(at::Tensor q, at::Tensor kv, at::Tensor table, at::Tensor lens,
                                                    int64_t page_size, double scale);
 std::vector<at::Tensor> flash_attention(at::Tensor q, at::Tensor kv, at::Tensor slots, at::Tensor q_pos,
@@ -39,7 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged_decode_attention that also returns each row's log-sum-exp");
   m.def("silu_mul", &silu_mul, "[T, 2I] -> silu(first half) * second half, one pass");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row in float32, scaled by weight, one pass");
-  m.def("has_fused_ops", &has_fused_ops, "whether silu_mul, rms_norm and rotary are compiled in (AVX-512)");
+  m.def("has_fused_ops", &has_fused_ops, "whether silu_mul, rms_norm and rotary are compiled in (AVX-512, AVX2)");
+  m.def("fused_ops_isa", &fused_ops_isa, "the ISA of the compiled elementwise rows: avx512, avx2, or empty");
   m.def("flash_attention", &flash_attention,
         "bf16 attention of many query rows over pool slots with per-row causal limits; returns (out, lse[, state])",
         py::arg("q"), py::arg("kv"), py::arg("slots"), py::arg("q_pos"), py::arg("scale"),

@@ -1,5 +1,5 @@
-// The one-pass bf16 elementwise kernels of fused_ops.cpp on raw rows: what its tensor functions run on each row,
-// for callers that own their buffers (decode_layers.cpp). Rows are `dim` contiguous bf16 at the strides given.
+// The one-pass bf16 elementwise kernels of fused/fused_ops.cpp on raw rows: what its tensor functions run on each
+// row, for callers that own their buffers (decode_layers.cpp). Rows are `dim` contiguous bf16 at the strides given.
 #pragma once
 
 #include <c10/util/BFloat16.h>

@@ -110,6 +110,14 @@ inline void store8(c10::BFloat16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), halves);
 }
 
+// round a float vector to bf16 precision and back (round_bf16's 8-lane twin)
+inline __m256 round_bf16_8(__m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // exp(x) as exp16 computes it (the same range reduction and degree-6 polynomial), 8 lanes; 2^n built in the
 // exponent bits (n is in [-126, 127] after the clamp, so it is a normal float)
 inline __m256 exp8(__m256 x) {

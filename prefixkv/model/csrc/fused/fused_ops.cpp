@@ -1,17 +1,29 @@
-// One-pass bf16 versions of the elementwise parts of a decoder layer, for CPU with AVX-512.
+// One-pass bf16 versions of the elementwise parts of a decoder layer: the driver (checks, rows over threads, the
+// tensor entry points); the rows themselves are one file per ISA, `avx512.h` (AVX-512F) or `avx2.h` (AVX2 + FMA),
+// included here under that ISA's #if.
 //
 // Why: in a 2048-token bf16 prefill step, torch runs SiLU-and-multiply, RMSNorm and the rotary embedding as
 // 3-6 separate passes each (with float32 round trips in between), ~30% of the step. Each function here reads its
 // input once and writes its output once, computing in float32 and rounding to bf16 wherever torch's bf16 ops
 // round (SiLU before the multiply, the normalised row before the weight, each product of the rotary embedding),
-// so the results equal torch's bit for bit (tested). float32 models never come here: they keep torch's ops.
+// so the results equal torch's bit for bit but where a float32 sum's order differs (tested). float32 models never
+// come here: they keep torch's ops.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <string>
 
-#include "fused_ops.h"
-#include "simd.h"
+#include "../fused_ops.h"
+#include "../simd.h"
+
+#if defined(__AVX512F__)
+#define PREFIXKV_FUSED_ISA "avx512"
+#include "avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PREFIXKV_FUSED_ISA "avx2"
+#include "avx2.h"
+#endif
 
 namespace {
 
@@ -22,59 +34,7 @@ void check_bf16_rows(const at::Tensor& t, const char* name) {
 
 }  // namespace
 
-#if defined(__AVX512F__)
-using prefixkv::exp16;
-using prefixkv::load16;
-using prefixkv::round_bf16;
-using prefixkv::store16;
-
-namespace prefixkv::ops {
-
-void rms_norm_row(const bf16* x, const bf16* weight, bf16* out, int64_t dim, float eps) {
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < dim; i += 16) {
-    const __m512 v = load16(x + i);
-    sum = _mm512_fmadd_ps(v, v, sum);
-  }
-  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum) / dim + eps));
-  for (int64_t i = 0; i < dim; i += 16)
-    store16(out + i, _mm512_mul_ps(round_bf16(_mm512_mul_ps(load16(x + i), r)), load16(weight + i)));
-}
-
-void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t inter) {
-  for (int64_t i = 0; i < inter; i += 16) {
-    const __m512 x = load16(gate + i);
-    const __m512 exp_neg = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-    const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp_neg));
-    store16(out + i, _mm512_mul_ps(round_bf16(silu), load16(up + i)));
-  }
-}
-
-void rotary_row(const bf16* x, int64_t heads, int64_t head_stride, const bf16* cos, const bf16* sin, bf16* out,
-                int64_t dim) {
-  const int64_t half = dim / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    const bf16* xh = x + h * head_stride;
-    bf16* oh = out + h * dim;
-    for (int64_t i = 0; i < half; i += 16) {
-      const __m512 a = load16(xh + i), b = load16(xh + half + i);
-      // torch rounds x * cos, rotate_half(x) * sin and their sum to bf16 one by one: so do we
-      const __m512 lo = _mm512_sub_ps(round_bf16(_mm512_mul_ps(a, load16(cos + i))),
-                                      round_bf16(_mm512_mul_ps(b, load16(sin + i))));
-      const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(b, load16(cos + half + i))),
-                                      round_bf16(_mm512_mul_ps(a, load16(sin + half + i))));
-      store16(oh + i, lo);
-      store16(oh + half + i, hi);
-    }
-  }
-}
-
-void add_row(bf16* h, const bf16* y, int64_t dim) {
-  for (int64_t i = 0; i < dim; i += 16) store16(h + i, _mm512_add_ps(load16(h + i), load16(y + i)));
-}
-
-}  // namespace prefixkv::ops
-
+#ifdef PREFIXKV_FUSED_ISA
 using namespace prefixkv::ops;
 
 // gate_up [T, 2I] (rows may be strided) -> [T, I]: bf16(silu(gate)) * up
@@ -133,27 +93,30 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 #else
-namespace prefixkv::ops {
-void rms_norm_row(const bf16*, const bf16*, bf16*, int64_t, float) { TORCH_CHECK(false, "rms_norm needs AVX-512"); }
-void silu_mul_row(const bf16*, const bf16*, bf16*, int64_t) { TORCH_CHECK(false, "silu_mul needs AVX-512"); }
-void rotary_row(const bf16*, int64_t, int64_t, const bf16*, const bf16*, bf16*, int64_t) {
-  TORCH_CHECK(false, "rotary needs AVX-512");
+namespace {
+constexpr const char* kNoRows = "the fused elementwise kernels need AVX-512 or AVX2 + FMA (not compiled in)";
 }
-void add_row(bf16*, const bf16*, int64_t) { TORCH_CHECK(false, "add_row needs AVX-512"); }
+namespace prefixkv::ops {
+void rms_norm_row(const bf16*, const bf16*, bf16*, int64_t, float) { TORCH_CHECK(false, kNoRows); }
+void silu_mul_row(const bf16*, const bf16*, bf16*, int64_t) { TORCH_CHECK(false, kNoRows); }
+void rotary_row(const bf16*, int64_t, int64_t, const bf16*, const bf16*, bf16*, int64_t) {
+  TORCH_CHECK(false, kNoRows);
+}
+void add_row(bf16*, const bf16*, int64_t) { TORCH_CHECK(false, kNoRows); }
 }  // namespace prefixkv::ops
 
-at::Tensor silu_mul(const at::Tensor&) { TORCH_CHECK(false, "silu_mul needs AVX-512"); }
-at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) { TORCH_CHECK(false, "rms_norm needs AVX-512"); }
-at::Tensor rotary(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
-  TORCH_CHECK(false, "rotary needs AVX-512");
-}
+at::Tensor silu_mul(const at::Tensor&) { TORCH_CHECK(false, kNoRows); }
+at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) { TORCH_CHECK(false, kNoRows); }
+at::Tensor rotary(const at::Tensor&, const at::Tensor&, const at::Tensor&) { TORCH_CHECK(false, kNoRows); }
 #endif
 
-// whether the functions above are compiled in (the Python side asks before choosing them)
-bool has_fused_ops() {
-#if defined(__AVX512F__)
-  return true;
+// which ISA's rows are compiled in: "avx512", "avx2", or "" (none: the Python side keeps torch's ops)
+std::string fused_ops_isa() {
+#ifdef PREFIXKV_FUSED_ISA
+  return PREFIXKV_FUSED_ISA;
 #else
-  return false;
+  return "";
 #endif
 }
+
+bool has_fused_ops() { return !fused_ops_isa().empty(); }
