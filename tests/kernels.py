@@ -41,12 +41,8 @@ GEMM = requires(cpu_features.AVX512_BF16, native.gemm, "the AVX-512 BF16 matrix 
 # csrc/gemm/gemm.cpp is compiled for AVX512_BF16 where the CPU has it, else for AVX2 + FMA (every CPU with AVX-512 has
 # AVX2 too): its contract tests run on both
 NATIVE_GEMM = requires("avx2", native.gemm, "the native bf16 matrix product (AVX512_BF16 or AVX2 + FMA)")
-# built with the AVX2 gemm (a CPU without AVX512_BF16), the float32 path there; elsewhere float32 runs torch's
-GEMM_F32 = (
-    pytest.mark.skip(reason="the native float32 product is built only without AVX512_BF16 (float32 runs torch's here)")
-    if cpu_features.has(cpu_features.AVX512_BF16)
-    else requires("avx2", native.gemm_f32, "the native float32 matrix product (AVX2 + FMA)")
-)
+# csrc/gemm/f32_avx2.h is compiled into every build on a CPU with AVX2 + FMA (AVX-512 ones too): the float32 path
+GEMM_F32 = requires("avx2", native.gemm_f32, "the native float32 matrix product (AVX2 + FMA)")
 # csrc/fused/ is compiled for AVX-512 where the CPU has it, else for AVX2 + FMA; the decode loop over it, the
 # native attention and the product runs wherever all three are built
 FUSED_OPS = requires("avx2", native.fused_ops, "the fused elementwise kernels (AVX-512 or AVX2 + FMA)")

@@ -11,10 +11,10 @@ Paths (KernelOptions.matmul):
   its self-test on this machine;
 - "avx2": the same kernel's contract on a CPU without AVX-512 (AVX2 + FMA, such as AMD EPYC Zen 3): each K pair
   is two fp32 FMAs. There torch emulates bf16 products (a seventh of this kernel's rate on SmolLM2's shapes) and
-  oneDNN has no bf16, so it is the bf16 path there, also with cache invariance off. The same build has a float32
-  product with the same contract (one FMA chain over K per output element), the float32 path there too: torch's
-  (MKL) streams the weights at a third of the memory bandwidth for 1 to 16 rows on that CPU, and its rows change
-  with M (csrc/gemm/gemm.cpp, gemm_f32).
+  oneDNN has no bf16, so it is the bf16 path there, also with cache invariance off. Every build on an AVX2 + FMA CPU
+  (AVX-512 ones too) also has a float32 product with the same contract (one FMA chain over K per output element,
+  csrc/gemm/f32_avx2.h), and "avx2" is the float32 path wherever it is: torch's (MKL) reads the weights at a third
+  of the memory bandwidth for 1 to 16 rows (AMD EPYC Zen 3 and Zen 4), and its rows change with M.
 Weights in a block format (KernelOptions.weight_format, prefixkv.model.quantized) are read by the native qgemm
 kernel (csrc/gemm_q.cpp) whatever `matmul` says: their PackedWeight's path is the block format ("q8_0", "q4_0",
 "q4_1"), with the same row-invariance contract.
@@ -84,7 +84,7 @@ def pack(weight: torch.Tensor, path: str) -> PackedWeight | None:
         return kept[1]
     if path == "onednn":
         data = packed_linear.pack(w)
-    elif path in ROW_INVARIANT_PATHS and w.dtype == torch.float32:  # "avx2" only (see available)
+    elif path in ROW_INVARIANT_PATHS and w.dtype == torch.float32:  # "avx2", gemm_f32 (see available)
         data = native.module().gemm_pack_f32(w.contiguous())
     elif path in ROW_INVARIANT_PATHS:  # one bf16 panel layout for all three (csrc/gemm/gemm.cpp)
         data = native.gemm().gemm_pack(w.contiguous())

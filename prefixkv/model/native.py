@@ -141,8 +141,8 @@ def gemm_isa() -> str:
 
 
 def gemm_f32():
-    """The module when its row-invariant float32 matrix product is compiled in (the AVX2 build, on a CPU without
-    AVX-512 BF16), else None."""
+    """The module when its row-invariant float32 matrix product is compiled in (any build on a CPU with AVX2 + FMA,
+    AVX-512 ones included: csrc/gemm/f32_avx2.h), else None."""
     m = module()
     return m if m is not None and hasattr(m, "has_gemm_f32") and m.has_gemm_f32() else None
 

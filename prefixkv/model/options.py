@@ -199,7 +199,8 @@ class KernelOptions:
             raise ValueError(
                 f"matmul {self.matmul!r} cannot run here ({dtype} on {device.type}); available: "
                 f"{', '.join(matmul.available(device, dtype))} (oneDNN needs bf16 support, avx512_bf16 the native "
-                "build on an AVX-512 BF16 CPU, avx2 that build on a CPU without AVX-512, amx a CPU with AMX tiles)"
+                "build on an AVX-512 BF16 CPU, avx2 that build on a CPU without AVX-512 for bf16 and on any "
+                "AVX2 + FMA CPU for float32, amx a CPU with AMX tiles)"
             )
 
     @property

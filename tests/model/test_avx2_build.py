@@ -1,6 +1,6 @@
 """The AVX2 variant of the native build (native.VARIANTS["avx2"], tests/model/native_builds.py) on any CPU that
 runs AVX2 + FMA: it is the AVX2 build and it loads beside the main one. Its kernels run the tests of the main
-build's: test_gemm.py (bf16 gemm and the float32 gemm_f32, which only an AVX2 build has), test_fused_ops.py, and
+build's: test_gemm.py (bf16 gemm and the float32 gemm_f32), test_fused_ops.py, and
 test_invariant_attention.py and test_native_attention.py ("avx2_build"). Here, a bf16 engine runs on it end to end
 (its one-call decode loop against the Python layers, warm answers against cold ones).
 """

@@ -1,5 +1,5 @@
 """prefixkv's own bf16 matrix product (csrc/gemm/gemm.cpp; matmul path "avx512_bf16", or "avx2" on a CPU without
-AVX-512), and the float32 one of the AVX2 build (gemm_f32, the float32 path there): accurate, and row-invariant.
+AVX-512), and the float32 one of every AVX2 + FMA build (gemm_f32, the float32 path): accurate, and row-invariant.
 
 Row invariance is the point of the kernel (cache-invariant bf16): a row's bits must not depend on how many rows
 the call has, where the row sits, how the rows split into tiles and row blocks, or how many threads run. It is
@@ -108,7 +108,7 @@ def test_bad_inputs_are_refused():
         native.gemm().gemm(_rows(2, 32, 0).float(), packed, 64)
 
 
-@pytest.mark.parametrize("build", [pytest.param(MAIN, marks=kernels.GEMM_F32), AVX2])  # main: without AVX512_BF16
+@pytest.mark.parametrize("build", [pytest.param(MAIN, marks=kernels.GEMM_F32), AVX2])
 @pytest.mark.parametrize("name", [*SMOLLM2, *ODD])
 def test_float32_rows_do_not_depend_on_the_batch_and_are_accurate(name, build):
     """gemm_f32: every sub-batch (around its 6-row tiles, the single-row tile, any offset) and one thread give the

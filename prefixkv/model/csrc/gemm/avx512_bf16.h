@@ -71,6 +71,4 @@ void run(const Problem& pb) {
 
 }  // namespace prefixkv::gemm
 
-static void run_f32(const ProblemF32&) { TORCH_CHECK(false, "gemm_f32 is built with the AVX2 kernel only"); }
-static constexpr bool kGemmF32 = false;
 static constexpr const char* kGemmIsa = "avx512_bf16";

@@ -102,20 +102,24 @@ at::Tensor gemm_pack_f32(at::Tensor weight) {
   return packed;
 }
 
-// the build's inner loops: each defines run (and run_f32 in the AVX2 build), kGemmF32 and kGemmIsa
+// the build's bf16 inner loops: each defines run and kGemmIsa
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include "avx512_bf16.h"
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "avx2.h"
 #else
-
 namespace prefixkv::gemm {
 void run(const Problem&) { TORCH_CHECK(false, "gemm needs AVX-512 BF16 or AVX2 + FMA (not compiled in)"); }
 }  // namespace prefixkv::gemm
-
-static void run_f32(const ProblemF32&) { TORCH_CHECK(false, "gemm_f32 is built with the AVX2 kernel only"); }
-static constexpr bool kGemmF32 = false;
 static constexpr const char* kGemmIsa = "";
+#endif
+
+// the float32 product: run_f32 and kGemmF32, wherever AVX2 + FMA run (AVX-512 builds too)
+#if defined(__AVX2__) && defined(__FMA__)
+#include "f32_avx2.h"
+#else
+static void run_f32(const ProblemF32&) { TORCH_CHECK(false, "gemm_f32 needs AVX2 + FMA (not compiled in)"); }
+static constexpr bool kGemmF32 = false;
 #endif
 
 // x [M, K] bf16 (last dim contiguous), packed from gemm_pack of a [N, K] weight, bias [N] bf16 or none -> [M, N]
@@ -130,7 +134,7 @@ bool has_gemm() { return kGemmIsa[0] != '\0'; }
 
 // x [M, K] fp32, packed from gemm_pack_f32 of a [N, K] weight, bias [N] fp32 or none -> [M, N] fp32
 at::Tensor gemm_f32(at::Tensor x, at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(kGemmF32, "gemm_f32 is built with the AVX2 kernel only (a CPU without AVX-512)");
+  TORCH_CHECK(kGemmF32, "gemm_f32 needs AVX2 + FMA (not compiled in)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, "gemm_f32: x must be fp32 [M, K]");
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(0) == panels_of(n) &&
                   packed.size(2) == kPanel && packed.is_contiguous(),
