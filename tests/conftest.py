@@ -26,6 +26,8 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import prefixkv  # noqa: E402,F401 - before anything imports torch: it sets how OpenMP workers wait
 
+pytest_plugins = ["tests.kv_store"]  # the redis_store fixture: a real store for the shared KV tier's tests
+
 MAX_CACHED_ENGINES = 2  # llm_factory keeps this many engines alive; older ones are dropped and rebuilt on demand
 _SESSION_START = time.monotonic()
 

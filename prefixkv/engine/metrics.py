@@ -29,7 +29,7 @@ class EngineStats:
     # missed prompt tokens of first admissions by cause (cache_miss.CAUSES); they sum to queries - hits
     prefix_cache_missed_by_cause: dict[str, int] = field(default_factory=dict)
     # the KV offload tier (kv_tier None: none configured, the rest stays 0)
-    kv_tier: str | None = None  # "host" | "disk"
+    kv_tier: str | None = None  # "host" | "disk" | "remote" | "host+remote" | "disk+remote"
     kv_pool_hit_tokens: int = 0  # tokens admitted as cached from the pool (re-admissions included)
     kv_tier_hit_tokens: int = 0  # tokens admitted as cached from the tier, i.e. loaded instead of recomputed
     kv_tier_loaded_bytes: int = 0
@@ -44,5 +44,22 @@ class EngineStats:
     # ones that turn loaded
     kv_tier_read_ahead_chunks: int = 0
     kv_tier_read_ahead_loaded_chunks: int = 0
+    # the shared store behind the pool (kv_remote; kv_remote_status None: none configured), counted by the store's
+    # tier (kvcache/offload/remote_tier.py): gets that found a chunk, gets that did not, chunks this replica
+    # stored, puts skipped because the store had the chunk, puts the store refused (full), values of another
+    # manifest, damaged values, calls that failed on the connection, and outages (up -> down)
+    kv_remote_status: str | None = None  # "ok" | "degraded: <why>"
+    kv_remote_hits: int = 0
+    kv_remote_misses: int = 0
+    kv_remote_stored: int = 0
+    kv_remote_already_stored: int = 0
+    kv_remote_refused: int = 0
+    kv_remote_foreign: int = 0
+    kv_remote_corrupt: int = 0
+    kv_remote_unreachable: int = 0
+    kv_remote_outages: int = 0
+    kv_remote_bytes_read: int = 0
+    kv_remote_bytes_written: int = 0
+    kv_remote_read_seconds: float = 0.0
     # KV events (None: not published)
     kv_events_endpoint: str | None = None  # where the PUB socket is (its bound address when the port was *)

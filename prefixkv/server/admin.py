@@ -40,6 +40,10 @@ async def health(raw: Request) -> Response:
     state = server_state(raw)
     if not state.engine.is_alive:
         return JSONResponse({"status": "engine dead"}, status_code=503)
+    if state.engine.engine.config.kv_remote is not None:  # serving without the shared store is degraded, still serving
+        remote = (await state.engine.stats()).kv_remote_status or "ok"
+        if remote != "ok":
+            return JSONResponse({"status": "degraded", "kv_remote": remote})
     return JSONResponse({"status": "ok"})
 
 

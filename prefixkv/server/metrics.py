@@ -125,6 +125,47 @@ class _EngineStatsCollector:
         )
         if stats.kv_tier is not None:
             yield from self._kv_offload(stats, stats.kv_tier)
+        if stats.kv_remote_status is not None:
+            yield from self._kv_remote(stats)
+
+    def _kv_remote(self, stats: EngineStats):
+        """The shared store's series (only with kv_remote): whether it answers, and what became of each chunk
+        this replica asked it for or gave it."""
+        labels = [self.model_name]
+        up = GaugeMetricFamily(
+            "prefixkv:kv_remote_up",
+            "1 while the shared KV store answers, 0 while the engine recomputes without it.",
+            labels=["model_name"],
+        )
+        up.add_metric(labels, 1.0 if stats.kv_remote_status == "ok" else 0.0)
+        yield up
+        chunks = CounterMetricFamily(
+            "prefixkv:kv_remote_chunks",
+            "Chunks by outcome: hit and miss (reads), stored and already_stored (writes: another replica had it), "
+            "refused (the store was full), foreign (another model's or build's value), corrupt (damaged, dropped).",
+            labels=["model_name", "outcome"],
+        )
+        for outcome, count in (
+            ("hit", stats.kv_remote_hits),
+            ("miss", stats.kv_remote_misses),
+            ("stored", stats.kv_remote_stored),
+            ("already_stored", stats.kv_remote_already_stored),
+            ("refused", stats.kv_remote_refused),
+            ("foreign", stats.kv_remote_foreign),
+            ("corrupt", stats.kv_remote_corrupt),
+        ):
+            chunks.add_metric([self.model_name, outcome], float(count))
+        yield chunks
+        for name, doc, value in (
+            ("unreachable", "Store calls that failed on the connection or timed out.", stats.kv_remote_unreachable),
+            ("outages", "Times the store went from answering to not answering.", stats.kv_remote_outages),
+            ("read_bytes", "Bytes read from the store.", stats.kv_remote_bytes_read),
+            ("written_bytes", "Bytes written to the store.", stats.kv_remote_bytes_written),
+            ("read_seconds", "Seconds spent reading from the store.", stats.kv_remote_read_seconds),
+        ):
+            family = CounterMetricFamily(f"prefixkv:kv_remote_{name}", doc, labels=["model_name"])
+            family.add_metric(labels, float(value))
+            yield family
 
     def _kv_offload(self, stats: EngineStats, tier: str):
         """The KV offload tier's series (only with a tier configured): hit tokens per tier ("pool", and the

@@ -51,6 +51,8 @@ _NOT_SIMULATED = (
     "kv_offload_chunk_tokens",
     "kv_offload_write_policy",
     "kv_offload_on_mismatch",
+    "kv_remote",
+    "kv_remote_timeout",
 )
 
 

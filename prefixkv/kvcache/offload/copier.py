@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
+from prefixkv.kvcache.offload.chained_tier import shared_store
 from prefixkv.kvcache.offload.tier import KVTier
 from prefixkv.kvcache.offload.tiered_cache import TieredKVCache
 from prefixkv.kvcache.offload.writer import TierWriter
@@ -78,7 +79,9 @@ class TierCopier:
 
     def stats(self) -> dict[str, Any]:
         hits, tier = self.cache.tier_stats, self.tier.stats
+        store = shared_store(self.tier)
         return dict(
+            **(store.report() if store is not None else {}),
             kv_tier=self.tier.name,
             kv_pool_hit_tokens=hits.pool_hit_tokens,
             kv_tier_hit_tokens=hits.hit_tokens,

@@ -79,7 +79,7 @@ def entry_checksum(header: bytes, payload: bytes | memoryview) -> bytes:
     return hasher.digest()
 
 
-def entry_problem(key: bytes, head: bytes, payload: bytes, payload_len: int) -> str | None:
+def entry_problem(key: bytes, head: bytes, payload: bytes | memoryview, payload_len: int) -> str | None:
     """Why the file holding (head, payload) is not a valid entry for key, or None if it is."""
     if len(head) != HEADER_BYTES or len(payload) != payload_len:
         return f"size: header {len(head)} B, payload {len(payload)} B, expected {HEADER_BYTES} + {payload_len} B"
