@@ -23,6 +23,7 @@ BENCH_MODULES = [
     "serve_client",
     "routing",
     "kv_offload",
+    "kv_remote",
     "cache_invariance",
     "decode",
     "weight_formats",

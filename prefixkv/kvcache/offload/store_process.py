@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -106,6 +108,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=6390)
     parser.add_argument("--maxmemory", default=DEFAULT_MAXMEMORY)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a plain kill stops the store too
     with RedisServer(args.port, args.maxmemory) as server:
         print(server.url, flush=True)
         try:
