@@ -17,6 +17,9 @@ Causes, in the order a missed page is tested for them:
   holds the eviction (it keeps a filter of what fell out: such a page never reads never_seen); the simulator,
   which keeps every eviction, has none.
 - never_seen: no page with these tokens was ever cached (compulsory: no cache could have served it).
+- store_down: the shared KV store (`--kv-remote`) was not answering when the request was admitted, so the pages
+  this replica had not cached (never_seen, evicted, expired, unknown here) could not be looked up there: misses a
+  working store might have served, as another replica may have stored them.
 - granularity: the tail no hit can cover: a partial last page, and the last token (always recomputed).
 """
 
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CAUSES = ("in_flight", "evicted", "expired", "isolated", "unknown", "never_seen", "granularity", "routed")
+CAUSES = ("in_flight", "evicted", "expired", "isolated", "unknown", "never_seen", "granularity", "routed", "store_down")
+# the causes of pages this replica does not hold that a shared store could hold (not another tenant's, not in flight)
+STORE_COULD_SERVE = ("evicted", "expired", "unknown", "never_seen")
 
 
 @dataclass(slots=True)
@@ -38,6 +43,22 @@ class CacheMiss:
     @property
     def missed_tokens(self) -> int:
         return sum(self.tokens_by_cause.values())
+
+    def with_store_down(self) -> CacheMiss:
+        """The same misses with the shared store down: the tokens a store could have served are store_down."""
+        moved = sum(self.tokens_by_cause.get(c, 0) for c in STORE_COULD_SERVE)
+        if not moved:
+            return self
+        tokens = {c: n for c, n in self.tokens_by_cause.items() if c not in STORE_COULD_SERVE}
+        tokens["store_down"] = tokens.get("store_down", 0) + moved
+        first_is_moved = self.cause in STORE_COULD_SERVE
+        return CacheMiss(
+            self.first_missed_token,
+            "store_down" if first_is_moved else self.cause,
+            tokens,
+            None if first_is_moved else self.policy,
+            None if first_is_moved else self.evicted_s_ago,
+        )
 
     def to_json(self) -> dict:
         out: dict = {

@@ -19,12 +19,14 @@ without the store.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 import signal
 import statistics
 import sys
 import time
+from typing import Any
 
 from prefixkv.bench.paired import paired
 from prefixkv.bench.server_process import serve_process
@@ -65,12 +67,14 @@ class Client:
 
     def wait_for_replicas(self, count: int, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Until the ingress routes to `count` replicas (the server is ready when the first one is)."""
-        seen: set[str | None] = set()
+        seen: set[str] = set()
         deadline = time.monotonic() + timeout_s
-        while len(seen - {None}) < count:
+        while len(seen) < count:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"only replicas {sorted(seen - {None})} answered within {timeout_s:.0f} s")
-            seen.add(self.http.get("/v1/models").headers.get(REPLICA_HEADER))
+                raise RuntimeError(f"only replicas {sorted(seen)} answered within {timeout_s:.0f} s")
+            replica = self.http.get("/v1/models").headers.get(REPLICA_HEADER)
+            if replica is not None:
+                seen.add(replica)
             time.sleep(0.1)
 
     def complete(self, prompt: list[int]) -> dict:
@@ -153,13 +157,14 @@ def _replica_pids() -> dict[str, int]:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-    pids = {}
+        ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
+    pids: dict[str, int] = {}
     for actor in ray.util.list_named_actors(all_namespaces=True):
         name = actor["name"]
         if name.startswith("SERVE_REPLICA::") and "#EngineReplica#" in name:
             handle = ray.get_actor(name, namespace=actor["namespace"])
-            pids[name.rsplit("#", 1)[1]] = ray.get(handle.__ray_call__.remote(lambda _replica: os.getpid()))
+            pid: Any = ray.get(handle.__ray_call__.remote(lambda _replica: os.getpid()))
+            pids[name.rsplit("#", 1)[1]] = int(pid)
     return pids
 
 

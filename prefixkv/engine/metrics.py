@@ -58,6 +58,7 @@ class EngineStats:
     kv_remote_corrupt: int = 0
     kv_remote_unreachable: int = 0
     kv_remote_outages: int = 0
+    kv_remote_skipped_recompute_cheaper: int = 0  # chunks recomputed because that was measured faster than a read
     kv_remote_bytes_read: int = 0
     kv_remote_bytes_written: int = 0
     kv_remote_read_seconds: float = 0.0

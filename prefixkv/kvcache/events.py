@@ -13,7 +13,9 @@ What prefixkv fills in:
 - token_ids: the token ids of every page in block_hashes, concatenated (len == len(block_hashes) * block_size).
 - block_size: the page size in tokens.
 - lora_id: always None (vLLM deprecated this int id; prefixkv's adapter ids are names, sent as lora_name).
-- medium: "GPU" (the one pool; kept for subscribers that filter on it).
+- medium: "GPU" for the pool (whatever the device: subscribers filter on it); a chunk stored in a tier behind the
+  pool is a BlockStored of its pages with the tier's medium: "CPU" (host RAM), "DISK", "REMOTE" (the store
+  replicas share), TIER_MEDIUMS.
 - lora_name: the request's adapter id (None without one).
 - extra_keys: per block, the extra keys its hash took (hashing.block_extra_keys: "lora:<id>", "mm:<hash>",
   "salt:<salt>" on page 0) as a tuple, or None for a block with none (vLLM sends [None, ...] likewise).
@@ -29,6 +31,14 @@ from prefixkv.kvcache.hashing import block_extra_keys, external_block_hash
 from prefixkv.request import Request
 
 MEDIUM_GPU = "GPU"
+TIER_MEDIUMS = {"host": "CPU", "disk": "DISK", "remote": "REMOTE"}  # a KVTier's name -> its medium in events
+
+
+def tier_medium(tier_name: str) -> str:
+    """The medium KV events name a tier by (its name upper-cased for a tier not in TIER_MEDIUMS)."""
+    return TIER_MEDIUMS.get(tier_name, tier_name.upper())
+
+
 FULL_ATTENTION = "full_attention"
 
 
@@ -92,8 +102,11 @@ def block_removed(block_hashes: list[int]) -> BlockRemoved:
 
 
 def apply_events(blocks: set[int], events: list[KVCacheEvent]) -> set[int]:
-    """A subscriber's view of one replica: the set of cached block hashes after `events` (changed in place)."""
+    """A subscriber's view of one replica's pool: the set of cached block hashes after `events` (changed in place;
+    a tier's events, medium other than "GPU", are not the pool's)."""
     for event in events:
+        if isinstance(event, (BlockStored, BlockRemoved)) and event.medium not in (None, MEDIUM_GPU):
+            continue
         if isinstance(event, BlockStored):
             blocks.update(event.block_hashes)
         elif isinstance(event, BlockRemoved):

@@ -142,7 +142,8 @@ class _EngineStatsCollector:
         chunks = CounterMetricFamily(
             "prefixkv:kv_remote_chunks",
             "Chunks by outcome: hit and miss (reads), stored and already_stored (writes: another replica had it), "
-            "refused (the store was full), foreign (another model's or build's value), corrupt (damaged, dropped).",
+            "refused (the store was full), foreign (another model's or build's value), corrupt (damaged, dropped), "
+            "skipped_recompute_cheaper (not looked up: recomputing was measured faster than reading).",
             labels=["model_name", "outcome"],
         )
         for outcome, count in (
@@ -153,6 +154,7 @@ class _EngineStatsCollector:
             ("refused", stats.kv_remote_refused),
             ("foreign", stats.kv_remote_foreign),
             ("corrupt", stats.kv_remote_corrupt),
+            ("skipped_recompute_cheaper", stats.kv_remote_skipped_recompute_cheaper),
         ):
             chunks.add_metric([self.model_name, outcome], float(count))
         yield chunks

@@ -67,10 +67,62 @@ def test_a_store_that_is_down_or_damaged_costs_a_recompute_counted_never_a_reque
     assert tokens == expected[0] and cached in (0, 32, 64) and stats.kv_remote_corrupt == 1
 
     redis_store.stop()
-    assert run(reader, b_prompt) == (expected[1], 0)  # the store is gone: computed, served
+    out = reader.generate({"prompt_token_ids": b_prompt}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[1] and out.num_cached_tokens == 0  # computed, served
+    # what the pool never held, a store might have: missed because it was down
+    assert out.cache_miss.cause == "store_down" and out.cache_miss.tokens_by_cause["store_down"] > 0
     stats = reader.llm_engine.get_stats()
     assert stats.kv_remote_status.startswith("degraded") and stats.kv_remote_outages == 1
+    assert stats.prefix_cache_missed_by_cause["store_down"] == out.cache_miss.tokens_by_cause["store_down"]
     reader.llm_engine.kv.check_invariants()
     text = ServerMetrics(reader.llm_engine.model_name).render(stats).decode()
     assert f'prefixkv:kv_remote_up{{model_name="{reader.llm_engine.model_name}"}} 0.0' in text
+    reader.close()
+
+
+def test_kv_events_say_where_a_block_can_be_loaded_from(new_llm, redis_store):
+    """With KV events on, a chunk that lands in a tier is a BlockStored of its pages with the tier's medium
+    (host RAM "CPU", the shared store "REMOTE") beside the pool's "GPU" ones, and a pool subscriber's view
+    (events.apply_events) stays the pool's."""
+    from prefixkv.kvcache.events import BlockStored, apply_events
+
+    llm = replica(new_llm, redis_store, kv_offload_host_size=16 << 20)
+    kv = llm.llm_engine.kv
+    kv.enable_events()
+    a_prompt, _ = prompts(llm.get_tokenizer())
+    run(llm, a_prompt)
+    llm.llm_engine.flush()
+    events = kv.drain_events()
+    by_medium: dict[str, list[int]] = {}
+    for event in events:
+        if isinstance(event, BlockStored):
+            by_medium.setdefault(event.medium, []).extend(event.block_hashes)
+    assert set(by_medium) == {"GPU", "CPU", "REMOTE"}
+    assert by_medium["CPU"] == by_medium["REMOTE"] and len(by_medium["REMOTE"]) == 6  # 3 chunks of 2 pages
+    assert set(by_medium["REMOTE"]) <= set(by_medium["GPU"])  # the same names as the pool's pages
+    assert apply_events(set(), events) == kv.cached_block_hashes()
+    llm.close()
+
+
+def test_where_recomputing_is_measured_cheaper_the_store_is_not_read(new_llm, redis_store):
+    """The engine times its prefill (the tier copier) and the store its reads; once a chunk read costs more than
+    recomputing the chunk here, lookups skip the store (counted) and the answer is the recompute's."""
+    reference = new_llm(prefix_cache="off", **POOL)
+    a_prompt, b_prompt = prompts(reference.get_tokenizer())
+    expected = run(reference, b_prompt)[0]
+    writer, reader = replica(new_llm, redis_store), replica(new_llm, redis_store)
+    run(writer, a_prompt)
+    run(writer, b_prompt)
+    writer.llm_engine.flush()
+    assert writer.llm_engine.kv.tier.recompute_seconds_per_token > 0  # measured on its prefills
+    assert run(reader, a_prompt)[1] == 96  # read from the store: its read time is measured
+    store = reader.llm_engine.kv.tier
+    assert store.read_seconds_per_chunk() > 0 and not store.cheaper_to_recompute()
+    store.recompute_seconds_per_token = store.read_seconds_per_chunk() / 32 / 10  # as if prefill were 10x a read
+    assert store.cheaper_to_recompute()
+    tokens, cached = run(reader, b_prompt)  # recomputed, though the store holds it (one call in PROBE_EVERY
+    assert tokens == expected and cached < 96  # still asks the store, to follow its speed)
+    stats = reader.llm_engine.get_stats()
+    assert stats.kv_remote_skipped_recompute_cheaper >= 1
+    writer.close()
     reader.close()

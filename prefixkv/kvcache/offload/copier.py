@@ -8,7 +8,9 @@ runner. TierCopier joins them, as a step component of the engine core (prefixkv/
   allocations reuse), then the loads the step's admissions took are written into their pool slots;
 - after the step, what it completed is read out and handed to the writer thread, which puts it into the tier;
   so are, once the step's outputs are processed, the finished agent turns the session pins demote;
-- at close, what only the pool holds is saved, the writer drained and the tier closed.
+- at close, what only the pool holds is saved, the writer drained and the tier closed;
+- around each forward pass of a chunk's worth of tokens or more, it times the prefill, so a shared store knows
+  what recomputing costs here against reading (remote_tier.py: load or recompute).
 Built in the composition root (prefixkv.llm); the engine sees it only as a component.
 """
 
@@ -39,6 +41,8 @@ class TierCopier:
         self.cache, self.tier, self.pool = cache, tier, pool
         self.writer = TierWriter(tier)
         self.write_seconds = 0.0  # loads copied into the pool
+        self.store = shared_store(tier)
+        self._forward_started = 0.0
 
     def on_add(self, request: Request) -> None:
         self.cache.prefetch(request)  # read its tier chunks while the engine steps
@@ -51,8 +55,14 @@ class TierCopier:
             for load in loads:
                 self.pool.write_kv(load.slots, load.payload, load.first_token)
             self.write_seconds += time.perf_counter() - started
+        self._forward_started = time.perf_counter()
 
     def after_update(self, scheduled: object) -> None:
+        tokens = getattr(scheduled, "num_batched_tokens", 0)
+        if self.store is not None and tokens >= self.cache.chunk_tokens:  # a prefill: what a chunk costs to compute
+            per_token = (time.perf_counter() - self._forward_started) / tokens
+            known = self.store.recompute_seconds_per_token
+            self.store.recompute_seconds_per_token = per_token if known is None else 0.8 * known + 0.2 * per_token
         self._save()
 
     def after_outputs(self) -> None:
@@ -104,4 +114,5 @@ class TierCopier:
         if self.writer.closed:
             return
         for save in saves:
-            self.writer.submit(save.key, self.pool.read_kv(save.slots))
+            stored = (lambda save=save: self.cache.tier_stored(save)) if save.event is not None else None
+            self.writer.submit(save.key, self.pool.read_kv(save.slots), stored)

@@ -20,6 +20,12 @@ Writes run on the engine's writer thread (writer.py: a bounded queue, a save tha
 counted), so a step never waits on a write. A chunk already in the store is not sent again: EXISTS first
 (`already_stored`), then SET NX, so when two replicas race, the second write stores nothing.
 
+Load or recompute: the engine measures how long its prefill takes a token (the tier copier, around each forward
+pass of a chunk or more: recompute_seconds_per_token), the tier how long a chunk read takes. Where reading a chunk
+is slower than recomputing it on this CPU (a small model, a store far away or busy), contains() answers no, so the
+chunk is recomputed (counted `skipped_recompute_cheaper`); one call in PROBE_EVERY still reads, so the measurement
+follows the store.
+
 The store failing: every call has a timeout: `timeout_s` for reads and writes, and at most PROBE_TIMEOUT_S for
 EXISTS, which the engine thread asks in its lookups and commits (a step waits on a store that stopped answering
 for that long at most, once). A connection error or a timeout marks the store down: for `retry_s` after it every
@@ -48,6 +54,7 @@ logger = logging.getLogger(__name__)
 DIGEST_BYTES = 16
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_RETRY_S = 5.0
+PROBE_EVERY = 32  # with recompute measured cheaper, one contains() in this many still asks the store
 PROBE_TIMEOUT_S = 0.1  # EXISTS on the engine thread: ~0.1 ms on one machine, a few ms across a datacenter
 
 T = TypeVar("T")
@@ -73,6 +80,7 @@ class RemoteStats:
     foreign: int = 0  # values written for another manifest (model, dtype, layout, kernels): read as misses
     unreachable: int = 0  # calls that failed on the connection or timed out
     skipped_down: int = 0  # calls answered as misses at once because the store was down
+    skipped_recompute_cheaper: int = 0  # chunks not looked up: recomputing one was measured faster than reading it
     outages: int = 0  # times the store went from up to down
 
 
@@ -124,6 +132,8 @@ class RedisTier:
         self._down_until = 0.0
         self.down_reason: str | None = None
         self._closed = False
+        self.recompute_seconds_per_token: float | None = None  # the engine's prefill rate here, once measured
+        self._contains_calls = 0
         self.capacity_bytes = self._call(self._maxmemory, 0)
 
     # ---- the store's state ----
@@ -150,6 +160,7 @@ class RedisTier:
             kv_remote_corrupt=s.corrupt,
             kv_remote_unreachable=r.unreachable,
             kv_remote_outages=r.outages,
+            kv_remote_skipped_recompute_cheaper=r.skipped_recompute_cheaper,
             kv_remote_bytes_read=s.bytes_read,
             kv_remote_bytes_written=s.bytes_written,
             kv_remote_read_seconds=s.read_seconds,
@@ -201,7 +212,21 @@ class RedisTier:
 
     # ---- KVTier ----
 
+    def read_seconds_per_chunk(self) -> float | None:
+        """A chunk read and verified, on average so far (None before the first hit)."""
+        return self.stats.read_seconds / self.stats.hits if self.stats.hits else None
+
+    def cheaper_to_recompute(self) -> bool:
+        """Whether reading a chunk has been measured slower than recomputing its tokens here."""
+        read_s, token_s = self.read_seconds_per_chunk(), self.recompute_seconds_per_token
+        return read_s is not None and token_s is not None and read_s > token_s * self.manifest.chunk_tokens
+
     def contains(self, key: bytes) -> bool:
+        self._contains_calls += 1
+        if self.cheaper_to_recompute() and self._contains_calls % PROBE_EVERY:
+            with self._lock:
+                self.remote.skipped_recompute_cheaper += 1
+            return False
         return bool(self._call(lambda: self._probe.exists(self._name(key)), 0))
 
     def get(self, key: bytes) -> bytes | None:

@@ -34,14 +34,21 @@ saved. write_back: such a chunk is only remembered (its pages), and saved when o
 again by an allocation, i.e. when the pool evicts it; the engine reads those saves right after scheduling, before
 any load or forward pass overwrites the pages (allocation is the only way a page is reused, and a reused page
 keeps its old KV until then). save_all_pending() hands over the rest (the engine does at close(), so a restart
-finds it). What a request wrote to the tier (commit()'s Inserted.tier, RequestOutput.cache_writes.tier) is what
+finds it).
+
+KV events (with the inner cache's events on): once a saved chunk is in the tier, a BlockStored for its pages with
+the tier's medium ("CPU" host RAM, "DISK", "REMOTE" the shared store; events.TIER_MEDIUMS) joins the inner cache's
+events (the pool's, medium "GPU"), so a router learns where a block can be loaded from, not only what a pool
+holds. The writer thread adds them as each put lands (tier_stored); drain_events hands them over with the
+pool's. What a request wrote to the tier (commit()'s Inserted.tier, RequestOutput.cache_writes.tier) is what
 its own commits queued: write_through's chunks; write_back's are stored later, at an eviction, for no request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
@@ -49,9 +56,10 @@ from dataclasses import dataclass, field
 
 from prefixkv.cache_miss import CacheMiss
 from prefixkv.choices import KV_OFFLOAD_WRITE_POLICIES, check
-from prefixkv.kvcache.events import KVCacheEvent
+from prefixkv.kvcache.events import BlockStored, KVCacheEvent, block_stored, tier_medium
 from prefixkv.kvcache.hashing import extend_block_keys, hash_function
 from prefixkv.kvcache.manager import Inserted, KVCacheManager, PrefixCacheStats, runs_of
+from prefixkv.kvcache.offload.chained_tier import ChainedTier, shared_store
 from prefixkv.kvcache.offload.tier import KVTier
 from prefixkv.kvcache.retention import RetentionTable
 from prefixkv.kvcache.summary import CacheSummary
@@ -76,6 +84,7 @@ class SaveOp:
 
     key: bytes
     slots: list[int]
+    event: BlockStored | None = None  # its pages' BlockStored (KV events on), medium set per tier that takes it
 
 
 @dataclass(slots=True)
@@ -159,6 +168,11 @@ class TieredKVCache(KVCacheManager):
         # write_back: chunks computed but not in the tier (key -> their pool slots), and which page holds which
         self._unsaved: dict[bytes, list[int]] = {}
         self._unsaved_by_page: dict[int, bytes] = {}
+        self._unsaved_events: dict[bytes, BlockStored] = {}  # write_back with KV events: their BlockStored
+        # the tiers a save goes to, each with its medium in KV events (a local tier and the store: both)
+        parts: list[KVTier] = [tier.local, tier.store] if isinstance(tier, ChainedTier) else [tier]
+        self._media = [(tier_medium(part.name), part) for part in parts]
+        self._tier_events: deque[KVCacheEvent] = deque()  # appended by the writer thread, drained by the engine's
         self._prefetcher: ThreadPoolExecutor | None = None  # started by the first prefetch()
         # read_ahead(): chunk key -> its background read (as in _TierState.reading), oldest first
         self._ahead: OrderedDict[bytes, Future] = OrderedDict()
@@ -483,25 +497,41 @@ class TieredKVCache(KVCacheManager):
         pages = self.inner.page_table(request)
         ps = self.page_size
         queued = {save.key for save in self._saves}
+        page_keys: list[bytes] | None = None  # the pages' chain keys, for KV events
         saved = []
         for index in range(state.checked_chunks, full):
             key = keys[index]
             if index in state.loaded_chunks or key in queued or key in self._unsaved or self.tier.contains(key):
                 continue
             slots = [pages[p // ps] * ps + p % ps for p in range(index * c, (index + 1) * c)]
+            event = None
+            if self.inner.events_enabled:
+                if page_keys is None:
+                    page_keys = self._sequence_keys(request, full * c // ps, ps)
+                event = block_stored(request, page_keys, index * c // ps, (index + 1) * c // ps, ps)
             if self.write_policy == "write_back":
                 self._unsaved[key] = slots
+                if event is not None:
+                    self._unsaved_events[key] = event
                 for page in pages[index * c // ps : (index + 1) * c // ps]:
                     self._unsaved_by_page[page] = key
             else:
-                self._save(key, slots)
+                self._save(key, slots, event)
                 saved.append(index)
         state.checked_chunks = full
         return Inserted(pool.pool, self.page_size, runs_of(saved, c), c) if saved else pool
 
-    def _save(self, key: bytes, slots: list[int]) -> None:
-        self._saves.append(SaveOp(key, slots))
+    def _save(self, key: bytes, slots: list[int], event: BlockStored | None = None) -> None:
+        self._saves.append(SaveOp(key, slots, event))
         self.tier_stats.saved_chunks += 1
+
+    def tier_stored(self, save: SaveOp) -> None:
+        """The writer thread has put `save` into the tier: its BlockStored, once per tier that now holds it."""
+        if save.event is None:
+            return
+        for medium, part in self._media:
+            if part.contains(save.key):
+                self._tier_events.append(dataclasses.replace(save.event, medium=medium))
 
     def _pages_reused(self, pages: list[int]) -> None:
         """write_back: pages an allocation just handed out will be overwritten: save the chunks they hold now."""
@@ -518,7 +548,7 @@ class TieredKVCache(KVCacheManager):
         for page in {slot // ps for slot in slots}:
             if self._unsaved_by_page.get(page) == key:
                 del self._unsaved_by_page[page]
-        self._save(key, slots)
+        self._save(key, slots, self._unsaved_events.pop(key, None))
 
     def save_all_pending(self) -> None:
         """write_back: queue every chunk not saved yet (at shutdown: what the pool still holds goes to the tier)."""
@@ -549,17 +579,22 @@ class TieredKVCache(KVCacheManager):
             out.append(key)
         return out
 
-    def _sequence_keys(self, request: Request, num_chunks: int) -> list[bytes]:
-        """Chunk keys of request.token_ids without keeping per-request state (a probe's, or a finished one's)."""
+    def _sequence_keys(self, request: Request, num_chunks: int, unit: int | None = None) -> list[bytes]:
+        """Chunk keys of request.token_ids without keeping per-request state (a probe's, or a finished one's);
+        with `unit` (the page size), the keys of that many pages instead, as the pool names them."""
         r = request
         return extend_block_keys(
-            [], r.token_ids, self.chunk_tokens, num_chunks, self._hash_fn, r.lora_id, r.cache_salt, r.mm_hashes
+            [], r.token_ids, unit or self.chunk_tokens, num_chunks, self._hash_fn, r.lora_id, r.cache_salt, r.mm_hashes
         )
 
     def explain_miss(self, request: Request, num_cached_tokens: int) -> CacheMiss | None:
         """The inner cache's listener, past the whole hit (pool and tier): a page the pool evicted and the tier
-        could not serve reads as evicted."""
-        return self.inner.explain_miss(request, num_cached_tokens)
+        could not serve reads as evicted; with the shared store down now, such pages read as store_down."""
+        miss = self.inner.explain_miss(request, num_cached_tokens)
+        store = shared_store(self.tier)
+        if miss is not None and store is not None and store.down_reason is not None:
+            return miss.with_store_down()
+        return miss
 
     def free(self, request: Request) -> None:
         self.inner.free(request)
@@ -601,7 +636,12 @@ class TieredKVCache(KVCacheManager):
         return self.inner.events_enabled
 
     def drain_events(self) -> list[KVCacheEvent]:
-        return self.inner.drain_events()
+        """The pool's events, then the tiers' (BlockStored with the tier's medium) that landed since the last
+        drain."""
+        events = self.inner.drain_events()
+        while self._tier_events:
+            events.append(self._tier_events.popleft())
+        return events
 
     def cached_block_hashes(self) -> set[int]:
         return self.inner.cached_block_hashes()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 from prefixkv.kvcache.offload.tier import KVTier
 
@@ -34,12 +35,13 @@ class TierWriter:
         self._thread = threading.Thread(target=self._run, name=f"prefixkv-{tier.name}-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, key: bytes, payload: bytes) -> bool:
-        """Queue a put; False when the queue is full (counted in dropped) or the writer is closed."""
+    def submit(self, key: bytes, payload: bytes, stored: Callable[[], None] | None = None) -> bool:
+        """Queue a put; False when the queue is full (counted in dropped) or the writer is closed. `stored` is
+        called on the writer thread once the put has returned."""
         if self.closed:
             return False
         try:
-            self._queue.put_nowait((key, payload))
+            self._queue.put_nowait((key, payload, stored))
             return True
         except queue.Full:
             self.dropped += 1
@@ -62,9 +64,11 @@ class TierWriter:
             try:
                 if item is _STOP:
                     return
-                key, payload = item
+                key, payload, stored = item
                 self.tier.put(key, payload)
                 self.written += 1
+                if stored is not None:
+                    stored()
             except Exception:  # a full disk or a vanished directory must not kill the engine
                 self.failed += 1
                 logger.exception("KV tier %s: a chunk could not be stored", self.tier.name)
