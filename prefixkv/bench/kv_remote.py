@@ -29,10 +29,9 @@ import time
 from typing import Any
 
 from prefixkv.bench.paired import paired
-from prefixkv.bench.server_process import serve_process
+from prefixkv.bench.server_process import REPLICA_HEADER, serve_process, wait_for_replicas
 
 READY_TIMEOUT_S = 600.0
-REPLICA_HEADER = "x-prefixkv-replica"
 VOCAB = range(1000, 40000)  # plain word pieces of SmolLM2's vocabulary (no special tokens)
 
 
@@ -64,18 +63,6 @@ class Client:
 
         self.http = httpx.Client(base_url=base, timeout=1200)
         self.model = self.http.get("/v1/models").json()["data"][0]["id"]
-
-    def wait_for_replicas(self, count: int, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Until the ingress routes to `count` replicas (the server is ready when the first one is)."""
-        seen: set[str] = set()
-        deadline = time.monotonic() + timeout_s
-        while len(seen) < count:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"only replicas {sorted(seen)} answered within {timeout_s:.0f} s")
-            replica = self.http.get("/v1/models").headers.get(REPLICA_HEADER)
-            if replica is not None:
-                seen.add(replica)
-            time.sleep(0.1)
 
     def complete(self, prompt: list[int]) -> dict:
         """Send it; its replica, seconds to the answer, and the prompt tokens the server reported cached."""
@@ -217,8 +204,8 @@ def run(args: argparse.Namespace) -> dict:
                 log_path = os.path.join(log_dir, f"kv_remote_{side}_round{round_index}.log")
                 print(f"round {round_index}, {side}:")
                 with serve_process(_serve_args(args, url), "/v1/models", READY_TIMEOUT_S, log_path) as base:
+                    wait_for_replicas(base, 2)
                     client = Client(base)
-                    client.wait_for_replicas(2)
                     _warm_up(client, args, url)
                     result = {"round": round_index, "pairs": _peer_pairs(client, args, round_index, url)}
                     if args.failover:

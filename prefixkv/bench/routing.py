@@ -8,26 +8,36 @@ cache-aware router can keep each tenant on one replica. Reported per router: the
 (usage.prompt_tokens_details), TTFT p50 / p90 and output tok/s, as medians over the rounds, and each router
 against the first: the median of the per-round ratios (> 1: better), every round's listed. The machine's noise
 moves TTFT from run to run: compare the routers within one run only.
+
+Two more sides than routers: "R+store" is router R with every replica on one shared KV store (`--kv-remote` on a
+redis-server this benchmark starts and empties before each run: docs/kv_remote.md), and "pooled" is one engine
+with the N replicas' pools and threads together (`--replicas 1`): the cache no router can split, the bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
 
 from prefixkv.bench.paired import paired
 from prefixkv.bench.serve_client import add_arguments, run_async
-from prefixkv.bench.server_process import serve_process
+from prefixkv.bench.server_process import serve_process, wait_for_replicas
 
 READY_TIMEOUT_S = 600.0
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("routing", help="serve --replicas N on the model: round-robin vs precise routing")
-    p.add_argument("--routers", default="round-robin,precise", help="comma-separated; the first is the baseline")
+    p.add_argument(
+        "--routers",
+        default="round-robin,precise",
+        help="comma-separated, the first the baseline: router names, R+store (every replica on one shared KV "
+        "store), pooled (one engine with all the replicas' pools and threads)",
+    )
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="each round runs every router once, in alternating order")
     p.add_argument("--tenants", type=int, default=4)
@@ -63,7 +73,36 @@ def _client_args(url: str, args: argparse.Namespace) -> argparse.Namespace:
     return parser.parse_args([*(str(x) for item in flags.items() for x in item), "--ignore-eos"])
 
 
+POOLED = "pooled"
+STORE_SUFFIX = "+store"
+
+
+def _serve_args(side: str, args: argparse.Namespace, store_url: str | None) -> list[str]:
+    """`prefixkv serve` flags for one side: N replicas behind a router (on the store for R+store), or pooled."""
+    pooled = side == POOLED
+    serve = ["--replicas", "1" if pooled else str(args.replicas), "--dtype", args.dtype]
+    serve += ["--num-threads", str(args.replicas if pooled else 1)]
+    serve += ["--kv-cache-tokens", str(args.kv_cache_tokens * (args.replicas if pooled else 1))]
+    serve += ["--max-num-seqs", str(args.concurrency)]
+    if not pooled:
+        serve += ["--router", side.removesuffix(STORE_SUFFIX)]
+    if side.endswith(STORE_SUFFIX):
+        assert store_url is not None
+        serve += ["--kv-remote", store_url]
+    return serve
+
+
 def run(args: argparse.Namespace) -> dict:
+    with contextlib.ExitStack() as stack:
+        store = None
+        if any(r.strip().endswith(STORE_SUFFIX) for r in args.routers.split(",")):
+            from prefixkv.kvcache.offload.store_process import RedisServer
+
+            store = stack.enter_context(RedisServer(maxmemory="4gb"))
+        return _run(args, store)
+
+
+def _run(args: argparse.Namespace, store) -> dict:
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     log_dir = args.log_dir or args.output_dir
     os.makedirs(log_dir, exist_ok=True)
@@ -72,21 +111,14 @@ def run(args: argparse.Namespace) -> dict:
         order = routers if round_index % 2 == 0 else routers[::-1]
         for router in order:
             log_path = os.path.join(log_dir, f"routing_{router}_round{round_index}.log")
-            serve_args = [
-                "--replicas",
-                str(args.replicas),
-                "--router",
-                router,
-                "--dtype",
-                args.dtype,
-                "--num-threads",
-                "1",
-                "--kv-cache-tokens",
-                str(args.kv_cache_tokens),
-                "--max-num-seqs",
-                str(args.concurrency),
-            ]
+            if store is not None and router.endswith(STORE_SUFFIX):
+                import redis
+
+                redis.Redis.from_url(store.url).flushall()  # each side starts from an empty store
+            serve_args = _serve_args(router, args, store.url if store is not None else None)
             with serve_process(serve_args, "/v1/models", READY_TIMEOUT_S, log_path) as url:
+                if router != POOLED:
+                    wait_for_replicas(url, args.replicas)
                 summary = asyncio.run(run_async(_client_args(url, args)))
             if summary["num_errors"]:
                 raise SystemExit(f"prefixkv bench routing: {router}: {summary['errors']}; see {log_path}")

@@ -17,6 +17,23 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+REPLICA_HEADER = "x-prefixkv-replica"  # every answer of `serve --replicas N` names the replica that gave it
+
+
+def wait_for_replicas(base: str, count: int, timeout_s: float = 600.0) -> None:
+    """Until the ingress at `base` routes to `count` replicas: `serve --replicas N` answers once its first replica
+    is up, and a benchmark that started then would measure fewer replicas than it names."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only replicas {sorted(seen)} answered within {timeout_s:.0f} s")
+        with urllib.request.urlopen(base + "/v1/models", timeout=30) as response:
+            replica = response.headers.get(REPLICA_HEADER)
+        if replica is not None:
+            seen.add(replica)
+        time.sleep(0.1)
+
 
 def free_port() -> int:
     with socket.socket() as s:
