@@ -58,7 +58,7 @@ def test_another_manifest_never_shares_a_name_and_its_value_is_a_miss(redis_stor
     assert ours.get(key) is None and ours.remote.foreign == 1 and ours.stats.hits == 0
 
 
-@pytest.mark.parametrize("damage", ["cut short", "a flipped bit", "another key", "empty"])
+@pytest.mark.parametrize("damage", ["cut short", "a flipped bit", "another key", "empty", "not a string"])
 def test_a_damaged_value_is_a_miss_counted_and_dropped_so_it_is_stored_again(redis_store, damage):
     tier = RedisTier(redis_store.url, MANIFEST)
     key, payload = chunk(3)
@@ -73,7 +73,11 @@ def test_a_damaged_value_is_a_miss_counted_and_dropped_so_it_is_stored_again(red
         value = bytearray(encode_value(tier.digest, chunk(4)[0], payload))
     else:
         value = bytearray()
-    r.set(name, bytes(value))
+    r.delete(name)
+    if damage == "not a string":
+        r.lpush(name, b"x")  # GET answers WRONGTYPE
+    else:
+        r.set(name, bytes(value))
     assert tier.get(key) is None and tier.stats.corrupt == 1 and not r.exists(name)
     tier.put(key, payload)
     assert tier.get(key) == payload

@@ -120,8 +120,9 @@ class RedisTier:
         self.digest = manifest_digest(manifest)
         self.prefix = f"prefixkv:{self.digest[:8].hex()}:".encode()
         self._clock = clock
-        self._errors: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
+        # what the store answering badly raises: a refusal (ResponseError: full, a wrong type), else an outage
         self._response_error = redis.ResponseError
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         probe_s = min(timeout_s, PROBE_TIMEOUT_S)
         try:
             self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
@@ -166,9 +167,10 @@ class RedisTier:
             kv_remote_read_seconds=s.read_seconds,
         )
 
-    def _call(self, fn: Callable[[], T], down_value: T) -> T:
+    def _call(self, fn: Callable[[], T], down_value: T, raise_refusal: bool = False) -> T:
         """fn() against the store; down_value at once while it is down, or when the call fails on the
-        connection (which marks it down for retry_s)."""
+        connection (which marks it down for retry_s). A refusal (the store answered with an error) is
+        down_value too, logged, or raised with raise_refusal."""
         if self._closed:
             return down_value
         if self.down_reason is not None and self._clock() < self._down_until:
@@ -177,6 +179,11 @@ class RedisTier:
             return down_value
         try:
             result = fn()
+        except self._response_error as e:
+            if raise_refusal:
+                raise
+            logger.warning("KV tier remote %s refused a call: %s", self.url, e)
+            return down_value
         except self._errors as e:
             self._mark_down(f"{type(e).__name__}: {e}")
             return down_value
@@ -231,13 +238,18 @@ class RedisTier:
 
     def get(self, key: bytes) -> bytes | None:
         started = time.perf_counter()
-        value: Any = self._call(lambda: self._client.get(self._name(key)), None)
+        refusal: str | None = None
+        try:
+            value: Any = self._call(lambda: self._client.get(self._name(key)), None, raise_refusal=True)
+        except self._response_error as e:  # not a string value (WRONGTYPE): damaged like a cut one
+            value, refusal = b"", str(e)
         seconds = time.perf_counter() - started
         if value is None:
             with self._lock:
                 self.stats.misses += 1
             return None
         payload, problem = self._decode(key, value)
+        problem = refusal or problem
         with self._lock:
             self.stats.read_seconds += seconds
             self.stats.bytes_read += len(value)
@@ -274,7 +286,7 @@ class RedisTier:
         value = encode_value(self.digest, key, payload)
         started = time.perf_counter()
         try:
-            stored = self._call(lambda: self._client.set(name, value, nx=True), None)
+            stored = self._call(lambda: self._client.set(name, value, nx=True), None, raise_refusal=True)
         except self._response_error as e:  # OOM: the store is full and evicts nothing
             with self._lock:
                 self.remote.refused += 1

@@ -34,14 +34,13 @@ saved. write_back: such a chunk is only remembered (its pages), and saved when o
 again by an allocation, i.e. when the pool evicts it; the engine reads those saves right after scheduling, before
 any load or forward pass overwrites the pages (allocation is the only way a page is reused, and a reused page
 keeps its old KV until then). save_all_pending() hands over the rest (the engine does at close(), so a restart
-finds it).
+finds it). What a request wrote to the tier (commit()'s Inserted.tier, RequestOutput.cache_writes.tier) is what
+its own commits queued: write_through's chunks; write_back's are stored later, at an eviction, for no request.
 
 KV events (with the inner cache's events on): once a saved chunk is in the tier, a BlockStored for its pages with
 the tier's medium ("CPU" host RAM, "DISK", "REMOTE" the shared store; events.TIER_MEDIUMS) joins the inner cache's
 events (the pool's, medium "GPU"), so a router learns where a block can be loaded from, not only what a pool
-holds. The writer thread adds them as each put lands (tier_stored); drain_events hands them over with the
-pool's. What a request wrote to the tier (commit()'s Inserted.tier, RequestOutput.cache_writes.tier) is what
-its own commits queued: write_through's chunks; write_back's are stored later, at an eviction, for no request.
+holds. The writer thread adds them as each put lands (tier_stored); drain_events hands them over with the pool's.
 """
 
 from __future__ import annotations
