@@ -8,6 +8,7 @@ The process gets a session of its own, so stopping it stops what it started (a l
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -21,18 +22,21 @@ REPLICA_HEADER = "x-prefixkv-replica"  # every answer of `serve --replicas N` na
 
 
 def wait_for_replicas(base: str, count: int, timeout_s: float = 600.0) -> None:
-    """Until the ingress at `base` routes to `count` replicas: `serve --replicas N` answers once its first replica
-    is up, and a benchmark that started then would measure fewer replicas than it names."""
-    seen: set[str] = set()
+    """Until the ingress at `base` routes over `count` replicas: `serve --replicas N` answers once its first replica
+    is up, and a benchmark that started then would measure fewer replicas than it names. The ingress's request
+    routers list the replicas they see (GET /ingress/stats); a request makes the first router."""
     deadline = time.monotonic() + timeout_s
-    while len(seen) < count:
+    while True:
+        with urllib.request.urlopen(base + "/v1/models", timeout=30):
+            pass
+        with urllib.request.urlopen(base + "/ingress/stats", timeout=30) as response:
+            routers = json.load(response).get("routers", [])
+        seen = max((len(view) for view in routers), default=0)
+        if seen >= count:
+            return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"only replicas {sorted(seen)} answered within {timeout_s:.0f} s")
-        with urllib.request.urlopen(base + "/v1/models", timeout=30) as response:
-            replica = response.headers.get(REPLICA_HEADER)
-        if replica is not None:
-            seen.add(replica)
-        time.sleep(0.1)
+            raise RuntimeError(f"the ingress routed over {seen} replicas within {timeout_s:.0f} s, not {count}")
+        time.sleep(0.2)
 
 
 def free_port() -> int:
