@@ -40,6 +40,14 @@ def test_a_prefix_one_replica_computed_is_served_by_the_other_from_the_store(new
     assert f'prefixkv:kv_remote_chunks_total{{model_name="{name}",outcome="hit"}} 3.0' in text
     assert f'prefixkv:kv_remote_up{{model_name="{name}"}} 1.0' in text
 
+    # tenants: a chunk stored under one cache salt is never found under another (the salt is in the chain key)
+    salted = {"prompt_token_ids": a_prompt, "cache_salt": "tenant-1"}
+    assert a.generate(salted, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    a.llm_engine.flush()
+    other = b.generate({**salted, "cache_salt": "tenant-2"}, GREEDY, use_tqdm=False)[0]
+    same = b.generate(salted, GREEDY, use_tqdm=False)[0]
+    assert other.num_cached_tokens == 0 and same.num_cached_tokens == 96
+
     # a local tier in front: b's second engine keeps what the store served, and a third read is local
     c = replica(new_llm, redis_store, kv_offload_host_size=16 << 20)
     assert run(c, a_prompt) == (expected, 96)
