@@ -9,12 +9,14 @@ from prefixkv.router.precise import PreciseRouting
 from prefixkv.router.replica import ReplicaState
 from prefixkv.router.request import RouteRequest
 from prefixkv.router.router import POLICIES, Router, create_policy, policy_options
+from prefixkv.router.store_index import MEDIUM_REMOTE, SharedStoreIndex
 
 __all__ = [
     "POLICIES",
     "ApproximateRouting",
     "BlockIndex",
     "LeastLoaded",
+    "MEDIUM_REMOTE",
     "PowerOfTwo",
     "PreciseRouting",
     "ReplicaState",
@@ -22,6 +24,7 @@ __all__ = [
     "RoundRobin",
     "Router",
     "RoutingPolicy",
+    "SharedStoreIndex",
     "create_policy",
     "policy_options",
 ]

@@ -23,6 +23,7 @@ from prefixkv.sim.agent_traces import is_agent_trace, load_agent_trace
 from prefixkv.sim.cause_check import World, check_causes
 from prefixkv.sim.cost_model import PRESETS, StepCostModel, load_cost_model
 from prefixkv.sim.replicas import POOLED, ROUTERS, simulate_replicas, summarize_replicas
+from prefixkv.sim.shared_tier import default_shared_tier_cost
 from prefixkv.sim.simulator import (
     NO_TENANCY,
     RequestMetrics,
@@ -92,7 +93,7 @@ def add_tier_arguments(group) -> None:
 
 def check_tier_flags(args: argparse.Namespace, with_tier: bool, size_flag: str) -> None:
     """The tier's flags only with a tier: a flag accepted and then ignored would be a bug."""
-    given = [f for f in ("tier_cost", "kv_offload_chunk_tokens", "kv_offload_write_policy") if getattr(args, f)]
+    given = [f for f in ("tier_cost", "kv_offload_chunk_tokens", "kv_offload_write_policy") if getattr(args, f, None)]
     if given and not with_tier:
         flags = ", ".join("--" + f.replace("_", "-") for f in given)
         raise ValueError(f"{flags}: there is no tier without {size_flag}")
@@ -106,9 +107,29 @@ def tier_options(args: argparse.Namespace, fraction: float, of_tokens: int, cost
     return SimTierOptions(tokens, tier_cost, chunk, args.kv_offload_write_policy or "write_through")
 
 
+def shared_tier_options(args: argparse.Namespace, of_tokens: int) -> SimTierOptions | None:
+    """The shared tier --shared-tier-fraction asks for (that fraction of `of_tokens`, in whole chunks) at
+    --shared-tier-cost (default: the store measured here at the nearest chunk size); None without it."""
+    if args.shared_tier_cost and args.shared_tier_fraction is None:
+        raise ValueError("--shared-tier-cost: there is no shared tier without --shared-tier-fraction")
+    if args.shared_tier_fraction is None:
+        return None
+    if not args.shared_tier_fraction > 0:
+        raise ValueError(f"--shared-tier-fraction must be > 0, got {args.shared_tier_fraction}")
+    chunk = getattr(args, "kv_offload_chunk_tokens", None) or 16  # a sweep's tier: the engine's defaults
+    cost = load_tier_cost(args.shared_tier_cost) if args.shared_tier_cost else default_shared_tier_cost(chunk)
+    if cost.medium != "remote":
+        raise ValueError(
+            f"--shared-tier-cost {cost.name}: a shared store's cost has medium 'remote', not {cost.medium!r}"
+        )
+    tokens = max(1, round(args.shared_tier_fraction * of_tokens / chunk)) * chunk
+    return SimTierOptions(tokens, cost, chunk, getattr(args, "kv_offload_write_policy", None) or "write_through")
+
+
 def add_trace_arguments(p: argparse.ArgumentParser, tier: bool = False) -> None:
     """The trace, its scaling, the engine options the simulator honours, the cost model and the output (with
-    `tier`: a simulated second tier's flags)."""
+    `tier`: a simulated second tier's flags, whose chunk and write policy a shared tier takes too; the shared tier's
+    own flags are always there)."""
     t = p.add_argument_group("trace")
     t.add_argument("--trace", help="JSON-lines trace file (required)")
     t.add_argument("--format", choices=sorted(FORMATS), default=None, help="trace format (default: detected)")
@@ -135,6 +156,21 @@ def add_trace_arguments(p: argparse.ArgumentParser, tier: bool = False) -> None:
             "replica; default: none)",
         )
         add_tier_arguments(k)
+    r = p.add_argument_group("shared KV tier (simulated: sim/shared_tier.py)")
+    r.add_argument(
+        "--shared-tier-fraction",
+        type=float,
+        default=None,
+        help="one store of this fraction of the scaled trace's unique prompt tokens behind every replica's pool, "
+        "as --kv-remote puts one behind every engine (default: none)",
+    )
+    r.add_argument(
+        "--shared-tier-cost",
+        default=None,
+        help="the store's KV bytes per token, bandwidths and round trip: a preset of medium 'remote' or a JSON "
+        "file (default: the Redis store measured on this machine, smollm2-redis-amd-epyc, at the nearest chunk "
+        "size)",
+    )
     s = p.add_argument_group("simulation")
     s.add_argument(
         "--kv-cache-fraction",
@@ -177,6 +213,8 @@ class _NotSimulated(argparse.Action):
     """A flag of the engine the simulator does not model: an error naming it, never a silent no-op."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if self.dest.startswith("kv_remote"):
+            parser.error(f"{option_string}: the simulator reaches no store (its shared tier: --shared-tier-fraction F)")
         what = "KV events" if "events" in self.dest else "second KV tier"
         parser.error(f"{option_string}: the simulator models no {what} (the engine's flag is not accepted here)")
 
@@ -327,17 +365,27 @@ def _run_one(
     router_options: dict | None = None,
     tenancy: Tenancy = NO_TENANCY,
     tier: SimTierOptions | None = None,
+    shared_tier: SimTierOptions | None = None,
 ) -> tuple[dict, SimResult]:
     """One simulation: one engine (with a second tier if given), or `replicas` engines behind `router` (one
-    replica needs no router). Returns its summary and its requests' metrics (the fleet's, merged)."""
+    replica needs no router), with one shared tier behind them all if given. Returns its summary and its
+    requests' metrics (the fleet's, merged)."""
     t0 = time.perf_counter()
     with _Progress(len(requests), quiet, desc) as on_done:
-        if replicas == 1:
+        if replicas == 1 and shared_tier is None:
             res, kv = simulate_trace(config, requests, cost, on_done=on_done, tenancy=tenancy, tier=tier)
             summary = summarize_trace(res, kv)
         else:
             fleet = simulate_replicas(
-                config, requests, cost, replicas, router, router_options, on_done=on_done, tenancy=tenancy
+                config,
+                requests,
+                cost,
+                replicas,
+                router,
+                router_options,
+                on_done=on_done,
+                tenancy=tenancy,
+                shared_tier=shared_tier,
             )
             summary = summarize_replicas(fleet)
             res = fleet.merged()
@@ -423,7 +471,18 @@ def run_command(args: argparse.Namespace) -> int:
     if args.replicas > 1:
         print(f"{args.replicas} replicas of that pool behind the {args.router} router", flush=True)
     tier = None
-    check_tier_flags(args, args.tier_fraction is not None, "--tier-fraction")
+    shared = shared_tier_options(args, unique)
+    if args.tier_cost and args.tier_fraction is None:
+        raise ValueError("--tier-cost: there is no tier without --tier-fraction")
+    check_tier_flags(
+        args, args.tier_fraction is not None or shared is not None, "--tier-fraction or --shared-tier-fraction"
+    )
+    if args.tier_fraction is not None and shared is not None:
+        raise ValueError(
+            "--tier-fraction with --shared-tier-fraction: a local tier in front of the store is not simulated"
+        )
+    if shared is not None:
+        print(f"shared tier {shared.capacity_tokens} tokens behind every replica ({shared.cost.name})", flush=True)
     if args.tier_fraction is not None:
         if args.replicas > 1:
             raise ValueError("--tier-fraction: the simulated tier sits behind one engine (--replicas 1)")
@@ -433,12 +492,12 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"second tier {tier.capacity_tokens} tokens ({tier.cost.name})", flush=True)
     accesses = bounds.page_accesses(requests, page)
     unbounded = _unbounded(accesses)
-    kv_tokens = pool * args.replicas + (tier.capacity_tokens if tier else 0)
+    kv_tokens = pool * args.replicas + sum(t.capacity_tokens for t in (tier, shared) if t)
     offline = None if args.no_bounds else _offline(accesses, kv_tokens)  # the bound of all the KV there is
     options = router_options(args)
     tenancy = Tenancy(args.tenants, args.retention_seconds, args.retention_share)
     summary, res = _run_one(
-        config, requests, cost, args.quiet, "simulate", args.replicas, args.router, options, tenancy, tier
+        config, requests, cost, args.quiet, "simulate", args.replicas, args.router, options, tenancy, tier, shared
     )
     summary = _with_bounds(summary, unbounded, offline)
     checks = None
@@ -457,6 +516,7 @@ def run_command(args: argparse.Namespace) -> int:
                 options,
                 world.tenancy,
                 tier,
+                shared,
             )
             return removed, removed_res.metrics
 
@@ -472,6 +532,7 @@ def run_command(args: argparse.Namespace) -> int:
         "engine_config": dataclasses.asdict(config),
         "cost_model": cost.to_json(),
         "tier": dataclasses.asdict(tier) if tier else None,
+        "shared_tier": dataclasses.asdict(shared) if shared else None,
         "options": _options(args),
         "bounds": {"unbounded": unbounded, "offline": offline},
         "summary": summary,
@@ -487,6 +548,8 @@ def run_command(args: argparse.Namespace) -> int:
     title += f"tokens, {config.schedule_policy}, cost model {cost.name}"
     if args.replicas > 1:
         title += f", {args.replicas} replicas, {args.router} router"
+    if shared is not None:
+        title += f", shared tier {shared.capacity_tokens} tokens"
     if not args.no_plot:
         ttfts = [m.ttft_s for m in res.metrics if m.ttft_s is not None]
         queues = [m.queue_s for m in res.metrics if m.queue_s is not None]
@@ -538,7 +601,17 @@ def _run_table(s: dict) -> str:
     ]
     if "tier" in s:
         rows.insert(9, ["tier hit tokens, read stall (sim s)", f"{s['tier_hit_tokens']}, {s['tier_stall_s']:.2f}"])
+    if "shared_tier_hit_tokens" in s:
+        stall = f"{s['shared_tier_hit_tokens']}, {s['shared_tier_stall_s']:.2f}"
+        rows.insert(9, ["shared tier hit tokens, read + probe stall (sim s)", stall])
+    if "busy_max_over_mean" in s:
+        ratios = (s["busy_max_over_mean"], s["routed_max_over_mean"], s["in_flight_max_over_mean"])
+        rows.append(["load max / mean: busy time, requests routed, in flight", ", ".join(map(_ratio, ratios))])
     return report.format_table(["metric", "value"], rows)
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _checks_table(rows: list[dict]) -> str:
@@ -607,7 +680,11 @@ def sweep_command(args: argparse.Namespace) -> int:
     accesses = bounds.page_accesses(first, page)
     unbounded = _unbounded(accesses)
     pools = {f: pool_tokens(f, unique, page) for f in fractions}
-    offline = {} if args.no_bounds else {str(f): _offline(accesses, pools[f] * args.replicas) for f in fractions}
+    shared = shared_tier_options(args, unique)
+    extra = shared.capacity_tokens if shared else 0  # the bound of all the KV there is: the store's too
+    offline = (
+        {} if args.no_bounds else {str(f): _offline(accesses, pools[f] * args.replicas + extra) for f in fractions}
+    )
     del accesses
     for cell in [(p, e) for p in policies for e in evictions]:  # fail on a bad name before the long runs
         EngineConfig.from_kwargs(**_cell_kwargs(base, pools[fractions[0]], *cell))
@@ -621,7 +698,9 @@ def sweep_command(args: argparse.Namespace) -> int:
         config = EngineConfig.from_kwargs(**_cell_kwargs(base, pools[fraction], policy, eviction))
         desc = f"[{k}/{len(cells)}] {fraction} {policy} {eviction} {router} x{scale}"
         options = {k: v for k, v in wanted.items() if router != POOLED and k in policy_options(router)}
-        summary, _ = _run_one(config, by_scale[scale], cost, args.quiet, desc, args.replicas, router, options)
+        summary, _ = _run_one(
+            config, by_scale[scale], cost, args.quiet, desc, args.replicas, router, options, shared_tier=shared
+        )
         summary = _with_bounds(summary, unbounded, offline.get(str(fraction)))
         summary.update(fraction=fraction, pool_tokens=pools[fraction], time_scale=scale, policy=policy)
         summary["eviction"] = eviction
@@ -630,7 +709,8 @@ def sweep_command(args: argparse.Namespace) -> int:
     results = {
         "command": "simulate sweep",
         "title": f"{os.path.basename(args.trace)}: {described}\n{base.prefix_cache} cache, cost model {cost.name}"
-        + (f", {args.replicas} replicas" if args.replicas > 1 else ""),
+        + (f", {args.replicas} replicas" if args.replicas > 1 else "")
+        + (f", shared tier {shared.capacity_tokens} tokens" if shared else ""),
         "trace": {"path": args.trace, "format": trace.format, "block_size": trace.block_size},
         "scaling": {str(s): _scaling(args, s).describe(trace.block_size) for s in scales},
         "unique_prompt_tokens": unique,
@@ -642,6 +722,7 @@ def sweep_command(args: argparse.Namespace) -> int:
             "routers": routers,
             "replicas": args.replicas,
         },
+        "shared_tier": dataclasses.asdict(shared) if shared else None,
         "engine_config": dataclasses.asdict(base),
         "cost_model": cost.to_json(),
         "options": _options(args),
@@ -667,7 +748,7 @@ def _cell_kwargs(base: EngineConfig, pool: int, policy: str, eviction: str) -> d
 def _sweep_table(runs: list[dict]) -> str:
     headers = ["pool", "tokens", "x time", "policy", "eviction", "router", "hit rate", "offline", "/bound", "unbounded"]
     headers += ["TTFT p50", "TTFT p90", "TTFT p99", "queue p99", "out tok/s", "evicted", "preempt", "rejected"]
-    headers += ["wall s"]
+    headers += ["busy max/mean", "wall s"]
     rows = [
         [
             r["fraction"],
@@ -688,6 +769,7 @@ def _sweep_table(runs: list[dict]) -> str:
             r["evicted_pages"],
             r["preemptions"],
             r["rejected_requests"],
+            r.get("busy_max_over_mean") or float("nan"),
             r["wall_s"],
         ]
         for r in runs
