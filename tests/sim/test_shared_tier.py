@@ -5,7 +5,6 @@ workloads: milliseconds)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import pytest
 
@@ -17,6 +16,7 @@ from prefixkv.sim.cost_model import PRESETS
 from prefixkv.sim.replicas import simulate_replicas, summarize_replicas
 from prefixkv.sim.shared_tier import SharedStore, default_shared_tier_cost, remote_block_weight
 from prefixkv.sim.tier import SimTier, SimTierOptions, TierCost, load_tier_cost
+from tests.sim.test_replicas import Req
 
 PAGE = 4
 CPU = PRESETS["smollm2-cpu-2t"]
@@ -30,20 +30,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-@dataclass
-class Req:
-    arrival_s: float
-    tokens: list[int]
-    output_len: int = 2
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.tokens)
-
-    def prompt_tokens(self) -> list[int]:
-        return list(self.tokens)
 
 
 def test_two_replicas_share_one_store_each_on_its_own_clock_and_channels():
