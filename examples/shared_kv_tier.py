@@ -15,8 +15,8 @@ import httpx
 
 from prefixkv.bench.server_process import serve_process
 from prefixkv.kvcache.offload.store_process import RedisServer
+from prefixkv.serve_ray.replica import REPLICA_HEADER  # every answer names the replica that gave it
 
-REPLICA_HEADER = "x-prefixkv-replica"
 TOOLS = "".join(f"Tool {i}: look up order {i} by its number and return its status, date and items. " for i in range(80))
 
 

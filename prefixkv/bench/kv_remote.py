@@ -11,9 +11,10 @@ per length: both sides' TTFT of the peer request, its cached tokens, and the med
 ratio (recompute / shared, > 1: the store is faster), every round's listed; each answer's replica header is
 checked (the two requests of a pair must land on different replicas).
 
---failover adds a phase to the store's side: prompts spread over both replicas, one replica's process killed, and
-every prompt sent again to the survivor: its hit rate and TTFT before and after the kill, against the same
-without the store.
+--failover adds a phase to both sides: prompts spread over both replicas, the process of the replica that served
+the first killed (SIGKILL) once they are answered, and every prompt sent again, now to the survivor: the hit rate
+and TTFT before and after the kill, with the store against without it. (A kill with requests in flight, which the
+ingress retries on the survivor, is tests/test_serve_ray.py's test_replica_killed_under_load.)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from typing import Any
 
 from prefixkv.bench.paired import paired
-from prefixkv.bench.server_process import REPLICA_HEADER, serve_process, wait_for_replicas
+from prefixkv.bench.server_process import serve_process, wait_for_replicas
 
 READY_TIMEOUT_S = 600.0
 VOCAB = range(1000, 40000)  # plain word pieces of SmolLM2's vocabulary (no special tokens)
@@ -61,6 +62,11 @@ class Client:
     def __init__(self, base: str) -> None:
         import httpx
 
+        # the headers every answer of `serve --replicas` carries (imported here: serve_ray loads Ray)
+        from prefixkv.serve_ray.ingress import RETRIES_HEADER
+        from prefixkv.serve_ray.replica import REPLICA_HEADER
+
+        self.replica_header, self.retries_header = REPLICA_HEADER, RETRIES_HEADER
         self.http = httpx.Client(base_url=base, timeout=1200)
         self.model = self.http.get("/v1/models").json()["data"][0]["id"]
 
@@ -74,7 +80,13 @@ class Client:
         response.raise_for_status()
         usage = response.json()["usage"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        return {"replica": response.headers.get(REPLICA_HEADER), "seconds": seconds, "cached_tokens": cached}
+        retries = int(response.headers.get(self.retries_header, 0))
+        return {
+            "replica": response.headers.get(self.replica_header),
+            "seconds": seconds,
+            "cached_tokens": cached,
+            "retries": retries,
+        }
 
     def close(self) -> None:
         self.http.close()
@@ -156,7 +168,7 @@ def _replica_pids() -> dict[str, int]:
 
 
 def _failover(client: Client, args: argparse.Namespace, round_index: int, store_url: str | None) -> dict:
-    """Prompts spread over both replicas, then the one that computed the first killed, then every prompt again."""
+    """Prompts spread over both replicas, then the one that served the first killed, then every prompt again."""
     prompts = [
         _prompt(args.seed * 1000 + round_index * 100 + 50 + i, args.failover_length)
         for i in range(args.failover_prompts)
@@ -182,6 +194,7 @@ def _failover(client: Client, args: argparse.Namespace, round_index: int, store_
             "hit_rate": sum(r["cached_tokens"] for r in rows) / (tokens * len(rows)),
             "ttft_median_s": statistics.median(r["seconds"] for r in rows),
             "replicas": sorted({r["replica"] for r in rows}),
+            "retried": sum(1 for r in rows if r["retries"]),
         }
 
     return {"victim": victim, "before": summary(before), "after": summary(after), "victims_prompts": summary(lost)}

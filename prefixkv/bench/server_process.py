@@ -18,8 +18,6 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
-REPLICA_HEADER = "x-prefixkv-replica"  # every answer of `serve --replicas N` names the replica that gave it
-
 
 def wait_for_replicas(base: str, count: int, timeout_s: float = 600.0) -> None:
     """Until the ingress at `base` routes over `count` replicas: `serve --replicas N` answers once its first replica
