@@ -17,19 +17,12 @@ from prefixkv.sim.replicas import simulate_replicas, summarize_replicas
 from prefixkv.sim.shared_tier import SharedStore, default_shared_tier_cost, remote_block_weight
 from prefixkv.sim.tier import SimTier, SimTierOptions, TierCost, load_tier_cost
 from tests.sim.test_replicas import Req
+from tests.sim.test_sim_tier import Clock
 
 PAGE = 4
 CPU = PRESETS["smollm2-cpu-2t"]
 # one simulated byte a token: a 4-token chunk writes in 1 s and reads in 0.5 s; each question asked costs 0.25 s
 SLOW_STORE = TierCost("slow-store", "test", "remote", 1, read_bytes_per_s=8.0, write_bytes_per_s=4.0, op_latency_s=0.25)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_two_replicas_share_one_store_each_on_its_own_clock_and_channels():

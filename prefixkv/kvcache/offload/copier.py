@@ -89,9 +89,8 @@ class TierCopier:
 
     def stats(self) -> dict[str, Any]:
         hits, tier = self.cache.tier_stats, self.tier.stats
-        store = shared_store(self.tier)
         return dict(
-            **(store.report() if store is not None else {}),
+            **(self.store.report() if self.store is not None else {}),
             kv_tier=self.tier.name,
             kv_pool_hit_tokens=hits.pool_hit_tokens,
             kv_tier_hit_tokens=hits.hit_tokens,

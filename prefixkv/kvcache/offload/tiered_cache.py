@@ -109,6 +109,7 @@ class _TierState:
 
     request: Request
     keys: list[bytes] = field(default_factory=list)  # chunk chain keys (token ids only grow: they stay valid)
+    page_keys: list[bytes] = field(default_factory=list)  # page chain keys, for KV events (grown as keys are)
     staged: dict[int, bytes] = field(default_factory=dict)  # chunk index -> verified payload, until admission
     # chunk index -> a background read (prefetch) of (verified payload or None, seconds); its bytes are counted
     # in the staging bound from submission
@@ -171,6 +172,7 @@ class TieredKVCache(KVCacheManager):
         # the tiers a save goes to, each with its medium in KV events (a local tier and the store: both)
         parts: list[KVTier] = [tier.local, tier.store] if isinstance(tier, ChainedTier) else [tier]
         self._media = [(tier_medium(part.name), part) for part in parts]
+        self._store = shared_store(tier)  # the shared store among them, if any (its state explains misses)
         self._tier_events: deque[KVCacheEvent] = deque()  # appended by the writer thread, drained by the engine's
         self._prefetcher: ThreadPoolExecutor | None = None  # started by the first prefetch()
         # read_ahead(): chunk key -> its background read (as in _TierState.reading), oldest first
@@ -214,6 +216,15 @@ class TieredKVCache(KVCacheManager):
         r = state.request
         return extend_block_keys(
             state.keys, r.token_ids, self.chunk_tokens, num_chunks, self._hash_fn, r.lora_id, r.cache_salt, r.mm_hashes
+        )
+
+    def _page_keys(self, state: _TierState, num_pages: int) -> list[bytes]:
+        """The request's page chain keys, extended from where the last commit left them (each page hashed once)."""
+        if len(state.page_keys) >= num_pages:
+            return state.page_keys
+        r = state.request
+        return extend_block_keys(
+            state.page_keys, r.token_ids, self.page_size, num_pages, self._hash_fn, r.lora_id, r.cache_salt, r.mm_hashes
         )
 
     def _unstage(self, state: _TierState, below: int | None = None) -> None:
@@ -496,7 +507,7 @@ class TieredKVCache(KVCacheManager):
         pages = self.inner.page_table(request)
         ps = self.page_size
         queued = {save.key for save in self._saves}
-        page_keys: list[bytes] | None = None  # the pages' chain keys, for KV events
+        page_keys: list[bytes] | None = None  # the pages' chain keys, for KV events (extended once per commit)
         saved = []
         for index in range(state.checked_chunks, full):
             key = keys[index]
@@ -506,7 +517,7 @@ class TieredKVCache(KVCacheManager):
             event = None
             if self.inner.events_enabled:
                 if page_keys is None:
-                    page_keys = self._sequence_keys(request, full * c // ps, ps)
+                    page_keys = self._page_keys(state, full * c // ps)
                 event = block_stored(request, page_keys, index * c // ps, (index + 1) * c // ps, ps)
             if self.write_policy == "write_back":
                 self._unsaved[key] = slots
@@ -578,20 +589,18 @@ class TieredKVCache(KVCacheManager):
             out.append(key)
         return out
 
-    def _sequence_keys(self, request: Request, num_chunks: int, unit: int | None = None) -> list[bytes]:
-        """Chunk keys of request.token_ids without keeping per-request state (a probe's, or a finished one's);
-        with `unit` (the page size), the keys of that many pages instead, as the pool names them."""
+    def _sequence_keys(self, request: Request, num_chunks: int) -> list[bytes]:
+        """Chunk keys of request.token_ids without keeping per-request state (a probe's, or a finished one's)."""
         r = request
         return extend_block_keys(
-            [], r.token_ids, unit or self.chunk_tokens, num_chunks, self._hash_fn, r.lora_id, r.cache_salt, r.mm_hashes
+            [], r.token_ids, self.chunk_tokens, num_chunks, self._hash_fn, r.lora_id, r.cache_salt, r.mm_hashes
         )
 
     def explain_miss(self, request: Request, num_cached_tokens: int) -> CacheMiss | None:
         """The inner cache's listener, past the whole hit (pool and tier): a page the pool evicted and the tier
         could not serve reads as evicted; with the shared store down now, such pages read as store_down."""
         miss = self.inner.explain_miss(request, num_cached_tokens)
-        store = shared_store(self.tier)
-        if miss is not None and store is not None and store.down_reason is not None:
+        if miss is not None and self._store is not None and self._store.down_reason is not None:
             return miss.with_store_down()
         return miss
 
